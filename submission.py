@@ -1,0 +1,308 @@
+#!POPCORN leaderboard amd-mixed-mla
+#!POPCORN gpu MI355X
+"""MLA decode (DeepSeek-R1 forward_absorb): 16 query heads share one latent KV head.
+
+Contract (the leaderboard's input_t, see task.py):
+  q:         (total_q, 16, 576) bfloat16, total_q = batch * q_seq_len, q_seq_len = 1 (single-token decode)
+  kv_data:   "fp8":   (kv (total_kv, 1, 576) float8_e4m3fn (e4m3fnuz on gfx942), scale (1,) float32)
+             "mxfp4": (kv (total_kv, 1, 288) float4_e2m1fn_x2 or uint8, two E2M1 codes a byte, low nibble =
+                       even element; scales E8M0 (rows >= total_kv, cols >= 18), padded (M_pad, 24) or (M, 18))
+             "bf16":  (total_kv, 1, 576) bfloat16 (not read by any backend)
+             keys use all 576 dims, values the first 512
+  qo_indptr: (batch + 1,) int32; kv_indptr: (batch + 1,) int32, sequence b owns KV rows
+             kv_indptr[b]:kv_indptr[b+1] (0 = first, non-decreasing, last <= total_kv)
+  config:    batch_size, num_heads (16), num_kv_heads (1), qk_head_dim (576), v_head_dim (512), q_seq_len (1),
+             kv_seq_len (every sequence's length in a uniform batch; None or the maximum otherwise), sm_scale
+Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros.
+
+Backends (MLA_BACKEND=auto|aiter|triton|torch, default auto; a forced one that is unavailable fails):
+  aiter   AMD GPU with aiter importable (auto picks it on ROCm): FP8 Q + FP8 KV, persistent mla_decode_fwd
+  triton  NVIDIA GPU, or AMD without aiter: our split-KV flash-decoding kernel reading the FP8 or MXFP4 cache
+  torch   anywhere: fp32 math over the dequantized cache in bounded chunks
+KV format (MLA_KV_FORMAT=fp8|mxfp4, default fp8) selects which cache the triton and torch backends read.
+MLA_VALIDATE=1 adds the host-side check of the indptr contents (a device sync) on every backend; the torch
+backend always does it. GPU kernels never read outside the cache whatever the indptr holds: a sequence whose
+range is invalid gets NaN rows.
+"""
+
+import logging
+import math
+import os
+
+import torch
+
+NUM_HEADS = 16
+NUM_KV_HEADS = 1
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM  # 576
+V_HEAD_DIM = KV_LORA_RANK  # 512
+MXFP4_BLOCK = 32
+MXFP4_BLOCKS_PER_ROW = QK_HEAD_DIM // MXFP4_BLOCK  # 18
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+FP4X2_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch.uint8) if d is not None)
+E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
+BACKENDS = ("aiter", "triton", "torch")
+KV_FORMATS = ("fp8", "mxfp4")
+CONFIG_KEYS = ("batch_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "q_seq_len", "kv_seq_len",
+               "sm_scale")
+
+log = logging.getLogger("mla_decode")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation: shapes, dtypes and config, without reading device memory (no host sync)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _expect(cond: bool, field: str, expected: str, got) -> None:
+    if not cond:
+        raise ValueError(f"{field}: expected {expected}, got {got}")
+
+
+def _expect_tensor(x, field: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{field}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _expect_pair(x, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+        raise TypeError(f"{field}: expected a (tensor, scale) pair, got {type(x).__name__}")
+    return _expect_tensor(x[0], f"{field}[0]"), _expect_tensor(x[1], f"{field}[1]")
+
+
+def _expect_int(x, field: str, allow_none: bool = False) -> None:
+    if x is None and allow_none:
+        return
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{field}: expected an int{' or None' if allow_none else ''}, got {type(x).__name__}")
+
+
+def _validate_config(config, batch: int) -> None:
+    if not isinstance(config, dict):
+        raise TypeError(f"config: expected a dict, got {type(config).__name__}")
+    missing = [k for k in CONFIG_KEYS if k not in config]
+    _expect(not missing, "config", f"keys {list(CONFIG_KEYS)}", f"a dict missing {missing}")
+    for key, want in (("num_heads", NUM_HEADS), ("num_kv_heads", NUM_KV_HEADS), ("qk_head_dim", QK_HEAD_DIM),
+                      ("v_head_dim", V_HEAD_DIM), ("q_seq_len", 1)):
+        _expect_int(config[key], f"config[{key!r}]")
+        _expect(config[key] == want, f"config[{key!r}]", str(want), config[key])
+    _expect_int(config["batch_size"], "config['batch_size']")
+    _expect(config["batch_size"] == batch, "config['batch_size']", f"{batch} (len(qo_indptr) - 1)",
+            config["batch_size"])
+    _expect_int(config["kv_seq_len"], "config['kv_seq_len']", allow_none=True)
+    _expect(config["kv_seq_len"] is None or config["kv_seq_len"] >= 0, "config['kv_seq_len']", "None or >= 0",
+            config["kv_seq_len"])
+    sm = config["sm_scale"]
+    _expect(isinstance(sm, (int, float)) and not isinstance(sm, bool) and math.isfinite(sm) and sm > 0,
+            "config['sm_scale']", "a positive finite float", repr(sm))
+
+
+def _validate_indptr(x, field: str, length: int | None, device: torch.device) -> torch.Tensor:
+    x = _expect_tensor(x, field)
+    _expect(x.dtype == torch.int32, f"{field}.dtype", "torch.int32", x.dtype)
+    _expect(x.dim() == 1 and x.shape[0] >= 2, f"{field}.shape", "(batch + 1,) with batch >= 1", tuple(x.shape))
+    if length is not None:
+        _expect(x.shape[0] == length, f"{field}.shape", f"({length},) like qo_indptr", tuple(x.shape))
+    _expect(x.device == device, f"{field}.device", f"{device} (q's device)", x.device)
+    _expect(x.is_contiguous(), field, "a contiguous tensor", "a strided view")
+    return x
+
+
+def _validate_kv(kv_data, kv_format: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (kv, scale) of the format that will be read."""
+    if not isinstance(kv_data, dict):
+        raise TypeError(f"kv_data: expected a dict of KV formats, got {type(kv_data).__name__}")
+    _expect(kv_format in kv_data, "kv_data", f"a {kv_format!r} entry", f"keys {sorted(kv_data)}")
+    field = f"kv_data[{kv_format!r}]"
+    kv, scale = _expect_pair(kv_data[kv_format], field)
+    width = QK_HEAD_DIM if kv_format == "fp8" else QK_HEAD_DIM // 2
+    dtypes = FP8_DTYPES if kv_format == "fp8" else FP4X2_DTYPES
+    _expect(kv.dim() == 3 and kv.shape[1] == NUM_KV_HEADS and kv.shape[2] == width, f"{field}[0].shape",
+            f"(total_kv, {NUM_KV_HEADS}, {width})", tuple(kv.shape))
+    _expect(kv.dtype in dtypes, f"{field}[0].dtype", f"one of {dtypes}", kv.dtype)
+    _expect(kv.is_contiguous(), f"{field}[0]", "a contiguous tensor", "a strided view")
+    _expect(kv.device == device and scale.device == device, f"{field} device", f"{device} (q's device)",
+            (kv.device, scale.device))
+    if kv_format == "fp8":
+        _expect(scale.dtype == torch.float32, f"{field}[1].dtype", "torch.float32", scale.dtype)
+        _expect(scale.numel() == 1, f"{field}[1].shape", "(1,)", tuple(scale.shape))
+    else:
+        _expect(scale.dtype in E8M0_DTYPES, f"{field}[1].dtype", f"one of {E8M0_DTYPES}", scale.dtype)
+        _expect(scale.dim() == 2 and scale.shape[0] >= kv.shape[0] and scale.shape[1] >= MXFP4_BLOCKS_PER_ROW,
+                f"{field}[1].shape", f"(>= {kv.shape[0]}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales",
+                tuple(scale.shape))
+        _expect(scale.stride(1) == 1, f"{field}[1]", "unit stride along blocks", scale.stride())
+    return kv, scale
+
+
+def validate(data, kv_format: str) -> tuple:
+    """Checks everything that can be checked without a device sync; returns
+    (q, kv, kv_scale, qo_indptr, kv_indptr, config) for the chosen KV format."""
+    if not (isinstance(data, (tuple, list)) and len(data) == 5):
+        raise TypeError("data: expected (q, kv_data, qo_indptr, kv_indptr, config)")
+    q, kv_data, qo_indptr, kv_indptr, config = data
+    q = _expect_tensor(q, "q")
+    _expect(q.dtype == torch.bfloat16, "q.dtype", "torch.bfloat16", q.dtype)
+    _expect(q.dim() == 3 and q.shape[1] == NUM_HEADS and q.shape[2] == QK_HEAD_DIM, "q.shape",
+            f"(total_q, {NUM_HEADS}, {QK_HEAD_DIM})", tuple(q.shape))
+    _expect(q.is_contiguous(), "q", "a contiguous tensor", "a strided view")
+    qo_indptr = _validate_indptr(qo_indptr, "qo_indptr", None, q.device)
+    kv_indptr = _validate_indptr(kv_indptr, "kv_indptr", qo_indptr.shape[0], q.device)
+    batch = qo_indptr.shape[0] - 1
+    _validate_config(config, batch)
+    _expect(q.shape[0] == batch, "q.shape[0]", f"{batch} (batch x q_seq_len)", q.shape[0])
+    kv, scale = _validate_kv(kv_data, kv_format, q.device)
+    return q, kv, scale, qo_indptr, kv_indptr, config
+
+
+def validate_indptr_contents(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, total_kv: int,
+                             kv_seq_len: int | None) -> list[int]:
+    """Host-side check of the indptr contents (a device sync). Returns the KV lengths."""
+    qo = qo_indptr.tolist()
+    kvp = kv_indptr.tolist()
+    _expect(qo == list(range(len(qo))), "qo_indptr", "[0, 1, ..., batch] (one query per sequence)", qo[:8])
+    _expect(kvp[0] == 0, "kv_indptr[0]", "0", kvp[0])
+    lens = [b - a for a, b in zip(kvp[:-1], kvp[1:])]
+    _expect(min(lens) >= 0, "kv_indptr", "non-decreasing values", kvp[:8])
+    _expect(kvp[-1] <= total_kv, "kv_indptr[-1]", f"<= total_kv = {total_kv}", kvp[-1])
+    if kv_seq_len is not None:
+        _expect(max(lens) <= kv_seq_len, "config['kv_seq_len']", f">= the longest sequence ({max(lens)})",
+                kv_seq_len)
+    return lens
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backend selection: one place, env override, fails loudly when a forced backend is unavailable
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _aiter_importable() -> bool:
+    try:
+        import aiter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_usable(device: torch.device) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_backend(device: torch.device) -> str:
+    """MLA_BACKEND if set (and usable here), else the best backend available on `device`."""
+    forced = os.environ.get("MLA_BACKEND", "auto")
+    if forced not in BACKENDS + ("auto",):
+        raise ValueError(f"MLA_BACKEND: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
+    if forced == "aiter" and not _aiter_importable():
+        raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
+    if forced == "triton" and not _triton_usable(device):
+        raise RuntimeError(f"MLA_BACKEND=triton: needs triton and a GPU (or TRITON_INTERPRET=1); device is {device}")
+    if forced != "auto":
+        return forced
+    if device.type == "cuda" and torch.version.hip is not None and _aiter_importable():
+        return "aiter"
+    if device.type == "cuda" and _triton_usable(device):
+        return "triton"
+    return "torch"
+
+
+def select_kv_format() -> str:
+    fmt = os.environ.get("MLA_KV_FORMAT", "fp8")
+    _expect(fmt in KV_FORMATS, "MLA_KV_FORMAT", f"one of {KV_FORMATS}", repr(fmt))
+    return fmt
+
+
+# ---------------------------------------------------------------------------------------------------------
+# aiter backend
+# ---------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------
+# triton backend
+# ---------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch backend: portable, fp32 math, memory-bounded
+# Q stays bf16 (widened to fp32, exact): quantizing it to FP8 as the aiter path must would add error
+# (rel-L2 vs the BF16 truth 0.027-0.044 instead of 0.016-0.036, reference.py) and saves nothing here.
+# ---------------------------------------------------------------------------------------------------------
+
+# KV rows dequantized to fp32 at a time (65536 x 576 x 4 B = 151 MB): bounds memory whatever the batch.
+TORCH_CHUNK_ROWS = 1 << 16
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _dequant_fp8_rows(kv: torch.Tensor, scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return kv[lo:hi, 0].float() * scale.reshape(()).float()
+
+
+def _dequant_mxfp4_rows(kv: torch.Tensor, scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    codes = kv[lo:hi, 0].view(torch.uint8)  # (rows, 288)
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=kv.device)
+    vals = torch.stack((table[(codes & 0xF).long()], table[(codes >> 4).long()]), dim=-1)  # low nibble first
+    block_scale = torch.exp2(scale[lo:hi, :MXFP4_BLOCKS_PER_ROW].view(torch.uint8).float() - 127.0)
+    return (vals.reshape(hi - lo, MXFP4_BLOCKS_PER_ROW, MXFP4_BLOCK) * block_scale.unsqueeze(-1)).reshape(hi - lo, -1)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, sm_scale: float):
+    """q (g, 16, 576) fp32, keys (g, n, 576) fp32 -> unnormalised output (g, 16, 512), row max, row sum."""
+    scores = torch.bmm(q, keys.transpose(1, 2)) * sm_scale  # (g, 16, n)
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - m)
+    return torch.bmm(p, keys[:, :, :V_HEAD_DIM]), m, p.sum(dim=-1, keepdim=True)
+
+
+def _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -> torch.Tensor:
+    lens = validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
+    starts = kv_indptr.tolist()
+    rows_fp32 = _dequant_fp8_rows if kv_format == "fp8" else _dequant_mxfp4_rows
+    sm_scale = float(config["sm_scale"])
+    out = torch.zeros((q.shape[0], NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    b, batch = 0, len(lens)
+    while b < batch:
+        n = lens[b]
+        # Consecutive sequences of equal length are contiguous rows: attend to a group of them at once.
+        g = 1
+        while b + g < batch and lens[b + g] == n and (g + 1) * n <= TORCH_CHUNK_ROWS:
+            g += 1
+        if n > 0:
+            qg = q[b:b + g].float()
+            acc = m = l = None
+            # One pass for a group (g * n <= a chunk); a longer single sequence (g == 1) goes chunk by chunk.
+            for lo in range(0, n, TORCH_CHUNK_ROWS):
+                hi = min(lo + TORCH_CHUNK_ROWS, n)
+                keys = rows_fp32(kv, scale, starts[b] + lo * g, starts[b] + hi * g).view(g, hi - lo, QK_HEAD_DIM)
+                o, mc, lc = _attend(qg, keys, sm_scale)
+                if acc is None:
+                    acc, m, l = o, mc, lc
+                else:  # merge chunks by log-sum-exp
+                    m_new = torch.maximum(m, mc)
+                    a, c = torch.exp(m - m_new), torch.exp(mc - m_new)
+                    acc, l, m = acc * a + o * c, l * a + lc * c, m_new
+            out[b:b + g] = (acc / l).to(torch.bfloat16)
+        b += g
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------------
+
+
+def custom_kernel(data):
+    """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
+    kv_format = select_kv_format()
+    q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
+    backend = select_backend(q.device)
+    if backend != "torch" and os.environ.get("MLA_VALIDATE") == "1":
+        validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
+    if backend == "torch":
+        return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
+    raise NotImplementedError(f"backend {backend!r} is not built yet")
