@@ -223,9 +223,17 @@ def select_kv_format() -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
+    raise NotImplementedError("aiter backend: not built yet")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # triton backend
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -> torch.Tensor:
+    raise NotImplementedError("triton backend: not built yet")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -303,6 +311,9 @@ def custom_kernel(data):
     backend = select_backend(q.device)
     if backend != "torch" and os.environ.get("MLA_VALIDATE") == "1":
         validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
-    if backend == "torch":
-        return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
-    raise NotImplementedError(f"backend {backend!r} is not built yet")
+    if backend == "aiter":
+        _expect(kv_format == "fp8", "MLA_KV_FORMAT", "fp8 with the aiter backend", repr(kv_format))
+        return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config)
+    if backend == "triton":
+        return _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
+    return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
