@@ -164,7 +164,7 @@ def validate_indptr_contents(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, t
     kvp = kv_indptr.tolist()
     _expect(qo == list(range(len(qo))), "qo_indptr", "[0, 1, ..., batch] (one query per sequence)", qo[:8])
     _expect(kvp[0] == 0, "kv_indptr[0]", "0", kvp[0])
-    lens = [b - a for a, b in zip(kvp[:-1], kvp[1:])]
+    lens = [b - a for a, b in zip(kvp[:-1], kvp[1:], strict=True)]
     _expect(min(lens) >= 0, "kv_indptr", "non-decreasing values", kvp[:8])
     _expect(kvp[-1] <= total_kv, "kv_indptr[-1]", f"<= total_kv = {total_kv}", kvp[-1])
     if kv_seq_len is not None:
