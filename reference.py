@@ -14,7 +14,7 @@ Layout (input_t in task.py):
 Output: (total_q, 16, 512) bfloat16.
 
 ref_kernel is the BF16 ground truth (bf16 q against bf16 KV, fp32 math); check_implementation applies the
-leaderboard's loose rule and a strict relative-L2 gate that rejects e.g. an all-zero output.
+leaderboard's loose rule and a strict per-sequence relative-L2 gate that rejects e.g. an all-zero output.
 """
 
 import math
@@ -43,12 +43,14 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # (65536 rows x 576 x 4 B = 151 MB per temporary) so batch 256 x kv 8192 fits a 24 GiB CPU machine.
 CHUNK_ROWS = 1 << 16
 
-# Strict gate: relative L2 error ||out - ref|| / ||ref|| against the BF16 ground truth, by the KV format the
-# submission reads (MLA_KV_FORMAT, default fp8). Measured on randn data, fp32 attention over the dequantized
-# cache (tests/test_reference.py re-measures it): bf16 output rounding 0.0017; FP8 KV 0.016-0.036 with bf16 Q
-# and 0.027-0.044 with FP8 Q; MXFP4 KV 0.064-0.149, the worst at short sequences (kv 1..37). Each bound is
-# about 1.7-2x the worst measured error and far below the 1.0 of an all-zero output or the ~0.7+ of
-# attending to half the cache.
+# Strict gate: relative L2 error ||out - ref|| / ||ref|| against the BF16 ground truth, per sequence (one query
+# row, 16 x 512 values), the worst sequence compared with a bound chosen by the KV format the submission reads
+# (MLA_KV_FORMAT, default fp8). Per sequence, because a global norm is dominated by the short sequences (whose
+# outputs are ~0.8 in size against ~0.05 at kv 1024) and would hide a sequence left unwritten. Measured worst
+# sequence on randn data, fp32 attention over each dequantized cache (tests/test_reference.py re-measures it),
+# lengths 1..8192: FP8 KV 0.040 with bf16 Q and 0.047 with FP8 Q; MXFP4 KV 0.160; bf16 output rounding 0.002.
+# Each bound is 1.6-1.7x the worst measured error and far below the 1.0 of a zero or unwritten sequence or the
+# ~0.7+ of attending to half the cache.
 REL_L2_BOUND = {"bf16": 0.01, "fp8": 0.08, "mxfp4": 0.25}
 LEADERBOARD_RTOL = 1e-1
 LEADERBOARD_ATOL = 1e-1
@@ -259,14 +261,23 @@ def kv_format_under_test() -> str:
 
 @torch.no_grad()
 def relative_l2(output: torch.Tensor, expected: torch.Tensor) -> float:
+    """||output - expected|| / ||expected|| over the whole tensor."""
     diff = (output.double() - expected.double()).norm()
     return (diff / expected.double().norm().clamp(min=1e-30)).item()
 
 
 @torch.no_grad()
+def worst_row_relative_l2(output: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest relative L2 error of one query row (all heads); a row whose reference is zero (a sequence
+    with no KV) must itself be zero."""
+    diff = (output.double() - expected.double()).flatten(1).norm(dim=1)
+    return (diff / expected.double().flatten(1).norm(dim=1).clamp(min=1e-30)).max().item()
+
+
+@torch.no_grad()
 def check_implementation(data: input_t, output: output_t) -> tuple[bool, str]:
     """The leaderboard's rule (rtol = atol = 0.1, at most 5% of elements may miss) and a strict gate it lacks:
-    exact shape and dtype, no NaN/Inf, relative L2 error under the bound of the KV format in use."""
+    exact shape and dtype, no NaN/Inf, every sequence's relative L2 error under the bound of the KV format in use."""
     q = data[0]
     expected_shape = (q.shape[0], NUM_HEADS, V_HEAD_DIM)
     if not isinstance(output, torch.Tensor):
@@ -283,11 +294,13 @@ def check_implementation(data: input_t, output: output_t) -> tuple[bool, str]:
     ok_lb, ratio, max_abs = leaderboard_match(output, expected, LEADERBOARD_RTOL, LEADERBOARD_ATOL,
                                               LEADERBOARD_MAX_MISMATCH)
     rel = relative_l2(output, expected)
+    worst = worst_row_relative_l2(output, expected) if output.numel() else 0.0
     bound = REL_L2_BOUND[fmt]
-    msg = (f"rel_l2={rel:.3e} (bound {bound:g} for {fmt} KV); leaderboard rule: {100 * ratio:.2f}% mismatched "
-           f"(limit {100 * LEADERBOARD_MAX_MISMATCH:g}%), max_abs_err={max_abs:.3e}")
+    msg = (f"rel_l2={rel:.3e}, worst sequence rel_l2={worst:.3e} (bound {bound:g} for {fmt} KV); leaderboard "
+           f"rule: {100 * ratio:.2f}% mismatched (limit {100 * LEADERBOARD_MAX_MISMATCH:g}%), "
+           f"max_abs_err={max_abs:.3e}")
     if not ok_lb:
         return False, "leaderboard rule failed: " + msg
-    if not rel <= bound:
+    if not worst <= bound:
         return False, "strict gate failed: " + msg
     return True, msg

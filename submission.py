@@ -272,7 +272,8 @@ def _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -
     starts = kv_indptr.tolist()
     rows_fp32 = _dequant_fp8_rows if kv_format == "fp8" else _dequant_mxfp4_rows
     sm_scale = float(config["sm_scale"])
-    out = torch.zeros((q.shape[0], NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    # NaN until written, so a row the loop below misses fails every check instead of passing as zeros.
+    out = torch.full((q.shape[0], NUM_HEADS, V_HEAD_DIM), torch.nan, dtype=torch.bfloat16, device=q.device)
     b, batch = 0, len(lens)
     while b < batch:
         n = lens[b]
@@ -280,7 +281,9 @@ def _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -
         g = 1
         while b + g < batch and lens[b + g] == n and (g + 1) * n <= TORCH_CHUNK_ROWS:
             g += 1
-        if n > 0:
+        if n == 0:
+            out[b:b + g] = 0.0
+        else:
             qg = q[b:b + g].float()
             acc = m = l = None
             # One pass for a group (g * n <= a chunk); a longer single sequence (g == 1) goes chunk by chunk.

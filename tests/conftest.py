@@ -1,0 +1,8 @@
+"""Tests import the top-level modules (task, reference, utils, submission, eval) by name, as the harness does."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
