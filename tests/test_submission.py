@@ -1,0 +1,225 @@
+"""submission.py: input validation, backend selection, and the torch backend against the BF16 reference."""
+
+import pytest
+import torch
+
+import reference as R
+import submission as S
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    monkeypatch.setenv("MLA_BACKEND", "torch")
+    monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
+    monkeypatch.delenv("MLA_VALIDATE", raising=False)
+
+
+def clone(data):
+    q, kv_data, qo, kv, config = data
+    return (q.clone(), {k: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone()
+                        for k, v in kv_data.items()}, qo.clone(), kv.clone(), dict(config))
+
+
+def fp32_over_dequantized(data, kv_format):
+    """Kernel-error reference: exact fp32 attention over the cache the backend reads."""
+    q, kv_data, qo, kvp, config = data
+    kv, scale = kv_data[kv_format]
+    deq = kv.float() * scale if kv_format == "fp8" else R.dequantize_mxfp4(kv, scale)
+    return R.attention_reference(q, deq, qo, kvp, config["sm_scale"])
+
+
+LENGTHS = {
+    "uniform": [256] * 4,
+    "varlen_odd_and_one": [1, 7, 0, 33, 129, 1, 2],
+    "single_long": [3001],
+}
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("lengths", sorted(LENGTHS))
+@pytest.mark.parametrize("chunk_rows", [S.TORCH_CHUNK_ROWS, 500])
+def test_torch_backend_matches_reference(monkeypatch, kv_format, lengths, chunk_rows):
+    monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    monkeypatch.setattr(S, "TORCH_CHUNK_ROWS", chunk_rows)  # 500 forces grouping limits and multi-chunk merges
+    data = R.generate_varlen_input(LENGTHS[lengths], seed=len(lengths) + chunk_rows, device=CPU)
+    out = S.custom_kernel(clone(data))
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (len(LENGTHS[lengths]), 16, 512)
+    assert R.worst_row_relative_l2(out, fp32_over_dequantized(data, kv_format)) < 4e-3  # bf16 rounding only
+    ok, msg = R.check_implementation(data, out)
+    assert ok, msg
+
+
+def test_torch_backend_leaderboard_case_uniform_1024():
+    data = R.generate_input(4, 1, 1024, seed=4220)
+    ok, msg = R.check_implementation(data, S.custom_kernel(clone(data)))
+    assert ok, msg
+
+
+def test_inputs_are_not_modified():
+    data = R.generate_varlen_input([5, 9], seed=2, device=CPU)
+    before = clone(data)
+    S.custom_kernel(data)
+    assert torch.equal(data[0], before[0]) and torch.equal(data[1]["fp8"][0].view(torch.uint8),
+                                                           before[1]["fp8"][0].view(torch.uint8))
+
+
+# --- validation: each bad input raises a clear error naming the field -------------------------------------
+
+
+def base():
+    return clone(R.generate_varlen_input([4, 6, 5], seed=1, device=CPU))
+
+
+def with_q(fn):
+    def make():
+        q, kv, qo, kvp, c = base()
+        return fn(q), kv, qo, kvp, c
+    return make
+
+
+def with_kv(fmt, fn):
+    def make():
+        q, kv, qo, kvp, c = base()
+        kv[fmt] = fn(kv[fmt])
+        return q, kv, qo, kvp, c
+    return make
+
+
+def with_config(**changes):
+    def make():
+        q, kv, qo, kvp, c = base()
+        c.update(changes)
+        for key, value in changes.items():
+            if value is KeyError:
+                del c[key]
+        return q, kv, qo, kvp, c
+    return make
+
+
+def with_indptr(qo_fn=None, kv_fn=None):
+    def make():
+        q, kv, qo, kvp, c = base()
+        return q, kv, qo_fn(qo) if qo_fn else qo, kv_fn(kvp) if kv_fn else kvp, c
+    return make
+
+
+BAD_INPUTS = {
+    "data not a 5-tuple": (lambda: base()[:4], TypeError, "data"),
+    "q float32": (with_q(lambda q: q.float()), ValueError, "q.dtype"),
+    "q 8 heads": (with_q(lambda q: q[:, :8].contiguous()), ValueError, "q.shape"),
+    "q 512 dims": (with_q(lambda q: q[:, :, :512].contiguous()), ValueError, "q.shape"),
+    "q strided": (with_q(lambda q: q.transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "q"),
+    "q rows != batch": (with_q(lambda q: q[:2].contiguous()), ValueError, "q.shape[0]"),
+    "q not a tensor": (with_q(lambda q: q.tolist()), TypeError, "q"),
+    "kv_data not a dict": (lambda: (base()[0], [1], *base()[2:]), TypeError, "kv_data"),
+    "fp8 missing": (lambda: (base()[0], {"bf16": base()[1]["bf16"]}, *base()[2:]), ValueError, "kv_data"),
+    "fp8 kv bf16": (with_kv("fp8", lambda v: (v[0].to(torch.bfloat16), v[1])), ValueError, "kv_data['fp8'][0].dtype"),
+    "fp8 kv 2 heads": (with_kv("fp8", lambda v: (v[0].expand(-1, 2, -1).contiguous(), v[1])), ValueError,
+                       "kv_data['fp8'][0].shape"),
+    "fp8 scale float64": (with_kv("fp8", lambda v: (v[0], v[1].double())), ValueError, "kv_data['fp8'][1].dtype"),
+    "fp8 scale 2 values": (with_kv("fp8", lambda v: (v[0], v[1].repeat(2))), ValueError, "kv_data['fp8'][1].shape"),
+    "fp8 scale not a tensor": (with_kv("fp8", lambda v: (v[0], 0.01)), TypeError, "kv_data['fp8'][1]"),
+    "fp8 not a pair": (with_kv("fp8", lambda v: v[0]), TypeError, "kv_data['fp8']"),
+    "qo_indptr int64": (with_indptr(qo_fn=lambda x: x.long()), ValueError, "qo_indptr.dtype"),
+    "kv_indptr int64": (with_indptr(kv_fn=lambda x: x.long()), ValueError, "kv_indptr.dtype"),
+    "kv_indptr short": (with_indptr(kv_fn=lambda x: x[:-1].contiguous()), ValueError, "kv_indptr.shape"),
+    "kv_indptr 2-D": (with_indptr(kv_fn=lambda x: x.reshape(1, -1)), ValueError, "kv_indptr.shape"),
+    "config missing key": (with_config(sm_scale=KeyError), ValueError, "config"),
+    "config batch_size": (with_config(batch_size=7), ValueError, "config['batch_size']"),
+    "config num_heads": (with_config(num_heads=32), ValueError, "config['num_heads']"),
+    "config q_seq_len 4": (with_config(q_seq_len=4), ValueError, "config['q_seq_len']"),
+    "config kv_seq_len str": (with_config(kv_seq_len="8"), TypeError, "config['kv_seq_len']"),
+    "config sm_scale nan": (with_config(sm_scale=float("nan")), ValueError, "config['sm_scale']"),
+    "config sm_scale tensor": (with_config(sm_scale=torch.tensor(0.04)), ValueError, "config['sm_scale']"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_names_the_field(name):
+    make, exc, field = BAD_INPUTS[name]
+    with pytest.raises(exc) as info:
+        S.custom_kernel(make())
+    assert str(info.value).startswith(field), str(info.value)
+
+
+MXFP4_BAD = {
+    "mxfp4 kv 576 wide": (lambda v: (v[0].view(torch.uint8).repeat(1, 1, 2), v[1]), "kv_data['mxfp4'][0].shape"),
+    "mxfp4 kv fp8": (lambda v: (v[0].view(torch.float8_e4m3fn), v[1]), "kv_data['mxfp4'][0].dtype"),
+    "mxfp4 scales too few rows": (lambda v: (v[0], v[1][:3].contiguous()), "kv_data['mxfp4'][1].shape"),
+    "mxfp4 scales too few blocks": (lambda v: (v[0], v[1][:, :17].contiguous()), "kv_data['mxfp4'][1].shape"),
+    "mxfp4 scales float32": (lambda v: (v[0], v[1].view(torch.uint8).float()), "kv_data['mxfp4'][1].dtype"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MXFP4_BAD))
+def test_bad_mxfp4_input_names_the_field(monkeypatch, name):
+    monkeypatch.setenv("MLA_KV_FORMAT", "mxfp4")
+    fn, field = MXFP4_BAD[name]
+    with pytest.raises(ValueError) as info:
+        S.custom_kernel(with_kv("mxfp4", fn)())
+    assert str(info.value).startswith(field), str(info.value)
+
+
+INDPTR_CONTENTS = {
+    "kv first not 0": (lambda qo: qo, lambda kv: kv + 1, "kv_indptr[0]"),
+    "kv decreasing": (lambda qo: qo, lambda kv: kv.flip(0).contiguous(), "kv_indptr"),
+    "kv past the cache": (lambda qo: qo, lambda kv: kv * 2, "kv_indptr[-1]"),
+    "qo not one query each": (lambda qo: qo * 2, lambda kv: kv, "qo_indptr"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDPTR_CONTENTS))
+def test_torch_backend_checks_indptr_contents(name):
+    qo_fn, kv_fn, field = INDPTR_CONTENTS[name]
+    with pytest.raises(ValueError) as info:
+        S.custom_kernel(with_indptr(qo_fn, kv_fn)())
+    assert str(info.value).startswith(field), str(info.value)
+
+
+def test_kv_seq_len_below_the_longest_sequence_is_rejected():
+    with pytest.raises(ValueError, match=r"config\['kv_seq_len'\]"):
+        S.custom_kernel(with_config(kv_seq_len=5)())  # the longest sequence has 6 rows
+
+
+def test_a_shorter_kv_indptr_than_the_cache_is_allowed():
+    q, kv, qo, kvp, c = base()
+    kvp = torch.tensor([0, 2, 3, 3], dtype=torch.int32)  # uses rows 0..2 of 15
+    c["kv_seq_len"] = None
+    data = (q, kv, qo, kvp, c)
+    assert R.check_implementation(data, S.custom_kernel(clone(data)))[0]
+
+
+# --- backend and format selection -------------------------------------------------------------------------
+
+
+def test_auto_picks_torch_on_cpu(monkeypatch):
+    monkeypatch.setenv("MLA_BACKEND", "auto")
+    assert S.select_backend(CPU) == "torch"
+    monkeypatch.delenv("MLA_BACKEND")
+    assert S.select_backend(CPU) == "torch"
+
+
+@pytest.mark.parametrize("value,exc,match", [
+    ("cuda", ValueError, "MLA_BACKEND"),
+    ("aiter", RuntimeError, "aiter"),
+])
+def test_forced_backend_fails_clearly(monkeypatch, value, exc, match):
+    monkeypatch.setenv("MLA_BACKEND", value)
+    monkeypatch.setitem(__import__("sys").modules, "aiter", None)  # make sure no aiter imports
+    with pytest.raises(exc, match=match):
+        S.select_backend(CPU)
+
+
+def test_forced_triton_without_gpu_or_interpreter_fails(monkeypatch):
+    monkeypatch.setenv("MLA_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="MLA_BACKEND=triton"):
+        S.select_backend(CPU)
+
+
+def test_bad_kv_format_fails_clearly(monkeypatch):
+    monkeypatch.setenv("MLA_KV_FORMAT", "int4")
+    with pytest.raises(ValueError, match="MLA_KV_FORMAT"):
+        S.custom_kernel(base())
