@@ -211,3 +211,16 @@ def test_measured_quantization_error_is_within_the_bounds(kv_lens):
                                              config["sm_scale"]).bfloat16(), ref)
     assert 0.005 < fp8 < R.REL_L2_BOUND["fp8"] / 1.5
     assert 0.03 < mx < R.REL_L2_BOUND["mxfp4"] / 1.5
+
+
+def test_mxfp4_agrees_with_aiter_where_aiter_imports():
+    """On a ROCm machine with aiter, generate_input uses aiter's quantizer: ours must give the same bytes."""
+    fp4_utils = pytest.importorskip("aiter.utility.fp4_utils", reason="aiter is only on AMD machines")
+    torch.manual_seed(3)
+    x = torch.randn(512, 576, dtype=torch.bfloat16, device="cuda")
+    packed, scales = fp4_utils.dynamic_mxfp4_quant(x)
+    padded = scales.shape[0] > 512 or scales.shape[1] > 18 or scales.shape[0] % 256 == 0 and scales.shape[1] == 24
+    ties = "away" if padded else "even"  # the runner's aiter pads and ties away; aiter from 2026-03-18 does neither
+    ours_packed, ours_scales = R.quantize_mxfp4(x, ties=ties, padded=padded)
+    assert torch.equal(packed.view(torch.uint8), ours_packed.view(torch.uint8))
+    assert torch.equal(scales.view(torch.uint8)[:512, :18], ours_scales.view(torch.uint8)[:512, :18])
