@@ -1,0 +1,156 @@
+"""bench/bench.py on the CPU: the dry run's table and JSON, rows never dropped, the memory-only walks and the
+read-ceiling kernel checked in the Triton interpreter, and negative controls (a wrong output is FAIL, a raising
+method is ERROR, a backend not built yet is skipped) with the exit status they set."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import reference as R
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "bench.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_script", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_bench(tmp_path: Path, *args: str, interpret: bool = False) -> tuple[subprocess.CompletedProcess, dict, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_") and k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    proc = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--json", str(out_json), "--markdown", str(out_md),
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out_json.read_text()), out_md.read_text()
+
+
+def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
+    proc, result, markdown = run_bench(tmp_path)
+    bench = load_bench()
+    shapes = [s["name"] for s in result["shapes"]]
+    assert shapes == ["2x64", "3x37"]
+    rows = {(r["shape"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(s, m.name) for s in shapes for m in bench.METHODS}  # never silently dropped
+    for r in rows.values():
+        assert r["status"] in ("ok", "skipped"), r
+        assert r["status"] == "ok" or r["reason"], r  # every skip says why
+    for s in shapes:
+        ours = rows[(s, "torch-fp8")]
+        assert ours["median_us"] > 0 and ours["back_to_back_us"] > 0 and len(ours["times_us"]) == 3
+        assert 0 < ours["rel_l2"] < R.REL_L2_BOUND["fp8"]
+        assert ours["vs_best_peer"] == pytest.approx(ours["median_us"] / rows[(s, "torch-ref")]["median_us"])
+        assert ours["kv_bytes"] == ours["kv_rows"] * 576 and ours["kv_rows"] == ours["batch"] * ours["kv"]
+        assert rows[(s, "torch-ref")]["rel_l2"] == 0.0
+        assert rows[(s, "triton-mxfp4")]["kv_bytes"] == ours["kv_rows"] * (288 + 18)
+        for name in ("triton-fp8", "flashinfer-bf16", "flashinfer-fp8", "memwalk-fp8"):
+            assert rows[(s, name)]["status"] == "skipped"
+    ceiling = result["anchors"]["read_ceiling"]
+    assert ceiling["gbps"] > 0 and ceiling["kernel"] == "torch int32 sum"
+    assert result["methods"]["torch-fp8"]["geomean_us"] > 0 and result["methods"]["torch-fp8"]["shapes_timed"] == 2
+    assert result["meta"]["dry_run"] and result["meta"]["versions"]["torch"] == torch.__version__
+
+    tail = proc.stdout.strip().splitlines()[-6:]  # header, rule, one line per shape, geomean, ratio
+    assert tail[0].split()[:3] == ["shape", "triton-fp8", "triton-mxfp4"] and tail[0].split()[-2:] == ["FP8", "floor"]
+    assert [line.split()[0] for line in tail[2:4]] == shapes
+    assert tail[4].startswith("geomean") and tail[5].startswith("vs best peer")
+    assert markdown.startswith("### ") and "| shape | triton-fp8 |" in markdown and "| geomean |" in markdown
+    assert "- `flashinfer-fp8` skipped or failed: FlashInfer needs an NVIDIA GPU" in markdown
+
+
+def test_memory_walks_and_read_ceiling_in_the_interpreter(tmp_path):
+    _, result, _ = run_bench(tmp_path, "--shapes", "3x37", "--methods", "memwalk-fp8,memwalk-mxfp4,torch-ref",
+                             "--iters", "1", "--warmup", "0", interpret=True)
+    triton_candidates = [c for c in result["anchors"]["read_ceiling"]["candidates"] if c["kernel"].startswith("triton")]
+    assert len(triton_candidates) == 3 and all(c["gbps"] > 0 for c in triton_candidates)  # each verified its sum
+    launches = {e["launch"]: e for e in result["anchors"]["empty_launch"]}
+    assert launches["empty Triton kernel"]["median_us"] > 0
+    rows = {r["method"]: r for r in result["rows"]}
+    for name, row_bytes in (("memwalk-fp8", 576), ("memwalk-mxfp4", 306)):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["check"].startswith("checksum") and rows[name]["kv_bytes"] == 3 * 37 * row_bytes
+
+
+# Run in a fresh interpreter: TRITON_INTERPRET must be set before triton is first imported, which this test
+# process may already have done.
+MEMWALK_VARLEN = """
+import sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/bench"]
+import floor_kernels as fk, reference as R
+for kv_format in ("fp8", "mxfp4"):
+    data = R.generate_varlen_input([5, 40, 1, 33], seed=3, device=torch.device("cpu"))
+    kv_data, kv_indptr = data[1], data[3]
+    expected = fk.kv_checksum(kv_format, kv_data, kv_indptr)
+    for splits, block_n in ((1, 32), (3, 32), (2, 64)):
+        walk = fk.MemWalk(kv_format, kv_data, kv_indptr, splits, block_n)
+        assert walk.checksum(walk()) == expected, (kv_format, splits, block_n)
+    short = kv_indptr.clone()
+    short[-1] -= 1  # one row fewer: the checksum must see it
+    assert fk.kv_checksum(kv_format, kv_data, short) != expected
+print("memwalk ok")
+"""
+
+
+def test_memwalk_checksum_covers_exactly_the_rows_of_kv_indptr():
+    """Variable and odd lengths, a length-1 sequence, split counts that do not divide the tiles, both formats."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_")} | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", MEMWALK_VARLEN, str(ROOT)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "memwalk ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_flashinfer_page_table_over_the_contiguous_cache():
+    bench = load_bench()
+    kv_indptr = torch.tensor([0, 128, 256, 320], dtype=torch.int32)
+    page_indptr, indices, lens = bench._flashinfer_pages(kv_indptr, 320, 64)
+    assert page_indptr.tolist() == [0, 2, 4, 5] and indices.tolist() == [0, 1, 2, 3, 4]
+    assert lens.tolist() == [128, 128, 64] and lens.dtype == torch.int32
+    assert bench._flashinfer_pages(torch.tensor([0, 100, 164], dtype=torch.int32), 164, 64) is None
+    page_indptr, indices, lens = bench._flashinfer_pages(torch.tensor([0, 3, 3, 5], dtype=torch.int32), 5, 1)
+    assert page_indptr.tolist() == [0, 3, 3, 5] and indices.tolist() == [0, 1, 2, 3, 4] and lens.tolist() == [3, 0, 2]
+
+
+def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
+    """A zero output must be FAIL, an exception ERROR (both set exit status 1), NotImplementedError skipped."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    bench = load_bench()
+
+    def zeros(ctx, shape, data, expected):
+        return bench.Prepared(fn=lambda: torch.zeros_like(expected),
+                              check=bench._check_attention(data, expected, "fp8"))
+
+    def raises(ctx, shape, data, expected):
+        raise RuntimeError("kernel exploded")
+
+    def not_built(ctx, shape, data, expected):
+        raise NotImplementedError("triton backend: not built yet")
+
+    controls = [bench.Method("zeros", "ours", "fp8", "all-zero output", zeros),
+                bench.Method("raises", "ours", "fp8", "raises", raises),
+                bench.Method("not-built", "ours", "fp8", "stub", not_built)]
+    monkeypatch.setattr(bench, "METHOD_BY_NAME", {**bench.METHOD_BY_NAME, **{m.name: m for m in controls}})
+    out_json = tmp_path / "r.json"
+    status = bench.main(["--dry-run", "--methods", "torch-ref,zeros,raises,not-built", "--iters", "1",
+                         "--warmup", "0", "--json", str(out_json)])
+    assert status == 1
+    rows = {(r["shape"], r["method"]): r for r in json.loads(out_json.read_text())["rows"]}
+    for shape in ("2x64", "3x37"):
+        assert rows[(shape, "zeros")]["status"] == "FAIL" and rows[(shape, "zeros")]["rel_l2"] == 1.0
+        assert rows[(shape, "zeros")]["median_us"] is not None  # still timed, flagged
+        assert rows[(shape, "raises")]["status"] == "ERROR"
+        assert rows[(shape, "raises")]["reason"] == "RuntimeError: kernel exploded"
+        assert rows[(shape, "not-built")]["status"] == "skipped"
+        assert "not built yet" in rows[(shape, "not-built")]["reason"]
+    assert "FAIL: 2x64 zeros" in capsys.readouterr().out
