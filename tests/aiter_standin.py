@@ -1,0 +1,481 @@
+"""A stand-in for ROCm/aiter's MLA decode API, for testing the aiter backend on the CPU.
+
+Built from the recorded signatures in tests/data/aiter_signatures.json (a copy of the aiter contract's
+signatures.json; SPEC.md there has the semantics). For a recorded version it creates the modules `aiter`,
+`aiter.mla`, `aiter.ops`, `aiter.ops.attention` and `aiter.dtypes`, whose functions:
+
+- take arguments exactly as the recorded signature does: each function carries an inspect.Signature built from the
+  record and binds every call with it, so a wrong keyword, a missing argument or one too many fails with the
+  TypeError Python would raise (and inspect.signature(fn) shows the recorded signature, as functools.wraps makes the
+  real compiled ops do);
+- enforce the checks SPEC.md section 6 (and sections 3-4) lists: dtypes (the arch's FP8 flavour only), contiguity
+  and unit strides, head counts, float32 scales, a 4-D kv_buffer and a 3-D o (the unpacking ValueError), Python
+  int/float scalars, powers of two, the six buffers' shapes and dtypes from the info function;
+- model get_mla_metadata_v1's persistent split (v1.2, fast_mode=True): the kv indptr counts pages, sequences are cut
+  into work items over CU_COUNT compute units, long ones into partials merged by a reduce; work_metadata_ptrs
+  receives the "device addresses" (data_ptr) of work_indptr and work_info_set;
+- model the dispatched gfx950 kernel, mla_a8w8_qh16_qseqlen1_gqaratio16_ps, as PAGE-SIZE-1-ONLY: each kv_indices
+  entry is one KV row at page_id x page stride, whatever page_size says (SPEC.md section 1). It walks the work list
+  through the addresses in work_meta_data, as the kernel does, so buffers that were freed or come from different
+  metadata fills fail. It computes the attention in fp32 from exactly what it is given: raw FP8 values, the softmax
+  scale times q_scale * kv_scale, the output times kv_scale, unsplit work written into `o` as bf16, split work into
+  the fp32 scratch and merged by log-sum-exp. A work item with no KV rows produces NaN (0/0), the pessimistic
+  assumption for an empty sequence.
+
+Only the path the backend takes is modelled (16 heads, one query per sequence, fp8 or bf16 Q, persistent mode);
+anything else raises NotImplementedError rather than guess. The WHEEL's functions have its signatures but no
+behaviour: the backend must refuse that version before calling anything. `aiter.utility` is deliberately absent,
+so reference.py keeps its own MXFP4 quantizer while the stand-in is installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import json
+import math
+import sys
+import types
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SIGNATURES_PATH = Path(__file__).parent / "data" / "aiter_signatures.json"
+# Labels of SPEC.md section 0 -> keys of signatures.json.
+VERSIONS = {
+    "RUNNER": "f3be04a12a0cfd6b5e2c7a94edc774f1bc24460d",  # pinned by the leaderboard's MI355X runner, 2026-03-04
+    "MAR15": "856b644b061ed8f9697b7fca03c1b8f317b09859",  # last main commit before 2026-03-15
+    "NEWEST": "e4048607a535ace3a2b51ded31b1c8c2d45c0879",  # newest main commit examined, 2026-08-22
+    "WHEEL": "amd-aiter==0.1.7.post2.dev18",  # the PyPI wheel, main as of 2025-11-17
+}
+MODELLED = ("RUNNER", "MAR15", "NEWEST")
+FP8_BY_ARCH = {"gfx950": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
+CU_COUNT = 16  # the stand-in GPU's compute units (S); an MI355X has 256, fewer keeps the CPU model fast
+NUM_HEADS, QK_HEAD_DIM, V_HEAD_DIM = 16, 576, 512
+WORK_ROW = 8  # int32 per work item: batch, partial slot (-1: straight to o), q_start, q_end, kv_start, kv_end,
+#               kv_offset, pad
+
+_inside = [0]  # > 0 while a stand-in function runs (the tests' device-discipline modes ignore its own work)
+
+
+def inside_standin() -> bool:
+    return _inside[0] > 0
+
+
+@contextlib.contextmanager
+def _standin_running():
+    _inside[0] += 1
+    try:
+        yield
+    finally:
+        _inside[0] -= 1
+
+
+def load_signatures() -> dict:
+    return json.loads(SIGNATURES_PATH.read_text())
+
+
+class RecordedDefault:
+    """A default recorded as an expression that cannot be evaluated here (e.g. MlaVersion.V32.value)."""
+
+    def __init__(self, expr: str):
+        self.expr = expr
+
+    def __repr__(self) -> str:
+        return self.expr
+
+
+def recorded_signature(record: dict) -> inspect.Signature:
+    kinds = {"positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             "keyword_only": inspect.Parameter.KEYWORD_ONLY}
+    params = []
+    for p in record["params"]:
+        if p["default"] is None:
+            default = inspect.Parameter.empty
+        else:
+            try:
+                default = ast.literal_eval(p["default"])
+            except (ValueError, SyntaxError):
+                default = RecordedDefault(p["default"])
+        params.append(inspect.Parameter(p["name"], kinds[p["kind"]], default=default))
+    return inspect.Signature(params)
+
+
+@dataclass
+class Recorded:
+    """A tensor argument as the stand-in saw it; a copy of its values when small. Keeps no reference to it (a
+    recorded call must not keep the caller's buffers alive)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    contiguous: bool
+    data_ptr: int
+    value: torch.Tensor | None
+
+    @classmethod
+    def of(cls, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        small = x.numel() <= 4096
+        return cls(tuple(x.shape), x.dtype, tuple(x.stride()), x.is_contiguous(), x.data_ptr(),
+                   x.detach().clone() if small else None)
+
+
+@dataclass
+class Call:
+    name: str
+    n_positional: int
+    keywords: tuple[str, ...]
+    arguments: dict  # name -> the value, tensors as Recorded
+
+
+def _expect(cond: bool, exc: type[Exception], msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _is_int(x) -> bool:
+    return type(x) is int  # compiled ops reject numpy/torch integers (and we never pass bools for ints)
+
+
+def _power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _check_index(t, name: str, length: int | None = None) -> None:
+    _expect(isinstance(t, torch.Tensor), TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _expect(t.dtype == torch.int32, RuntimeError, f"{name} must be int32, got {t.dtype}")
+    _expect(t.dim() == 1 and t.stride(0) == 1, RuntimeError, f"{name} must be 1-D with stride 1")
+    if length is not None:
+        _expect(t.shape[0] == length, RuntimeError, f"{name}: expected {length} entries, got {t.shape[0]}")
+
+
+def _shape(spec) -> tuple[int, ...]:
+    return (spec,) if isinstance(spec, int) else tuple(spec)
+
+
+class StandinAiter:
+    """One stand-in aiter: its modules, the calls it received, and its "device memory" registry."""
+
+    def __init__(self, version: str, arch: str = "gfx950", functions: dict | None = None, cu_count: int = CU_COUNT,
+                 round_p_to_fp8: bool = False):
+        self.version = version
+        self.newest = version == "NEWEST"
+        self.modelled = version in MODELLED
+        self.functions = functions if functions is not None else load_signatures()[VERSIONS[version]]["functions"]
+        self.fp8 = FP8_BY_ARCH[arch]
+        self.cu_count = cu_count
+        self.round_p_to_fp8 = round_p_to_fp8  # aiter's own torch model rounds the unnormalised P to fp8
+        self.calls: list[Call] = []
+        self.stats = {"work_direct": 0, "work_split": 0, "work_empty": 0, "metadata_fills": 0}
+        self._buffers: dict[int, tuple[weakref.ref, str, int]] = {}  # address -> (tensor, role, fill id)
+        self._fill_id = 0
+        self.modules = self._build_modules()
+
+    # --- installation ---------------------------------------------------------------------------------------
+
+    def install(self, monkeypatch) -> StandinAiter:
+        for name, module in self.modules.items():
+            monkeypatch.setitem(sys.modules, name, module)
+        return self
+
+    def calls_to(self, name: str) -> list[Call]:
+        return [c for c in self.calls if c.name == name]
+
+    def _build_modules(self) -> dict[str, types.ModuleType]:
+        root = types.ModuleType("aiter")
+        root.__version__ = f"stand-in of {self.version}"
+        root.__file__ = __file__
+        root.__path__ = []  # a package with nothing on disk: `aiter.utility` and the like do not exist
+        modules = {"aiter": root}
+        for name in ("aiter.mla", "aiter.ops", "aiter.ops.attention", "aiter.dtypes"):
+            modules[name] = types.ModuleType(name)
+        root.mla, root.ops, root.dtypes = modules["aiter.mla"], modules["aiter.ops"], modules["aiter.dtypes"]
+        modules["aiter.ops"].attention = modules["aiter.ops.attention"]
+        dtypes = modules["aiter.dtypes"]
+        dtypes.fp8, dtypes.bf16, dtypes.fp16, dtypes.fp32 = self.fp8, torch.bfloat16, torch.float16, torch.float32
+        dtypes.i32, dtypes.u8 = torch.int32, torch.uint8
+        impls = {"mla_decode_fwd": self._mla_decode_fwd, "get_mla_metadata_info_v1": self._metadata_info,
+                 "get_mla_metadata_v1": self._metadata}
+        for name, record in self.functions.items():
+            impl = impls.get(name) if self.modelled else None
+            fn = self._recorded_function(name, record, impl)
+            for path in record["exported_as"]:
+                module_name, _, attr = path.rpartition(".")
+                if module_name in modules:
+                    setattr(modules[module_name], attr, fn)
+        return modules
+
+    def _recorded_function(self, name: str, record: dict, impl):
+        sig = recorded_signature(record)
+
+        def fn(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)  # the TypeError the real function would raise
+            bound.apply_defaults()
+            with _standin_running():
+                arguments = {k: Recorded.of(v) for k, v in bound.arguments.items()}
+                self.calls.append(Call(name, len(args), tuple(kwargs), arguments))
+                if impl is None:
+                    raise NotImplementedError(f"stand-in {self.version}: {name} is not modelled for this version")
+                return impl(**bound.arguments)
+
+        fn.__name__ = fn.__qualname__ = name
+        fn.__module__ = record["module"]
+        fn.__signature__ = sig
+        return fn
+
+    # --- get_mla_metadata_info_v1 -----------------------------------------------------------------------------
+
+    def _metadata_info(self, batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse, fast_mode=True,
+                       num_kv_splits=32, intra_batch_mode=False, max_split_per_batch=-1):
+        for name, value in (("batch_size", batch_size), ("max_seqlen_qo", max_seqlen_qo),
+                            ("num_head_qo", num_head_qo), ("num_kv_splits", num_kv_splits)):
+            _expect(_is_int(value), TypeError, f"get_mla_metadata_info_v1: {name} must be a Python int")
+        _expect(isinstance(q_dtype, torch.dtype) and isinstance(kv_dtype, torch.dtype), TypeError,
+                "get_mla_metadata_info_v1: q_dtype and kv_dtype must be torch dtypes")
+        assert num_head_qo % (8 if self.newest else 16) == 0, f"{num_head_qo=} not supported"
+        s = self.cu_count
+        nh = num_head_qo
+        tiles = math.ceil(max_seqlen_qo * nh / 128) if nh == 16 else math.ceil(max_seqlen_qo * nh / 16)
+        b = batch_size * (max_seqlen_qo if is_sparse else 1)
+        tile_cnt = b * tiles
+        if fast_mode:
+            max_work, max_split_tiles = (b + s - 1) * tiles, min(b + s - 1, 2 * (s - 1)) * tiles
+        else:
+            max_work = max_split_tiles = tile_cnt * s
+        if intra_batch_mode:
+            max_work = max_split_tiles = tile_cnt * num_kv_splits
+        return ((2, torch.uint64), (s + 1, torch.int32), ((max_work, WORK_ROW), torch.int32),
+                (tile_cnt + 1, torch.int32), ((tile_cnt, 2), torch.int32), (max_split_tiles, torch.int32))
+
+    # --- get_mla_metadata_v1 ----------------------------------------------------------------------------------
+
+    def _metadata(self, seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens, num_heads_per_head_k, num_heads_k,
+                  is_causal, work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map,
+                  reduce_partial_map, page_size=1, kv_granularity=16, max_seqlen_qo=-1, uni_seqlen_qo=-1,
+                  fast_mode=True, topk=-1, max_split_per_batch=-1, intra_batch_mode=False, dtype_q=None,
+                  dtype_kv=None, **newer):
+        _check_index(seqlens_qo_indptr, "seqlens_qo_indptr")
+        batch = seqlens_qo_indptr.shape[0] - 1
+        _check_index(seqlens_kv_indptr, "seqlens_kv_indptr", batch + 1)
+        _check_index(kv_last_page_lens, "kv_last_page_lens", batch)
+        for name, value in (("num_heads_per_head_k", num_heads_per_head_k), ("num_heads_k", num_heads_k),
+                            ("page_size", page_size), ("kv_granularity", kv_granularity),
+                            ("max_seqlen_qo", max_seqlen_qo), ("uni_seqlen_qo", uni_seqlen_qo), ("topk", topk),
+                            ("max_split_per_batch", max_split_per_batch)):
+            _expect(_is_int(value), TypeError, f"get_mla_metadata_v1: {name} must be a Python int, got {value!r}")
+        _expect(isinstance(is_causal, bool), TypeError, "get_mla_metadata_v1: is_causal must be a bool")
+        _expect(_power_of_two(page_size) and _power_of_two(kv_granularity), RuntimeError,
+                "get_mla_metadata_v1: page_size and kv_granularity must be powers of 2")
+        known = (self.fp8, torch.bfloat16, torch.float16)
+        for name, dt in (("dtype_q", dtype_q), ("dtype_kv", dtype_kv)):
+            if self.newest:
+                assert dt is None or dt in known, f"Unsupported dtype {dt}"
+            else:
+                _expect(dt is None or isinstance(dt, torch.dtype), TypeError, f"{name} must be a torch dtype")
+        if not (fast_mode and num_heads_k == 1 and num_heads_per_head_k == NUM_HEADS and max_seqlen_qo in (1, -1)
+                and uni_seqlen_qo in (1, -1) and topk < 0 and not newer.get("is_cp_round_robin", False)):
+            raise NotImplementedError("stand-in: only the v1.2 split (fast_mode=True) of a 16-head, one-query-per-"
+                                      "sequence decode is modelled")
+        buffers = {"work_metadata_ptrs": work_metadata_ptrs, "work_indptr": work_indptr,
+                   "work_info_set": work_info_set, "reduce_indptr": reduce_indptr,
+                   "reduce_final_map": reduce_final_map, "reduce_partial_map": reduce_partial_map}
+        specs = self._metadata_info(batch, 1, NUM_HEADS, dtype_q or self.fp8, dtype_kv or self.fp8, False,
+                                    fast_mode, 32, intra_batch_mode)
+        for (role, t), (shape, dtype) in zip(buffers.items(), specs, strict=True):
+            _expect(isinstance(t, torch.Tensor), TypeError, f"get_mla_metadata_v1: {role} must be a tensor")
+            _expect(t.dtype == dtype and tuple(t.shape) == _shape(shape) and t.is_contiguous(), RuntimeError,
+                    f"get_mla_metadata_v1: {role} is {t.dtype} {tuple(t.shape)}, get_mla_metadata_info_v1 says "
+                    f"{dtype} {_shape(shape)} for batch {batch}")
+
+        qo = seqlens_qo_indptr.tolist()  # the stand-in's "device" reads
+        _expect(qo == list(range(batch + 1)), NotImplementedError, "stand-in: one query per sequence only")
+        kvp = seqlens_kv_indptr.tolist()
+        pages = [b - a for a, b in zip(kvp[:-1], kvp[1:], strict=True)]
+        last = kv_last_page_lens.tolist()
+        items, slots = self._split(pages, kv_granularity, specs[2][0][0], _shape(specs[5][0])[0])
+
+        work_indptr.copy_(torch.tensor([len(items) * i // self.cu_count for i in range(self.cu_count + 1)],
+                                       dtype=torch.int32))
+        rows = torch.full((work_info_set.shape[0], WORK_ROW), -1, dtype=torch.int32)
+        for i, (b, start, end, slot) in enumerate(items):
+            left = pages[b] - end
+            kv_offset = (left - 1) * page_size + last[b] if left > 0 else 0  # tokens after kv_end
+            rows[i] = torch.tensor([b, slot, qo[b], qo[b + 1], kvp[b] + start, kvp[b] + end, kv_offset, 0])
+        work_info_set.copy_(rows)
+        reduce_indptr.zero_()
+        reduce_partial_map.fill_(-1)
+        for b in range(batch):
+            mine = slots.get(b, [])
+            reduce_indptr[b + 1] = reduce_indptr[b] + len(mine)
+            reduce_final_map[b] = torch.tensor([qo[b], qo[b + 1]], dtype=torch.int32)
+            if mine:
+                start = int(reduce_indptr[b])
+                reduce_partial_map[start:start + len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        self._fill_id += 1
+        for role, t in buffers.items():
+            self._buffers[t.data_ptr()] = (weakref.ref(t), role, self._fill_id)
+        work_metadata_ptrs.view(torch.int64).copy_(
+            torch.tensor([work_indptr.data_ptr(), work_info_set.data_ptr()], dtype=torch.int64))
+        self.stats["metadata_fills"] += 1
+
+    def _split(self, pages: list[int], granularity: int, max_work: int, max_partials: int):
+        """Work items (batch, start page, end page, partial slot or -1) over the CUs, and each split batch's
+        partial slots. A batch longer than the per-CU budget is cut into granularity-aligned chunks."""
+        total = sum(pages)
+        budget = max(granularity, -(-math.ceil(total / self.cu_count) // granularity) * granularity)
+        while True:
+            items, slots, next_slot = [], {}, 0
+            for b, n in enumerate(pages):
+                chunks = [(lo, min(lo + budget, n)) for lo in range(0, n, budget)] or [(0, 0)]
+                for lo, hi in chunks:
+                    slot = -1
+                    if len(chunks) > 1:
+                        slot, next_slot = next_slot, next_slot + 1
+                        slots.setdefault(b, []).append(slot)
+                    items.append((b, lo, hi, slot))
+            if len(items) <= max_work and next_slot <= max_partials:
+                return items, slots
+            budget *= 2
+
+    # --- mla_decode_fwd ----------------------------------------------------------------------------------------
+
+    def _deref(self, address: int, role: str):
+        entry = self._buffers.get(address)
+        tensor = entry[0]() if entry is not None else None
+        if tensor is None or entry[1] != role or tensor.data_ptr() != address:
+            raise RuntimeError(f"memory fault: work_meta_data holds the address of a {role} that is no longer alive "
+                               "(the six metadata buffers must be kept alive together)")
+        return tensor, entry[2]
+
+    def _mla_decode_fwd(self, q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                        page_size=1, nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None,
+                        num_kv_splits_indptr=None, work_meta_data=None, work_indptr=None, work_info_set=None,
+                        reduce_indptr=None, reduce_final_map=None, reduce_partial_map=None, q_scale=None,
+                        kv_scale=None, intra_batch_mode=False, return_logits=False, return_lse=False, **newer):
+        # Python level (aiter/mla.py)
+        assert logit_cap <= 0, f"{logit_cap=} is not support yet"
+        if kv_buffer.dtype != torch.uint8:
+            _, _, _, qk_head_dim = kv_buffer.shape  # ValueError unless 4-D
+        else:
+            raise NotImplementedError("stand-in: byte KV is not modelled")
+        if sm_scale is None:
+            sm_scale = 1.0 / (qk_head_dim**0.5)
+        total_s, nhead, v_head_dim = o.shape  # ValueError unless 3-D
+        if work_meta_data is None:
+            raise NotImplementedError("stand-in: only the persistent path (work_meta_data given) is modelled")
+        if nhead != NUM_HEADS or max_seqlen_q != 1:
+            raise NotImplementedError("stand-in: only 16 heads with max_seqlen_q 1 (qh16 qseqlen1 ps) is modelled")
+        partials = reduce_partial_map.size(0)  # AttributeError when None, as in aiter
+        if num_kv_splits_indptr is not None:
+            raise NotImplementedError("stand-in: num_kv_splits_indptr with work_meta_data makes the C++ run the "
+                                      "non-persistent kernel, which is not modelled")
+        for name, value in (("cp_world_size", 1), ("g_kv_indptr", None)):
+            _expect(newer.get(name, value) == value, NotImplementedError, f"stand-in: {name} is not modelled")
+
+        # C++ checks (csrc/py_itfs_cu/asm_mla.cu) and the first-call type checks of the compiled op
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("page_size", page_size), ("nhead_kv", nhead_kv)):
+            _expect(_is_int(value), TypeError, f"mla_decode_stage1_asm_fwd: {name} must be a Python int, "
+                                               f"got {type(value).__name__}")
+        sm_ok = isinstance(sm_scale, float) or (self.newest and isinstance(sm_scale, int))
+        _expect(sm_ok and not isinstance(sm_scale, bool), TypeError,
+                f"mla_decode_stage1_asm_fwd: softmax_scale must be a Python float, got {type(sm_scale).__name__}")
+        _expect(_power_of_two(page_size), RuntimeError, "page_size must be a power of 2")
+        _expect(q.is_contiguous(), RuntimeError, "Q must be contiguous")
+        _expect(q.dim() == 3 and q.shape[0] == total_s and q.shape[1] == nhead, RuntimeError,
+                f"Q must be (total_q, nhead, dim) like o, got {tuple(q.shape)}")
+        _expect(q.dtype in (torch.bfloat16, self.fp8), TypeError,
+                f"Q dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {q.dtype}")
+        _expect(kv_buffer.dtype in (torch.bfloat16, self.fp8), TypeError,
+                f"KV dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {kv_buffer.dtype}")
+        _expect(q.dtype != self.fp8 or kv_buffer.dtype == self.fp8, RuntimeError, "cannot get heuristic kernel")
+        _expect(nhead_kv == 1 and kv_buffer.shape[2] == 1, RuntimeError, "nhead_kv must be 1")
+        _expect(q.shape[2] == qk_head_dim == QK_HEAD_DIM and v_head_dim == V_HEAD_DIM, RuntimeError,
+                "Q.size(2) must equal KV.size(3) = 576 and o's last dim 512")
+        _expect(o.dtype == torch.bfloat16 and o.is_contiguous(), RuntimeError, "o must be contiguous bf16")
+        if q.dtype == self.fp8:
+            _expect(q_scale is not None and kv_scale is not None, RuntimeError,
+                    "fp8 Q requires q_scale and kv_scale (RUNNER: a no-op assert, then a null pointer read)")
+        for name, s in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+            if s is not None:
+                _expect(isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.numel() >= 1, TypeError,
+                        f"{name} must be a float32 tensor (a {getattr(s, 'dtype', type(s))} is misread)")
+        batch = qo_indptr.shape[0] - 1
+        _check_index(qo_indptr, "qo_indptr")
+        _check_index(kv_indptr, "kv_indptr", batch + 1)
+        _check_index(kv_indices, "kv_indices")
+        _check_index(kv_last_page_lens, "kv_last_page_lens", batch)
+
+        # The kernel walks the work list through the addresses in work_meta_data.
+        _expect(work_meta_data.dtype == torch.uint64 and work_meta_data.numel() == 2, RuntimeError,
+                "work_meta_data must be the (2,) uint64 buffer")
+        addr_indptr, addr_info = work_meta_data.view(torch.int64).tolist()
+        work_indptr_seen, fill = self._deref(addr_indptr, "work_indptr")
+        work_info_seen, fill_info = self._deref(addr_info, "work_info_set")
+        if work_indptr_seen.data_ptr() != work_indptr.data_ptr() or work_info_seen.data_ptr() != \
+                work_info_set.data_ptr() or fill_info != fill:
+            raise RuntimeError("mixed metadata: work_meta_data points at a work list other than the work_indptr / "
+                               "work_info_set passed")
+        for role, t in (("reduce_indptr", reduce_indptr), ("reduce_final_map", reduce_final_map),
+                        ("reduce_partial_map", reduce_partial_map)):
+            entry = self._buffers.get(t.data_ptr())
+            if entry is None or entry[0]() is None or entry[1] != role or entry[2] != fill:
+                raise RuntimeError(f"mixed metadata: {role} was not filled together with work_meta_data")
+
+        device = q.device
+        logits = torch.empty((partials * max_seqlen_q, 1, nhead, v_head_dim), dtype=torch.float32, device=device)
+        attn_lse = torch.empty((partials * max_seqlen_q, 1, nhead, 1), dtype=torch.float32, device=device)
+        final_lse = torch.empty((total_s, nhead), dtype=torch.float32, device=device) if return_lse else None
+
+        q_mult = float(q_scale.reshape(-1)[0]) if q.dtype == self.fp8 else 1.0  # only element 0 is read
+        kv_mult = float(kv_scale.reshape(-1)[0]) if (kv_scale is not None and kv_buffer.dtype == self.fp8) else 1.0
+        scale = sm_scale * q_mult * kv_mult
+        qf = q.float()
+        indices = kv_indices.long()
+        num_pages = kv_buffer.shape[0]
+        bounds = work_indptr_seen.tolist()
+        rows = work_info_seen[:bounds[-1]].tolist()
+        for _batch, slot, q0, q1, k0, k1, _kv_offset, _pad in rows:
+            page_ids = indices[k0:k1]
+            _expect(bool(((page_ids >= 0) & (page_ids < num_pages)).all()), RuntimeError,
+                    "memory fault: a kv_indices entry lies outside kv_buffer")
+            # Page size 1 only: the row at page_id x page stride, no in-page offset whatever page_size says.
+            keys = kv_buffer[page_ids, 0, 0].float()  # (n, 576) raw FP8 values
+            if keys.shape[0] == 0:
+                out = torch.full((q1 - q0, nhead, v_head_dim), torch.nan)
+                lse = torch.full((q1 - q0, nhead, 1), torch.nan)
+                self.stats["work_empty"] += 1
+            else:
+                s = torch.einsum("qhd,nd->qhn", qf[q0:q1], keys) * scale
+                m = s.amax(dim=-1, keepdim=True)
+                p = torch.exp(s - m)
+                denom = p.sum(dim=-1, keepdim=True)
+                if self.round_p_to_fp8:
+                    p = p.to(self.fp8).float()
+                out = torch.einsum("qhn,nd->qhd", p, keys[:, :v_head_dim]) / denom * kv_mult
+                lse = m + torch.log(denom)
+            if slot < 0:
+                o[q0:q1] = out.to(o.dtype)
+                self.stats["work_direct"] += 1
+            else:
+                logits[slot * max_seqlen_q:(slot + 1) * max_seqlen_q, 0] = out
+                attn_lse[slot * max_seqlen_q:(slot + 1) * max_seqlen_q, 0] = lse
+                self.stats["work_split"] += 1
+        # mla_reduce_v1: merge each tile's partials into o by log-sum-exp.
+        ri, rfm, rpm = reduce_indptr.tolist(), reduce_final_map.tolist(), reduce_partial_map.tolist()
+        for t in range(len(ri) - 1):
+            locs = rpm[ri[t]:ri[t + 1]]
+            if not locs:
+                continue
+            q0, q1 = rfm[t]
+            parts = torch.stack([logits[loc:loc + (q1 - q0), 0] for loc in locs])  # (k, q, h, 512)
+            lses = torch.stack([attn_lse[loc:loc + (q1 - q0), 0] for loc in locs])  # (k, q, h, 1)
+            weights = torch.softmax(lses, dim=0)
+            o[q0:q1] = (weights * parts).sum(dim=0).to(o.dtype)
+            if final_lse is not None:
+                final_lse[q0:q1] = torch.logsumexp(lses, dim=0)[..., 0]
+        return logits, final_lse
