@@ -772,7 +772,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {e['launch']}: " + (f"skipped ({e['skipped']})" if "skipped" in e else
                                       f"{e['median_us']:.1f} µs after a flush, {e['back_to_back_us']:.1f} µs b2b"))
 
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(["python3", "bench/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+        "dry_run": args.dry_run,
+        "device": dev,
+        "versions": versions(),
+        "submission_sha256": hashlib.sha256((ROOT / "submission.py").read_bytes()).hexdigest()[:12],
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "ceiling_gib": args.ceiling_gib,
+        "timing": (f"leaderboard: L2 flush, events around the whole call, median of {args.iters} calls after "
+                   f"1 checked + {args.warmup} warm-up calls; back-to-back: mean of {args.iters} calls, no flush"
+                   if device.type == "cuda" else
+                   f"CPU wall clock, median of {args.iters} calls after 1 checked + {args.warmup} warm-up calls"),
+    }
+
+    def results(done: list[Shape], rows: list[Row]) -> dict:
+        add_derived(rows, read_ceiling["gbps"])
+        return {
+            "meta": meta | {"complete": len(done) == len(shapes)},
+            "anchors": {"read_ceiling": read_ceiling, "empty_launch": empty},
+            "shapes": [dataclasses.asdict(s) | {"name": s.name} for s in done],
+            "methods": summarize(rows, methods, len(done)),
+            "rows": [dataclasses.asdict(r) for r in rows],
+        }
+
     rows: list[Row] = []
+    done: list[Shape] = []
     for shape in shapes:
         data = reference.generate_input(shape.batch, 1, shape.kv, shape.seed)
         expected = reference.ref_kernel(data)
@@ -784,39 +811,16 @@ def main(argv: list[str] | None = None) -> int:
         del data, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        done.append(shape)
+        if args.json:  # after every shape, so a run cut short still leaves what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results(done, rows), indent=1))
 
-    add_derived(rows, read_ceiling["gbps"])
-    summary = summarize(rows, methods, len(shapes))
-    compact = compact_table(rows, summary, shapes, methods, read_ceiling["gbps"])
-    command = shlex.join(["python3", "bench/bench.py", *(sys.argv[1:] if argv is None else argv)])
-    result = {
-        "meta": {
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": command,
-            "dry_run": args.dry_run,
-            "device": dev,
-            "versions": versions(),
-            "submission_sha256": hashlib.sha256((ROOT / "submission.py").read_bytes()).hexdigest()[:12],
-            "iters": args.iters,
-            "warmup": args.warmup,
-            "ceiling_gib": args.ceiling_gib,
-            "timing": (f"leaderboard: L2 flush, events around the whole call, median of {args.iters} calls after "
-                       f"1 checked + {args.warmup} warm-up calls; back-to-back: mean of {args.iters} calls, no flush"
-                       if device.type == "cuda" else
-                       f"CPU wall clock, median of {args.iters} calls after 1 checked + {args.warmup} warm-up calls"),
-        },
-        "anchors": {"read_ceiling": read_ceiling, "empty_launch": empty},
-        "shapes": [dataclasses.asdict(s) | {"name": s.name} for s in shapes],
-        "methods": summary,
-        "rows": [dataclasses.asdict(r) for r in rows],
-    }
-
+    result = results(done, rows)
+    compact = compact_table(rows, result["methods"], shapes, methods, read_ceiling["gbps"])
     for shape in shapes:
         print(f"\n== {shape.name} (batch {shape.batch}, kv {shape.kv}) ==")
         print(render_text(detail_table(rows, shape.name)))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         write_markdown(args.markdown, result, compact, detail_table(rows))

@@ -59,7 +59,8 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     ceiling = result["anchors"]["read_ceiling"]
     assert ceiling["gbps"] > 0 and ceiling["kernel"] == "torch int32 sum"
     assert result["methods"]["torch-fp8"]["geomean_us"] > 0 and result["methods"]["torch-fp8"]["shapes_timed"] == 2
-    assert result["meta"]["dry_run"] and result["meta"]["versions"]["torch"] == torch.__version__
+    assert result["meta"]["dry_run"] and result["meta"]["complete"]
+    assert result["meta"]["versions"]["torch"] == torch.__version__
 
     tail = proc.stdout.strip().splitlines()[-6:]  # header, rule, one line per shape, geomean, ratio
     assert tail[0].split()[:3] == ["shape", "triton-fp8", "triton-mxfp4"] and tail[0].split()[-2:] == ["FP8", "floor"]
