@@ -12,7 +12,8 @@ Contract (the leaderboard's input_t, see task.py):
   qo_indptr: (batch + 1,) int32; kv_indptr: (batch + 1,) int32, sequence b owns KV rows
              kv_indptr[b]:kv_indptr[b+1] (0 = first, non-decreasing, last <= total_kv)
   config:    batch_size, num_heads (16), num_kv_heads (1), qk_head_dim (576), v_head_dim (512), q_seq_len (1),
-             kv_seq_len (every sequence's length in a uniform batch; None or the maximum otherwise), sm_scale
+             kv_seq_len (every sequence's length in a uniform batch; None or the maximum otherwise; when
+             batch * kv_seq_len == total_kv every sequence has exactly kv_seq_len rows), sm_scale
 Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros.
 
 Backends (MLA_BACKEND=auto|aiter|triton|torch, default auto; a forced one that is unavailable fails):
@@ -170,6 +171,10 @@ def validate_indptr_contents(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, t
     if kv_seq_len is not None:
         _expect(max(lens) <= kv_seq_len, "config['kv_seq_len']", f">= the longest sequence ({max(lens)})",
                 kv_seq_len)
+        # Plans are reused without reading kv_indptr on this promise (see _aiter_plan_key).
+        if len(lens) * kv_seq_len == total_kv:
+            _expect(min(lens) == kv_seq_len, "kv_indptr", f"every length == config['kv_seq_len'] = {kv_seq_len} "
+                    "(batch * kv_seq_len == total_kv declares a uniform batch)", f"lengths {lens[:8]}")
     return lens
 
 

@@ -183,6 +183,14 @@ def test_kv_seq_len_below_the_longest_sequence_is_rejected():
         S.custom_kernel(with_config(kv_seq_len=5)())  # the longest sequence has 6 rows
 
 
+def test_declared_uniform_batch_with_other_lengths_is_rejected():
+    q, kv, qo, _, c = base()  # a 15-row cache
+    kvp = torch.tensor([0, 5, 9, 14], dtype=torch.int32)  # lengths 5, 4, 5 and a spare row
+    c["kv_seq_len"] = 5  # the maximum, but batch * 5 == total_kv declares every length 5
+    with pytest.raises(ValueError, match="kv_indptr: expected every length"):
+        S.custom_kernel((q, kv, qo, kvp, c))
+
+
 def test_a_shorter_kv_indptr_than_the_cache_is_allowed():
     q, kv, qo, kvp, c = base()
     kvp = torch.tensor([0, 2, 3, 3], dtype=torch.int32)  # uses rows 0..2 of 15
