@@ -1,9 +1,11 @@
 """reference.py against independent float64 math, the SPEC's MXFP4 vectors, and the checker's negative controls."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import reference as R
 
@@ -224,3 +226,20 @@ def test_mxfp4_agrees_with_aiter_where_aiter_imports():
     ours_packed, ours_scales = R.quantize_mxfp4(x, ties=ties, padded=padded)
     assert torch.equal(packed.view(torch.uint8), ours_packed.view(torch.uint8))
     assert torch.equal(scales.view(torch.uint8)[:512, :18], ours_scales.view(torch.uint8)[:512, :18])
+
+
+def task_yml_cases(section):
+    with open(Path(__file__).parent.parent / "task.yml") as f:
+        return yaml.safe_load(f)[section]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", task_yml_cases("tests"), ids=lambda c: f"{c['batchsize']}x{c['kvseqlen']}")
+def test_zeros_are_rejected_on_every_task_yml_case(case):
+    """An all-zero output has relative error 1.0 in every sequence: the strict gate rejects it on every case, also
+    where the leaderboard rule alone accepts it (64 x 8192, 256 x 8192)."""
+    data = R.generate_input(**case)
+    ref = R.ref_kernel(data)
+    ok, msg = R.check_implementation(data, torch.zeros_like(ref))
+    assert not ok, msg
+    assert R.check_implementation(data, ref)[0]
