@@ -1,0 +1,238 @@
+"""The triton backend: on the CPU through Triton's interpreter (tiny sizes), on a GPU behind the `gpu` marker.
+
+CPU: the interpreter must be on before triton is first imported (triton.language's own helpers are compiled or
+interpreted at import), and other test modules import it through submission.py, so the interpreted checks run
+in one subprocess (TRITON_INTERPRET=1, this file run as a script) whose results the tests below assert on.
+Two defects of Triton 3.6's interpreter are patched there (test-only):
+  - with numpy >= 2.4, a loop bound that is a tensor fails (`int()` of a 1-element array);
+  - fp32 -> fp8 rounding drops the carry into the exponent (127.2 -> 64 instead of 128).
+GPU: `pytest -m gpu tests/test_triton.py` on a CUDA machine with triton (the real compiler, not the interpreter).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import reference as R  # noqa: E402
+
+CPU = torch.device("cpu")
+KERNEL_REL_L2 = 5e-3  # vs fp32 attention over what the kernel reads: bf16 output rounding is ~2-3e-3
+CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages) or None for triton_plan)
+    "varlen_0_1_odd": ([5, 0, 1, 70, 33], (1, 64, 4, 3)),
+    "splits3_varlen": ([130, 0, 1, 67], (3, 64, 4, 3)),
+    "splits4_one_seq": ([200], (4, 64, 4, 3)),
+    "splits_more_than_tiles": ([9, 64], (8, 64, 4, 3)),
+    "default_plan": ([100, 37], None),
+}
+INVALID = {  # kv_indptr over KV lengths [10, 20, 5, 7] (total_kv 42) -> the sequences that must be NaN
+    "end_before_start": ([0, 10, 5, 30, 42], [1]),
+    "end_past_total_kv": ([0, 10, 30, 35, 50], [3]),
+    "negative_start": ([-3, 10, 30, 35, 42], [0]),
+}
+
+
+def fp8_q(q: torch.Tensor) -> torch.Tensor:
+    """The FP8 path's Q: per-head E4M3 with scale 448 / max|q_h|, returned dequantized in fp32."""
+    qf = q.float()
+    scale = 448.0 / qf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    return (qf * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() / scale
+
+
+def kernel_reference(data, kv_format: str) -> torch.Tensor:
+    """fp32 attention over exactly what the kernel reads: the dequantized cache (and FP8 Q on the fp8 path)."""
+    q, kv_data, qo, kvp, config = data
+    kv, scale = kv_data[kv_format]
+    if kv_format == "fp8":
+        return R.attention_reference(fp8_q(q), kv.float() * scale, qo, kvp, config["sm_scale"])
+    return R.attention_reference(q, R.dequantize_mxfp4(kv, scale), qo, kvp, config["sm_scale"])
+
+
+# --- the interpreted checks (run in the subprocess) --------------------------------------------------------
+
+
+def _patch_interpreter() -> None:
+    import numpy as np
+    import triton
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    convert = interpreter._convert_float
+
+    def patched_convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == triton.language.float8e4nv and input_dtype == triton.language.float32:
+            return torch.from_numpy(np.ascontiguousarray(data)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return convert(data, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter._convert_float = patched_convert
+
+
+def _check(results: dict, name: str, fn) -> None:
+    try:
+        msg = fn()
+        results[name] = [True, msg or ""]
+    except Exception as e:  # reported by the test of that name
+        results[name] = [False, f"{type(e).__name__}: {e}"]
+
+
+def _interpreted_checks() -> dict:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _patch_interpreter()
+    import submission as S
+
+    results = {}
+    for kv_format in ("fp8", "mxfp4"):
+        os.environ["MLA_KV_FORMAT"] = kv_format
+        for case, (lens, plan) in CASES.items():
+            def one(lens=lens, plan=plan, kv_format=kv_format):
+                data = R.generate_varlen_input(lens, seed=len(lens) * 7 + sum(lens), device=CPU)
+                q, kv_data, qo, kvp, config = data
+                out = S._triton_forward(q, *kv_data[kv_format], qo, kvp, config, kv_format, plan=plan)
+                assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
+                assert torch.isfinite(out).all(), "NaN/Inf in the output"
+                assert all((out[b] == 0).all() for b, n in enumerate(lens) if n == 0), "empty sequence not zeros"
+                rel = R.relative_l2(out, kernel_reference(data, kv_format))
+                assert rel < KERNEL_REL_L2, f"rel-L2 {rel:.3e} vs fp32 over the dequantized cache"
+                ok, msg = R.check_implementation(data, out)
+                assert ok, msg
+                return f"kernel rel-L2 {rel:.2e}; {msg}"
+
+            _check(results, f"{case}-{kv_format}", one)
+
+        def via_custom_kernel(kv_format=kv_format):
+            os.environ["MLA_BACKEND"] = "triton"
+            data = R.generate_varlen_input([3, 66], seed=5, device=CPU, ties="even", padded_scales=False)
+            out = S.custom_kernel(data)
+            rel = R.relative_l2(out, kernel_reference(data, kv_format))
+            assert rel < KERNEL_REL_L2, rel
+            ok, msg = R.check_implementation(data, out)
+            assert ok, msg
+            return msg
+
+        _check(results, f"custom_kernel-{kv_format}", via_custom_kernel)
+
+    data = R.generate_varlen_input([10, 20, 5, 7], seed=3, device=CPU)
+    q, kv_data, qo, kvp, config = data
+    for name, (indptr, bad) in INVALID.items():
+        for splits in (1, 2):
+            def invalid(indptr=indptr, bad=bad, splits=splits):
+                out = S._triton_forward(q, *kv_data["fp8"], qo, torch.tensor(indptr, dtype=torch.int32), config,
+                                        "fp8", plan=(splits, 64, 4, 3))
+                for b in range(4):
+                    assert (torch.isnan(out[b]).all() if b in bad else torch.isfinite(out[b]).all()), b
+
+            _check(results, f"{name}-splits{splits}", invalid)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("case", sorted(CASES) + ["custom_kernel"])
+def test_interpreted_matches_fp32_and_passes_the_gate(interpreted, kv_format, case):
+    ok, msg = interpreted[f"{case}-{kv_format}"]
+    assert ok, msg
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_interpreted_invalid_ranges_give_nan_rows(interpreted, case, splits):
+    ok, msg = interpreted[f"{case}-splits{splits}"]
+    assert ok, msg
+
+
+def test_plan_splits_fill_the_sms():
+    import submission as S
+
+    assert S.triton_plan(4, 1024, 132, "fp8") == (16, 64, 4, 3)  # capped: one 64-row tile per split
+    assert S.triton_plan(4, 8192, 132, "fp8")[0] == 32
+    assert S.triton_plan(4, 8192, 132, "mxfp4")[0] == 64
+    assert S.triton_plan(32, 8192, 132, "fp8")[0] == 8
+    assert S.triton_plan(64, 8192, 132, "mxfp4")[0] == 4
+    assert S.triton_plan(256, 8192, 132, "fp8")[0] == 1
+    assert S.triton_plan(3, 10, 132, "fp8")[0] == 1
+    assert S.triton_plan(1, 0, 132, "fp8")[0] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: the real compiler (run with `pytest -m gpu tests/test_triton.py`)
+# ---------------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TASK_CASES = [(4, 1024), (32, 1024), (64, 8192), (256, 8192), (4, 8192), (32, 8192), (64, 1024), (256, 1024)]
+VARLEN_CASES = [[1], [0, 5, 1, 77, 1000, 3], [8191, 1, 4096, 0], [513] * 40, list(range(0, 3000, 97))]
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("MLA_BACKEND", "triton")
+    import submission
+
+    return submission
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("batch,kv_len", TASK_CASES)
+def test_gpu_task_cases(on_gpu, monkeypatch, kv_format, batch, kv_len):
+    monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    data = R.generate_input(batch, 1, kv_len, seed=batch * 7 + kv_len)
+    out = on_gpu.custom_kernel(data)
+    ok, msg = R.check_implementation(data, out)
+    assert ok, msg
+    assert R.relative_l2(out, kernel_reference(data, kv_format)) < KERNEL_REL_L2
+    assert torch.equal(on_gpu.custom_kernel(data), out)  # the second call launches the cached compiled kernels
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("lens", VARLEN_CASES, ids=lambda x: f"b{len(x)}_max{max(x)}")
+def test_gpu_varlen(on_gpu, monkeypatch, kv_format, lens):
+    monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    data = R.generate_varlen_input(lens, seed=len(lens))
+    out = on_gpu.custom_kernel(data)
+    assert torch.isfinite(out).all()
+    assert R.relative_l2(out, kernel_reference(data, kv_format)) < KERNEL_REL_L2
+    # One MXFP4 row alone is its own quantization error: 5.08% of elements miss the leaderboard's rtol=atol=0.1
+    # for the torch backend too (fp32 over the dequantized row), so only longer sequences face that gate there.
+    if any(lens) and (kv_format == "fp8" or max(lens) > 1):
+        ok, msg = R.check_implementation(data, out)
+        assert ok, msg
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_invalid_ranges_give_nan_rows(on_gpu, splits):
+    data = R.generate_varlen_input([100, 200, 50, 70], seed=3)
+    q, kv_data, qo, kvp, config = data
+    bad = torch.tensor([0, 100, 50, 420 + 1000, 420], dtype=torch.int32, device=q.device)
+    out = on_gpu._triton_forward(q, *kv_data["fp8"], qo, bad, config, "fp8", plan=(splits, 64, 4, 3))
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
+    assert torch.isfinite(out[0]).all()
+
+
+if __name__ == "__main__":  # the interpreted checks, run by the `interpreted` fixture
+    print(json.dumps(_interpreted_checks()))
