@@ -26,11 +26,18 @@ backend always does it. GPU kernels never read outside the cache whatever the in
 range is invalid gets NaN rows.
 """
 
+import functools
 import logging
 import math
 import os
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton here: the triton backend is unavailable (select_backend says so)
+    triton = None
 
 NUM_HEADS = 16
 NUM_KV_HEADS = 1
@@ -80,9 +87,20 @@ def _expect_int(x, field: str, allow_none: bool = False) -> None:
         raise TypeError(f"{field}: expected an int{' or None' if allow_none else ''}, got {type(x).__name__}")
 
 
+# (batch, config items) that passed _validate_config: the check is a pure function of them, and skipping it for
+# a config seen before saves most of validate()'s host time (each call brings a new but equal dict).
+_VALID_CONFIGS: set = set()
+
+
 def _validate_config(config, batch: int) -> None:
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, got {type(config).__name__}")
+    try:
+        seen = (batch, tuple(config.items()))
+        if seen in _VALID_CONFIGS:
+            return
+    except TypeError:  # an unhashable value: check it every time
+        seen = None
     missing = [k for k in CONFIG_KEYS if k not in config]
     _expect(not missing, "config", f"keys {list(CONFIG_KEYS)}", f"a dict missing {missing}")
     for key, want in (("num_heads", NUM_HEADS), ("num_kv_heads", NUM_KV_HEADS), ("qk_head_dim", QK_HEAD_DIM),
@@ -98,6 +116,8 @@ def _validate_config(config, batch: int) -> None:
     sm = config["sm_scale"]
     _expect(isinstance(sm, (int, float)) and not isinstance(sm, bool) and math.isfinite(sm) and sm > 0,
             "config['sm_scale']", "a positive finite float", repr(sm))
+    if seen is not None and len(_VALID_CONFIGS) < 256:
+        _VALID_CONFIGS.add(seen)
 
 
 def _validate_indptr(x, field: str, length: int | None, device: torch.device) -> torch.Tensor:
@@ -183,7 +203,11 @@ def validate_indptr_contents(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, t
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _aiter_importable() -> bool:
+_ANNOUNCED: set = set()  # (device, MLA_BACKEND, choice) already logged
+
+
+@functools.cache
+def _aiter_importable() -> bool:  # cached: a failed import searches sys.path again on every call (~40 us)
     try:
         import aiter  # noqa: F401
     except ImportError:
@@ -192,15 +216,11 @@ def _aiter_importable() -> bool:
 
 
 def _triton_usable(device: torch.device) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def select_backend(device: torch.device) -> str:
-    """MLA_BACKEND if set (and usable here), else the best backend available on `device`."""
+    """MLA_BACKEND if set (and usable here), else the best backend available on `device`; logged once."""
     forced = os.environ.get("MLA_BACKEND", "auto")
     if forced not in BACKENDS + ("auto",):
         raise ValueError(f"MLA_BACKEND: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
@@ -209,12 +229,17 @@ def select_backend(device: torch.device) -> str:
     if forced == "triton" and not _triton_usable(device):
         raise RuntimeError(f"MLA_BACKEND=triton: needs triton and a GPU (or TRITON_INTERPRET=1); device is {device}")
     if forced != "auto":
-        return forced
-    if device.type == "cuda" and torch.version.hip is not None and _aiter_importable():
-        return "aiter"
-    if device.type == "cuda" and _triton_usable(device):
-        return "triton"
-    return "torch"
+        choice = forced
+    elif device.type == "cuda" and torch.version.hip is not None and _aiter_importable():
+        choice = "aiter"
+    elif device.type == "cuda" and _triton_usable(device):
+        choice = "triton"
+    else:
+        choice = "torch"
+    if (device, forced, choice) not in _ANNOUNCED:
+        _ANNOUNCED.add((device, forced, choice))
+        log.info("MLA decode on %s: %s backend (MLA_BACKEND=%s)", device, choice, forced)
+    return choice
 
 
 def select_kv_format() -> str:
@@ -481,12 +506,6 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
 # dots run on fp32 operands (DOT_DTYPE; the interpreter's bf16 dots are wrong, fp32 keeps the CPU check
 # exact) and the MXFP4 decode uses the same bit recipe in plain Triton ops instead of inline PTX.
 # ---------------------------------------------------------------------------------------------------------
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no triton here: select_backend reports the triton backend unavailable
-    triton = None
 
 LOG2E = 1.4426950408889634
 

@@ -46,6 +46,7 @@ def standin(monkeypatch):
     monkeypatch.delenv("MLA_VALIDATE", raising=False)
     monkeypatch.setattr(S, "_AITER_PLANS", {})
     monkeypatch.setattr(S, "_AITER_VERDICTS", {})
+    S._aiter_importable.cache_clear()  # the import probe is cached per process; each test installs its own aiter
 
     def install(version="RUNNER", **kwargs) -> StandinAiter:
         return StandinAiter(version, **kwargs).install(monkeypatch)

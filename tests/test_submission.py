@@ -216,8 +216,10 @@ def test_auto_picks_torch_on_cpu(monkeypatch):
 def test_forced_backend_fails_clearly(monkeypatch, value, exc, match):
     monkeypatch.setenv("MLA_BACKEND", value)
     monkeypatch.setitem(__import__("sys").modules, "aiter", None)  # make sure no aiter imports
+    S._aiter_importable.cache_clear()
     with pytest.raises(exc, match=match):
         S.select_backend(CPU)
+    S._aiter_importable.cache_clear()  # forget the probe made without aiter
 
 
 def test_forced_triton_without_gpu_or_interpreter_fails(monkeypatch):
