@@ -63,10 +63,10 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     assert result["meta"]["versions"]["torch"] == torch.__version__
 
     tail = proc.stdout.strip().splitlines()[-6:]  # header, rule, one line per shape, geomean, ratio
-    assert tail[0].split()[:3] == ["shape", "triton-fp8", "triton-mxfp4"] and tail[0].split()[-2:] == ["FP8", "floor"]
+    assert tail[0].split()[:3] == ["shape", "cuda-fp8", "triton-fp8"] and tail[0].split()[-2:] == ["FP8", "floor"]
     assert [line.split()[0] for line in tail[2:4]] == shapes
     assert tail[4].startswith("geomean") and tail[5].startswith("vs best peer")
-    assert markdown.startswith("### ") and "| shape | triton-fp8 |" in markdown and "| geomean |" in markdown
+    assert markdown.startswith("### ") and "| shape | cuda-fp8 | triton-fp8 |" in markdown and "| geomean |" in markdown
     assert "- `flashinfer-fp8` skipped or failed: FlashInfer needs an NVIDIA GPU" in markdown
 
 

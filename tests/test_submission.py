@@ -210,7 +210,7 @@ def test_auto_picks_torch_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("value,exc,match", [
-    ("cuda", ValueError, "MLA_BACKEND"),
+    ("rocm", ValueError, "MLA_BACKEND"),
     ("aiter", RuntimeError, "aiter"),
 ])
 def test_forced_backend_fails_clearly(monkeypatch, value, exc, match):

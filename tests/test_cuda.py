@@ -1,0 +1,106 @@
+"""The cuda backend: its build and plan on the CPU (nvcc needs no GPU), the kernel on a GPU behind the `gpu` marker."""
+
+import pytest
+import torch
+
+import reference as R
+import submission as S
+
+needs_nvcc = pytest.mark.skipif(S._nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path))
+    monkeypatch.setattr(S, "_CUDA_LIBS", {})
+    return tmp_path
+
+
+@needs_nvcc
+def test_source_builds_and_exports_the_launcher(fresh_build):
+    lib = S._cuda_library((9, 0))
+    assert lib.mla_fp8_decode.restype is not None
+    assert len(list(fresh_build.glob("libmla_fp8_sm90_*.so"))) == 1
+    assert S._cuda_library((9, 0)) is lib  # built once, then reused
+
+
+@needs_nvcc
+def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build, monkeypatch):
+    monkeypatch.setattr(S, "_CUDA_SRC", S._CUDA_SRC + "\nthis is not C++;\n")
+    with pytest.raises(RuntimeError, match="nvcc failed"):
+        S._cuda_library((9, 0))
+    with pytest.raises(RuntimeError, match="nvcc failed"):  # remembered: no second compile
+        S._cuda_library((9, 0))
+    assert not list(fresh_build.glob("*.so"))
+
+
+@pytest.mark.parametrize("batch,seq_len,splits", [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (32, 8192, 4),
+                                                  (64, 1024, 2), (64, 8192, 2), (256, 1024, 1), (256, 8192, 1),
+                                                  (1, 1, 1), (3, 0, 1), (1000, 50, 1)])
+def test_plan_fills_the_sms_once(batch, seq_len, splits):
+    assert S.cuda_plan(batch, seq_len, 132) == splits
+
+
+def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
+    monkeypatch.setenv("MLA_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: needs an NVIDIA GPU"):
+        S.select_backend(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU (`pytest -m gpu tests/test_cuda.py` on an NVIDIA GPU with nvcc)
+# ---------------------------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                               reason="needs an NVIDIA GPU")
+KERNEL_REL_L2 = 5e-3  # vs fp32 attention over the FP8 cache: fp16 Q and P, bf16 output (measured 1.7e-3)
+
+
+def fp32_over_fp8(data) -> torch.Tensor:
+    q, kv_data, qo, kvp, config = data
+    kv, scale = kv_data["fp8"]
+    return R.attention_reference(q, kv.float() * scale, qo, kvp, config["sm_scale"])
+
+
+@pytest.fixture
+def cuda_backend(monkeypatch):
+    monkeypatch.setenv("MLA_BACKEND", "cuda")
+    monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch,kv_len", [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192),
+                                          (256, 1024), (256, 8192)])
+def test_gpu_task_cases(cuda_backend, batch, kv_len):
+    data = R.generate_input(batch, 1, kv_len, seed=batch + kv_len)
+    out = S.custom_kernel(data)
+    ok, msg = R.check_implementation(data, out)
+    assert ok, msg
+    assert R.worst_row_relative_l2(out, fp32_over_fp8(data)) < KERNEL_REL_L2
+    assert torch.equal(S.custom_kernel(data), out)  # deterministic, and the cached launch is reused
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lens", [[1], [0, 5, 1, 77, 1000, 3], [8191, 1, 4096, 0], [513] * 40,
+                                  list(range(0, 3000, 97))], ids=lambda x: f"b{len(x)}_max{max(x)}")
+def test_gpu_varlen(cuda_backend, lens):
+    data = R.generate_varlen_input(lens, seed=len(lens))
+    out = S.custom_kernel(data)
+    assert R.worst_row_relative_l2(out, fp32_over_fp8(data)) < KERNEL_REL_L2  # zero rows for empty sequences
+    ok, msg = R.check_implementation(data, out)
+    assert ok, msg
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kv_seq_len", [None, 2048])  # 1 split, and several (the combine)
+def test_gpu_invalid_ranges_give_nan_rows(cuda_backend, kv_seq_len):
+    data = R.generate_varlen_input([100, 200, 50, 70], seed=3)
+    q, kv_data, qo, kvp, config = data
+    bad = torch.tensor([0, 100, 50, 420 + 1000, 420], dtype=torch.int32, device=q.device)
+    out = S._cuda_forward(q, *kv_data["fp8"], qo, bad, dict(config, kv_seq_len=kv_seq_len))
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
+    assert torch.isfinite(out[0]).all()
