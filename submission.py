@@ -16,9 +16,10 @@ Contract (the leaderboard's input_t, see task.py):
              batch * kv_seq_len == total_kv every sequence has exactly kv_seq_len rows), sm_scale
 Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros.
 
-Backends (MLA_BACKEND=auto|aiter|triton|torch, default auto; a forced one that is unavailable fails):
+Backends (MLA_BACKEND=auto|aiter|cuda|triton|torch, default auto; a forced one that is unavailable fails):
   aiter   AMD GPU with aiter importable (auto picks it on ROCm): FP8 Q + FP8 KV, persistent mla_decode_fwd
-  triton  NVIDIA GPU, or AMD without aiter: our split-KV flash-decoding kernel reading the FP8 or MXFP4 cache
+  cuda    NVIDIA GPU with nvcc (auto picks it there for FP8): our mma.sync kernel, built at the first call
+  triton  any GPU with triton (auto: NVIDIA without nvcc, AMD without aiter, MXFP4): our split-KV kernel
   torch   anywhere: fp32 math over the dequantized cache in bounded chunks
 KV format (MLA_KV_FORMAT=fp8|mxfp4, default fp8) selects which cache the triton and torch backends read.
 MLA_VALIDATE=1 adds the host-side check of the indptr contents (a device sync) on every backend; the torch
