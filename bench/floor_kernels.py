@@ -52,17 +52,23 @@ def _lane_total(acc):
     return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
 
 
+@triton.jit
+def _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N: tl.constexpr):
+    """KV rows [lo, hi) of split s of sequence b: the same partition as the kernels in submission.py."""
+    start = tl.load(kv_indptr_ptr + b)
+    end = tl.load(kv_indptr_ptr + b + 1)
+    chunk = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_N) * BLOCK_N
+    lo = start + s * chunk
+    return lo, tl.minimum(lo + chunk, end)
+
+
 # splits is not specialized (Triton would compile one variant for 1, one for multiples of 16, one for the rest).
 @triton.jit(do_not_specialize=["splits"])
 def _walk_fp8_kernel(words_ptr, kv_indptr_ptr, out_ptr, splits,
                      ROW_WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
     b = tl.program_id(1)
-    start = tl.load(kv_indptr_ptr + b)
-    end = tl.load(kv_indptr_ptr + b + 1)
-    chunk = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_N) * BLOCK_N
-    lo = start + s * chunk
-    hi = tl.minimum(lo + chunk, end)
+    lo, hi = _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N)
     rows = tl.arange(0, BLOCK_N)
     cols_v = tl.arange(0, 128)
     cols_r = tl.arange(0, 16)
@@ -84,11 +90,7 @@ def _walk_mxfp4_kernel(words_ptr, scale_ptr, kv_indptr_ptr, out_ptr, splits, ROW
                        SCALE_STRIDE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
     b = tl.program_id(1)
-    start = tl.load(kv_indptr_ptr + b)
-    end = tl.load(kv_indptr_ptr + b + 1)
-    chunk = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_N) * BLOCK_N
-    lo = start + s * chunk
-    hi = tl.minimum(lo + chunk, end)
+    lo, hi = _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N)
     rows = tl.arange(0, BLOCK_N)
     cols_v = tl.arange(0, 64)
     cols_r = tl.arange(0, 8)
