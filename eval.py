@@ -15,7 +15,7 @@ The submission runs in one spawned worker process that inherits neither the fd n
 
 Local CLI (POPCORN_FD unset):
 
-    python eval.py [--mode {test,benchmark,all}] [--backend {auto,aiter,triton,torch}] [--kv-format {fp8,mxfp4}]
+    python eval.py [--mode {test,benchmark,all}] [--backend {auto,aiter,cuda,triton,torch}] [--kv-format {fp8,mxfp4}]
                    [--cases PATH] [--json PATH] [--full]
     python eval.py --write-cases [--cases task.yml]
 
@@ -554,7 +554,7 @@ def cli_parser() -> argparse.ArgumentParser:
                     "set, speaks the leaderboard's protocol instead: eval.py {test|benchmark|leaderboard|profile} "
                     "CASES_FILE.")
     parser.add_argument("--mode", choices=("test", "benchmark", "all"), default="all")
-    parser.add_argument("--backend", choices=("auto", "aiter", "triton", "torch"),
+    parser.add_argument("--backend", choices=("auto", "aiter", "cuda", "triton", "torch"),
                         help="sets MLA_BACKEND for the run (default: the environment's, else auto)")
     parser.add_argument("--kv-format", choices=("fp8", "mxfp4"),
                         help="sets MLA_KV_FORMAT for the run (default: the environment's, else fp8)")
