@@ -26,6 +26,7 @@ MXFP4_ROW_BYTES = 288
 MXFP4_SCALES_READ = 18  # E8M0 scales of one row's 18 blocks of 32; the padded scale row is wider
 FP8_ROW_WORDS = FP8_ROW_BYTES // 4  # 144 = 128 (values, dims 0..511) + 16 (rope, dims 512..575)
 MXFP4_ROW_WORDS = MXFP4_ROW_BYTES // 4  # 72 = 64 (dims 0..511) + 8 (dims 512..575)
+FP8_VALUE_WORDS, MXFP4_VALUE_WORDS = 128, 64  # the words of dims 0..511 (the values); the rest of a row is rope
 WRAP = 1 << 32  # the lanes add int32 words with wrap-around: checksums agree modulo 2**32
 
 # (BLOCK elements per load, loads per program, warps): the read-ceiling candidates; bench.py keeps the fastest.
@@ -64,39 +65,20 @@ def _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N: tl.constexpr):
 
 # splits is not specialized (Triton would compile one variant for 1, one for multiples of 16, one for the rest).
 @triton.jit(do_not_specialize=["splits"])
-def _walk_fp8_kernel(words_ptr, kv_indptr_ptr, out_ptr, splits,
-                     ROW_WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _walk_kernel(words_ptr, scale_ptr, kv_indptr_ptr, out_ptr, splits, ROW_WORDS: tl.constexpr,
+                 V_WORDS: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sums every int32 word of a row's values (V_WORDS, a power of two) and rope (the rest of ROW_WORDS) and, with
+    SCALES > 0, its first SCALES scale bytes, over the split's rows: each byte our kernel reads, read once."""
     s = tl.program_id(0)
     b = tl.program_id(1)
     lo, hi = _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N)
+    ROPE_WORDS: tl.constexpr = ROW_WORDS - V_WORDS
     rows = tl.arange(0, BLOCK_N)
-    cols_v = tl.arange(0, 128)
-    cols_r = tl.arange(0, 16)
-    acc_v = tl.zeros([BLOCK_N, 128], dtype=tl.int32)
-    acc_r = tl.zeros([BLOCK_N, 16], dtype=tl.int32)
-    r0 = lo
-    while r0 < hi:
-        r = r0 + rows
-        live = (r < hi)[:, None]
-        row_ptr = words_ptr + r.to(tl.int64)[:, None] * ROW_WORDS
-        acc_v += tl.load(row_ptr + cols_v[None, :], mask=live, other=0)
-        acc_r += tl.load(row_ptr + 128 + cols_r[None, :], mask=live, other=0)
-        r0 += BLOCK_N
-    tl.store(out_ptr + b * splits + s, _lane_total(acc_v) + _lane_total(acc_r))
-
-
-@triton.jit(do_not_specialize=["splits"])
-def _walk_mxfp4_kernel(words_ptr, scale_ptr, kv_indptr_ptr, out_ptr, splits, ROW_WORDS: tl.constexpr,
-                       SCALE_STRIDE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr):
-    s = tl.program_id(0)
-    b = tl.program_id(1)
-    lo, hi = _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N)
-    rows = tl.arange(0, BLOCK_N)
-    cols_v = tl.arange(0, 64)
-    cols_r = tl.arange(0, 8)
+    cols_v = tl.arange(0, V_WORDS)
+    cols_r = tl.arange(0, ROPE_WORDS)
     cols_s = tl.arange(0, 32)
-    acc_v = tl.zeros([BLOCK_N, 64], dtype=tl.int32)
-    acc_r = tl.zeros([BLOCK_N, 8], dtype=tl.int32)
+    acc_v = tl.zeros([BLOCK_N, V_WORDS], dtype=tl.int32)
+    acc_r = tl.zeros([BLOCK_N, ROPE_WORDS], dtype=tl.int32)
     acc_s = tl.zeros([BLOCK_N, 32], dtype=tl.int32)
     r0 = lo
     while r0 < hi:
@@ -104,9 +86,10 @@ def _walk_mxfp4_kernel(words_ptr, scale_ptr, kv_indptr_ptr, out_ptr, splits, ROW
         live = (r < hi)[:, None]
         row_ptr = words_ptr + r.to(tl.int64)[:, None] * ROW_WORDS
         acc_v += tl.load(row_ptr + cols_v[None, :], mask=live, other=0)
-        acc_r += tl.load(row_ptr + 64 + cols_r[None, :], mask=live, other=0)
-        scale_ptrs = scale_ptr + r.to(tl.int64)[:, None] * SCALE_STRIDE + cols_s[None, :]
-        acc_s += tl.load(scale_ptrs, mask=live & (cols_s < SCALES)[None, :], other=0).to(tl.int32)
+        acc_r += tl.load(row_ptr + V_WORDS + cols_r[None, :], mask=live, other=0)
+        if SCALES > 0:
+            scale_ptrs = scale_ptr + r.to(tl.int64)[:, None] * SCALE_STRIDE + cols_s[None, :]
+            acc_s += tl.load(scale_ptrs, mask=live & (cols_s < SCALES)[None, :], other=0).to(tl.int32)
         r0 += BLOCK_N
     tl.store(out_ptr + b * splits + s, _lane_total(acc_v) + _lane_total(acc_r) + _lane_total(acc_s))
 
@@ -158,13 +141,11 @@ class MemWalk:
 
     def __call__(self) -> torch.Tensor:
         grid = (self.splits, self.batch)  # as our kernel's split grid: a sequence's splits launch side by side
-        if self.kv_format == "fp8":
-            _walk_fp8_kernel[grid](self.words, self.kv_indptr, self.out, self.splits, ROW_WORDS=FP8_ROW_WORDS,
-                                   BLOCK_N=self.block_n, num_warps=4)
-        else:
-            _walk_mxfp4_kernel[grid](self.words, self.scales, self.kv_indptr, self.out, self.splits,
-                                     ROW_WORDS=MXFP4_ROW_WORDS, SCALE_STRIDE=self.scales.stride(0),
-                                     SCALES=MXFP4_SCALES_READ, BLOCK_N=self.block_n, num_warps=4)
+        fp8 = self.kv_format == "fp8"
+        _walk_kernel[grid](self.words, self.scales, self.kv_indptr, self.out, self.splits,
+                           ROW_WORDS=FP8_ROW_WORDS if fp8 else MXFP4_ROW_WORDS,
+                           V_WORDS=FP8_VALUE_WORDS if fp8 else MXFP4_VALUE_WORDS, SCALE_STRIDE=self.scales.stride(0),
+                           SCALES=0 if fp8 else MXFP4_SCALES_READ, BLOCK_N=self.block_n, num_warps=4)
         return self.out
 
     @staticmethod
