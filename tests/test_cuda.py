@@ -104,3 +104,38 @@ def test_gpu_invalid_ranges_give_nan_rows(cuda_backend, kv_seq_len):
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
     assert torch.isfinite(out[0]).all()
+
+
+@needs_nvcc
+def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cannot_build(fresh_build, monkeypatch,
+                                                                                           caplog):
+    """The choice auto makes on an NVIDIA GPU, checked on the CPU: a GPU of capability 9.0 is simulated and the
+    build is broken on purpose; MLA_BACKEND=cuda raises the build error instead."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(S, "_cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(S, "_CUDA_SRC", S._CUDA_SRC + "\nthis is not C++;\n")
+    S._cuda_auto_usable.cache_clear()
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
+    with caplog.at_level("WARNING", logger="mla_decode"):
+        assert S.select_backend(gpu) == ("triton" if S.triton is not None else "torch")
+    assert "not cuda: cuda backend: nvcc failed" in caplog.text
+    monkeypatch.setenv("MLA_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: nvcc failed"):
+        S.select_backend(gpu)
+    S._cuda_auto_usable.cache_clear()
+
+
+@needs_nvcc
+def test_auto_on_nvidia_picks_cuda_for_fp8_and_triton_for_mxfp4(fresh_build, monkeypatch):
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(S, "_cuda_capability", lambda device: (9, 0))
+    S._cuda_auto_usable.cache_clear()
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
+    assert S.select_backend(gpu) == "cuda"
+    monkeypatch.setenv("MLA_KV_FORMAT", "mxfp4")
+    assert S.select_backend(gpu) == ("triton" if S.triton is not None else "torch")
+    S._cuda_auto_usable.cache_clear()
