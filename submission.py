@@ -361,15 +361,17 @@ class _AiterPlan:
     together here: work_metadata_ptrs holds the raw device addresses of work_indptr and work_info_set."""
 
     __slots__ = ("refill", "filled", "metadata", "kv_indices", "kv_last_page_lens", "q_fp8", "q_fp32", "q_scale",
-                 "fp8_max", "kv_lens", "empty_rows")
+                 "fp8_max", "kv_lens", "empty_rows", "kv_indptr_safe", "cummax_index", "indptr_changed", "invalid")
 
-    def __init__(self, info_fn, fp8: torch.dtype, batch: int, total_kv: int, device: torch.device, refill: bool):
+    def __init__(self, info_fn, fp8: torch.dtype, batch: int, total_kv: int, device: torch.device,
+                 uniform_len: int | None):
         info = info_fn(batch, 1, NUM_HEADS, fp8, fp8, is_sparse=False, fast_mode=True, intra_batch_mode=False)
         if len(info) != 6:
             raise RuntimeError(f"aiter.get_mla_metadata_info_v1 returned {len(info)} buffer specs, expected 6")
         # (work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map)
         self.metadata = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in info)
-        self.refill = refill  # True: the lengths are not proven by the key, run get_mla_metadata_v1 on every call
+        # True: the lengths are not proven by the key, run get_mla_metadata_v1 on every call
+        self.refill = refill = uniform_len is None
         self.filled = False
         # Page size 1: page b of the cache is token b; the persistent kernels never read the last-page lengths, ones
         # are the honest value (the non-persistent kernel would read them).
@@ -381,6 +383,12 @@ class _AiterPlan:
         self.fp8_max = float(torch.finfo(fp8).max)  # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942)
         self.kv_lens = torch.empty(batch, dtype=torch.int32, device=device) if refill else None
         self.empty_rows = torch.empty(batch, dtype=torch.bool, device=device) if refill else None
+        # The kv_indptr aiter sees: for a uniform plan the one its key proves, arange(batch + 1) * L, so the plan never
+        # depends on a caller's data; otherwise the caller's, clamped into [0, total_kv] and made non-decreasing.
+        self.kv_indptr_safe = torch.arange(batch + 1, dtype=torch.int32, device=device) * (uniform_len or 0)
+        self.cummax_index = torch.empty(batch + 1, dtype=torch.int64, device=device)
+        self.indptr_changed = torch.empty(batch + 1, dtype=torch.bool, device=device)
+        self.invalid = torch.zeros((), dtype=torch.bool, device=device)
 
 
 def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, config: dict) -> tuple:
@@ -409,17 +417,29 @@ def _aiter_plan(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor,
     if plan is None:
         if len(_AITER_PLANS) >= AITER_PLAN_LIMIT:
             del _AITER_PLANS[next(iter(_AITER_PLANS))]
+        lengths = key[-1]
         plan = _AITER_PLANS[key] = _AiterPlan(fns[1], fp8, q.shape[0], kv.shape[0], q.device,
-                                              refill=key[-1][0] != "uniform")
+                                              uniform_len=lengths[1] if lengths[0] == "uniform" else None)
     return plan
 
 
 def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                         fp8: torch.dtype) -> None:
+                         fp8: torch.dtype, total_kv: int) -> None:
     """get_mla_metadata_v1 reads the lengths from the device indptrs and writes the six buffers in place (the v1.2
-    persistent split, fast_mode=True); kv_indptr counts pages, which are tokens at page size 1."""
+    persistent split, fast_mode=True); kv_indptr counts pages, which are tokens at page size 1.
+
+    aiter trusts kv_indptr: a range past total_kv or a decreasing one would send its kernel outside kv_indices. A
+    uniform plan uses the kv_indptr its key proves (set at creation). A refilled one gets the caller's clamped into
+    [0, total_kv] and made non-decreasing on the device (equal to it whenever it is valid), and plan.invalid records
+    on the device whether they differ: the whole output is then NaN (one invalid range can move the others), never
+    garbage and never a read outside the cache."""
+    if plan.refill:
+        torch.clamp(kv_indptr, 0, total_kv, out=plan.kv_indptr_safe)
+        torch.cummax(plan.kv_indptr_safe, 0, out=(plan.kv_indptr_safe, plan.cummax_index))
+        torch.ne(kv_indptr, plan.kv_indptr_safe, out=plan.indptr_changed)
+        torch.any(plan.indptr_changed, out=plan.invalid)
     work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = plan.metadata
-    metadata_fn(qo_indptr, kv_indptr, plan.kv_last_page_lens, NUM_HEADS // NUM_KV_HEADS, NUM_KV_HEADS, True,
+    metadata_fn(qo_indptr, plan.kv_indptr_safe, plan.kv_last_page_lens, NUM_HEADS // NUM_KV_HEADS, NUM_KV_HEADS, True,
                 work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map, reduce_partial_map,
                 page_size=1, kv_granularity=AITER_KV_GRANULARITY, max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True,
                 max_split_per_batch=-1, intra_batch_mode=False, dtype_q=fp8, dtype_kv=fp8)
@@ -478,11 +498,11 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
         return torch.zeros((batch, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     plan = _aiter_plan(fns, fp8, q, kv, config)
     if plan.refill or not plan.filled:
-        _aiter_fill_metadata(fns[2], plan, qo_indptr, kv_indptr, fp8)
+        _aiter_fill_metadata(fns[2], plan, qo_indptr, kv_indptr, fp8, total_kv)
     q_fp8 = _aiter_quantize_q(q, plan)  # (batch, 16, 576) fp8, scale plan.q_scale (1,) float32
     o = torch.empty((batch, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = plan.metadata
-    fns[0](q_fp8, kv.view(total_kv, 1, NUM_KV_HEADS, QK_HEAD_DIM), o, qo_indptr, kv_indptr, plan.kv_indices,
+    fns[0](q_fp8, kv.view(total_kv, 1, NUM_KV_HEADS, QK_HEAD_DIM), o, qo_indptr, plan.kv_indptr_safe, plan.kv_indices,
            plan.kv_last_page_lens, 1,
            page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=float(config["sm_scale"]),
            work_meta_data=work_metadata_ptrs, work_indptr=work_indptr, work_info_set=work_info_set,
@@ -490,9 +510,10 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
            q_scale=plan.q_scale, kv_scale=scale, intra_batch_mode=False)
     if plan.refill:
         # Lengths unknown on the host: a sequence with no KV rows gives zeros whatever the kernel wrote for it.
-        torch.sub(kv_indptr[1:], kv_indptr[:-1], out=plan.kv_lens)
+        torch.sub(plan.kv_indptr_safe[1:], plan.kv_indptr_safe[:-1], out=plan.kv_lens)
         torch.eq(plan.kv_lens, 0, out=plan.empty_rows)
         o.masked_fill_(plan.empty_rows.view(batch, 1, 1), 0.0)
+        o.masked_fill_(plan.invalid, torch.nan)
     return o
 
 

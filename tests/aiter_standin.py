@@ -440,6 +440,8 @@ class StandinAiter:
         bounds = work_indptr_seen.tolist()
         rows = work_info_seen[:bounds[-1]].tolist()
         for _batch, slot, q0, q1, k0, k1, _kv_offset, _pad in rows:
+            _expect(0 <= k0 <= k1 <= indices.shape[0], RuntimeError,
+                    f"memory fault: a work item reads kv_indices[{k0}:{k1}] of {indices.shape[0]}")
             page_ids = indices[k0:k1]
             _expect(bool(((page_ids >= 0) & (page_ids < num_pages)).all()), RuntimeError,
                     "memory fault: a kv_indices entry lies outside kv_buffer")

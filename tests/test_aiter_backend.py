@@ -279,18 +279,30 @@ def test_plan_key_rule():
 
 
 def test_a_stale_plan_would_be_caught(standin, monkeypatch):
-    """Negative control: a cache that ignored the lengths (every plan treated as proven, never refilled) serves
-    the first batch's metadata to a second one with the same batch and total_kv, and the checks catch it."""
+    """Negative control: a cache that ignored the lengths (a variable batch keyed as a proven uniform one, never
+    refilled) serves metadata for other lengths, and the checks catch it; the real key refills and is right."""
     standin("RUNNER")
+    data = make([10, 30, 20], seed=0)  # batch 3, total_kv 60: the same totals as a uniform batch of 20
+    assert tight_error(data, S.custom_kernel(data)) < TIGHT
     real_key = S._aiter_plan_key
-    monkeypatch.setattr(S, "_aiter_plan_key", lambda *args: real_key(*args)[:-1] + (("uniform", "ignored"),))
-    first = make([10, 30, 20], seed=0)
-    assert tight_error(first, S.custom_kernel(first)) < TIGHT  # fresh metadata: right
-    second = make([30, 20, 10], seed=1)
-    out = S.custom_kernel(second)  # stale metadata
-    assert tight_error(second, out) > 0.3
-    ok, msg = R.check_implementation(second, out)
+    monkeypatch.setattr(S, "_AITER_PLANS", {})
+    monkeypatch.setattr(S, "_aiter_plan_key", lambda *args: real_key(*args)[:-1] + (("uniform", 20),))
+    out = S.custom_kernel(data)  # metadata of lengths 20, 20, 20
+    assert tight_error(data, out) > 0.3
+    ok, msg = R.check_implementation(data, out)
     assert not ok, msg
+
+
+def test_invalid_kv_indptr_gives_nan_and_no_read_outside_the_cache(standin):
+    """aiter trusts kv_indptr; the backend hands it a clamped, non-decreasing copy and NaNs the output when the
+    caller's was invalid (the stand-in faults on any kv_indices read outside the cache)."""
+    standin("RUNNER")
+    q, kv_data, qo, kvp, config = make([10, 30, 20], seed=4, kv_seq_len=None)
+    for bad in ([0, 10, 5, 60], [0, 10, 40, 70], [-3, 10, 40, 60]):
+        out = S.custom_kernel((q, kv_data, qo, torch.tensor(bad, dtype=torch.int32), config))
+        assert torch.isnan(out).all(), bad
+    good = (q, kv_data, qo, kvp, config)
+    assert tight_error(good, S.custom_kernel(good)) < TIGHT  # the same plan, valid again: right again
 
 
 def test_plan_buffers_stay_alive_across_calls(standin):
