@@ -50,6 +50,7 @@ from reference import (
     LEADERBOARD_MAX_MISMATCH,
     LEADERBOARD_RTOL,
     REL_L2_BOUND,
+    check_against,
     check_implementation,
     generate_input,
     kv_format_under_test,
@@ -485,10 +486,10 @@ def _worker_evaluate(case: Case, kind: str, task_spec: str, rule: StopRule | Non
     data = generate_input(**case.args)
     output = submission.custom_kernel(clone_data(data))
     _synchronize()
-    passed, message = check_implementation(data, output)
+    expected = ref_kernel(data)
+    passed, message = check_against(data, output, expected)
     result = CaseResult(kind=kind, spec=case.spec, task_spec=task_spec, backend=backend, kv_format=kv_format,
                         passed=passed, message=message)
-    expected = ref_kernel(data)
     if isinstance(output, torch.Tensor) and output.shape == expected.shape:
         result.max_abs_err = (output.float() - expected.float()).abs().max().item() if output.numel() else 0.0
         result.rel_l2_err = relative_l2(output, expected)
