@@ -386,9 +386,9 @@ class _AiterPlan:
         # The kv_indptr aiter sees: for a uniform plan the one its key proves, arange(batch + 1) * L, so the plan never
         # depends on a caller's data; otherwise the caller's, clamped into [0, total_kv] and made non-decreasing.
         self.kv_indptr_safe = torch.arange(batch + 1, dtype=torch.int32, device=device) * (uniform_len or 0)
-        self.cummax_index = torch.empty(batch + 1, dtype=torch.int64, device=device)
-        self.indptr_changed = torch.empty(batch + 1, dtype=torch.bool, device=device)
-        self.invalid = torch.zeros((), dtype=torch.bool, device=device)
+        self.cummax_index = torch.empty(batch + 1, dtype=torch.int64, device=device) if refill else None
+        self.indptr_changed = torch.empty(batch + 1, dtype=torch.bool, device=device) if refill else None
+        self.invalid = torch.zeros((), dtype=torch.bool, device=device) if refill else None
 
 
 def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, config: dict) -> tuple:
