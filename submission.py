@@ -875,10 +875,10 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 # An earlier version that staged Q and a converted fp16 V in shared memory was bound by shared-memory bandwidth
 # (ncu: L1 72% busy, 36% of stalls on shared loads; 676 us at 256x8192); this one moves ~4x fewer shared bytes.
 # Splits: the split grid and, when a sequence is split, a combine kernel launched as a programmatic dependent
-# launch, both from one ctypes call. Measured on the H200 (2026-11-30, leaderboard timing, .exp experiment, see
-# BENCHMARKS.md): 4x1024 14.7, 4x8192 26.5, 32x1024 22.3, 32x8192 70.3, 64x1024 29.5, 64x8192 126, 256x1024 75.1,
-# 256x8192 460 us; geomean 54.6 against 63.9 for the Triton kernel in the same run. Worst sequence rel-L2 against
-# the fp32 attention over the FP8 cache 1.7e-3 (fp16 Q, so also closer to the BF16 truth than FP8 Q).
+# launch, both from one ctypes call. Measured on the H200 (2026-11-30, `bash bench/run_h200.sh`, BENCHMARKS.md):
+# 4x1024 15.9, 4x8192 30.5, 32x1024 23.3, 32x8192 71.4, 64x1024 30.6, 64x8192 127.9, 256x1024 75.1, 256x8192
+# 460.5 us; geomean 56.8 against 64.3 for the Triton kernel in the same run. Worst sequence rel-L2 against the
+# fp32 attention over the FP8 cache 1.7e-3 (fp16 Q, so also closer to the BF16 truth than FP8 Q).
 # ---------------------------------------------------------------------------------------------------------
 
 CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
@@ -1301,7 +1301,8 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int) -> int:
     """Splits per sequence: one CTA per SM fits (173 KB of shared memory), so the largest power of two with
     batch x splits <= SMs, and no split shorter than one 64-row tile. Measured on the H200 (132 SMs), the best
     split count at every leaderboard shape: 16 at 4x1024 (tile-capped), 32 at 4x8192, 4 at batch 32, 2 at batch 64,
-    1 at batch 256 (where a second wave of CTAs beats splitting: 460 vs 477 us at 2 splits, 256x8192)."""
+    1 at batch 256 (where a second wave of CTAs beats splitting: 460 vs 476 us at 2 splits, 256x8192). The sweep
+    (splits 1..32 per shape, leaderboard timing) was a throwaway script outside the repository."""
     by_sms = max(1, num_sms // max(batch, 1))
     by_rows = max(1, seq_len // CUDA_BLOCK_N)
     return 1 << (min(by_sms, by_rows).bit_length() - 1)
