@@ -858,30 +858,31 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# cuda backend (NVIDIA, FP8 KV): a CUDA kernel built at first use with the machine's nvcc, called through ctypes
+# cuda backend (NVIDIA, FP8 KV): CUDA kernels built at first use with the machine's nvcc, called through ctypes
 #
 # Why beside the Triton kernel: Triton 3.6 feeds the transposed V operand of the FP8 kernel with one-byte shared
 # loads (256 LDS.U8 per thread per tile in its SASS) and runs at the 255-register limit with spills, so each SM
-# holds 2 programs that spend ~4 us per 64-row tile. Here the layout is ours: one CTA of 8 warps per (split,
-# sequence), 4 cp.async stages of 64 rows (173 KB of shared memory, 1 CTA per SM), tensor-core mma.sync m16n8k16
-# in fp16 with fp32 accumulation, and both products read the FP8 tile straight from shared memory with ldmatrix:
-#   S = Q K^T: Q (bf16 -> fp16 * sm_scale * log2(e), no FP8 rounding of Q) lives in registers as A fragments;
-#     each warp takes 8 rows of the tile; ldmatrix on the FP8 rows as b16 hands lane (g, t4) bytes 4*t4..4*t4+3 of
-#     a 16-dim chunk, which the hardware cvt turns into the two k-pairs of one k16 step (the dot product runs over
-#     that fixed permutation of the dims, the same for Q).
-#   O += P V: each warp owns 64 output columns; ldmatrix.trans of the FP8 rows as b16 gives a lane two adjacent
-#     columns of two adjacent rows, and one byte permute per column splits them into the B fragments of an even-
-#     and an odd-column tile (the output columns are unshuffled at the store).
-# An earlier version that staged Q and a converted fp16 V in shared memory was bound by shared-memory bandwidth
-# (ncu: L1 72% busy, 36% of stalls on shared loads; 676 us at 256x8192); this one moves ~4x fewer shared bytes.
+# holds 2 programs that spend ~4 us per 64-row tile. Here the layouts are ours. One source, two split kernels:
+# - Hopper (sm_90a, built with MLA_WGMMA): one warpgroup per CTA, two CTAs per SM, two 64-row cp.async stages each.
+#   S^T = K Q^T by warpgroup MMAs with both FP8 operands in shared memory (the tile as the 64-row M side, Q quantized
+#   to e4m3 per head in the CTA as the 16-wide N side); P = 2^8 * softmax numerators in e4m3; O^T = V^T P^T with
+#   V^T as register fragments (ldmatrix.trans of the FP8 rows plus byte permutes, no conversion) and P^T from shared
+#   memory. The tile sits in the 128-/64-byte swizzled K-major layouts wgmma reads: a layout with 16-byte pieces
+#   1 KB apart halved the cp.async copy rate (562 vs 305 us for the copies alone at 256x8192).
+# - Other GPUs (sm_80+): mma.sync m16n8k16 in fp16, one CTA of 8 warps per SM, 4 stages; ldmatrix reads the FP8
+#   tile for both products (e4m3 -> fp16 by the hardware cvt from sm_89); Q in fp16 registers. On Hopper mma.sync
+#   has no FP8 form (ptxas emulates it with conversions), hence the wgmma kernel there.
 # Splits: the split grid and, when a sequence is split, a combine kernel launched as a programmatic dependent
-# launch, both from one ctypes call. Measured on the H200 (2026-11-30, `bash bench/run_h200.sh`, BENCHMARKS.md):
-# 4x1024 15.9, 4x8192 30.5, 32x1024 23.3, 32x8192 71.4, 64x1024 30.6, 64x8192 127.9, 256x1024 75.1, 256x8192
-# 460.5 us; geomean 56.8 against 64.3 for the Triton kernel in the same run. Worst sequence rel-L2 against the
-# fp32 attention over the FP8 cache 1.7e-3 (fp16 Q, so also closer to the BF16 truth than FP8 Q).
+# launch, both from one ctypes call. Measured on the H200 (2026-11-30, leaderboard timing, split counts as
+# cuda_plan picks): wgmma 4x1024 14.5, 4x8192 25.1, 32x1024 19.7, 32x8192 57.6, 64x1024 27.1, 64x8192 100.3,
+# 256x1024 52.8, 256x8192 333.1 us (geomean 45.9; the mma.sync kernel 56.4 in the same run; the copies alone take
+# 292 us at 256x8192, the math alone 189). Accuracy: FP8 Q and P cost worst-sequence rel-L2 ~0.03-0.037 against
+# fp32 attention over the FP8 cache (the fp16 mma.sync kernel 1.7e-3); against the BF16 truth 0.033-0.051, inside
+# the 0.08 FP8 bound.
 # ---------------------------------------------------------------------------------------------------------
 
 CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
+CUDA_WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
 CUDA_BLOCK_N = 64  # KV rows per tile (BN in the source)
 _CUDA_SRC = r"""
 #include <cuda_bf16.h>
@@ -889,14 +890,366 @@ _CUDA_SRC = r"""
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+// Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
+// mma.sync in fp16 (sm_80 and later). The combine kernel and the launcher are shared.
 namespace mla {
 
-constexpr int H = 16;                  // query heads (the MMA's M)
+constexpr int H = 16;                  // query heads
 constexpr int D = 576;                 // key width = bytes per FP8 row
 constexpr int DV = 512;                // value width
 constexpr int BN = 64;                 // KV rows per tile
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void launch_dependents() {  // the combine may launch now and wait for this grid
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+#if MLA_WGMMA
+constexpr int NTHREADS = 128;          // one warpgroup
+constexpr int NWARPS = 4;
+constexpr int STAGES = 2;              // tiles per CTA in shared memory (two CTAs per SM)
+constexpr int CTAS_PER_SM = 2;
+// Tile layout, wgmma's K-major swizzled layouts: dims 0..511 as four 8 KB blocks of [64 rows][128 bytes] with the
+// 16-byte units of row r permuted by u ^ (r % 8) (128-byte swizzle), dims 512..575 as [64 rows][64 bytes] with
+// u ^ ((r / 2) % 4) (64-byte swizzle). Each 128-byte line of a row lands in one 128-byte line of shared memory
+// (a layout with 16-byte pieces 1 KB apart halved the copy rate), and ldmatrix on 8 rows of a unit is conflict-free.
+constexpr int SW128_BLOCK = BN * 128;
+constexpr int ROPE_OFFSET = 4 * SW128_BLOCK;
+constexpr int TILE = BN * D;
+constexpr int QCHUNK = H * 16;         // Q and P: [chunk][16 heads][16 bytes]
+constexpr int SMEM_K = STAGES * TILE;
+constexpr int SMEM_Q = H * D;
+constexpr int SMEM_P = H * BN;
+constexpr int SMEM_RED = NWARPS * H * 4;
+constexpr int SMEM_BYTES = SMEM_K + SMEM_Q + SMEM_P + SMEM_RED + H * 4;
+constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
+
+// Byte offset of the 16-byte unit `ch` (dims 16*ch..16*ch+15) of row r in a tile.
+__device__ __forceinline__ int tile_offset(int r, int ch) {
+  return ch < 32 ? (ch >> 3) * SW128_BLOCK + r * 128 + (((ch & 7) ^ (r & 7)) << 4)
+                 : ROPE_OFFSET + r * 64 + ((((ch - 32) ^ (r >> 1)) & 3) << 4);
+}
+
+// Shared-memory matrix descriptor: start address, leading / stride byte offsets, layout (0 none, 1 128-byte swizzle,
+// 2 64-byte swizzle). Adding (bytes >> 4) moves the start address (addresses stay below 256 KB: no carry out).
+__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint64_t layout) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (layout << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D (64 x 16, fp32) (+)= A (64 x 32 e4m3, shared, K-major) * B (32 x 16 e4m3, shared, K-major).
+__device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D (64 x 16, fp32) += A (64 x 32 e4m3, registers) * B (32 x 16 e4m3, shared, K-major).
+__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, "
+      "1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint16_t to_e4m3x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+
+// Position of tile row r in the k order of the value product: its A fragments (ldmatrix.trans + byte permutes)
+// hold, at k = 4*t4 + j of each 16-row half, row 8*(j >> 1) + 2*t4 + (j & 1).
+__device__ __forceinline__ int p_position(int r) {
+  const int q = r & 15;
+  return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
+}
+
+__global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
+split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
+             const float* __restrict__ kv_scale_ptr,
+             const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
+             float* __restrict__ part_lse, int total_kv, int num_splits, float qk_scale) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* ks = smem;
+  uint8_t* qs = smem + SMEM_K;
+  uint8_t* ps = qs + SMEM_Q;
+  float* red = reinterpret_cast<float*>(ps + SMEM_P);
+  float* qscale = red + NWARPS * H;
+
+  const int split = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  launch_dependents();
+  int start = kv_indptr[b], end = kv_indptr[b + 1];
+  const bool valid = start >= 0 && end >= start && end <= total_kv;
+  if (!valid) start = end = 0;  // an invalid range reads nothing; its rows become NaN
+  const int per_split = ((end - start + num_splits - 1) / num_splits + BN - 1) / BN * BN;
+  const int lo = start + split * per_split;
+  const int hi = min(lo + per_split, end);
+  const int ntiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+
+  // Copy plan: thread tid copies units c = tid + 128 * it (it < 18) of a tile, row c / 36, unit c % 36: its global
+  // bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
+  // the same for every tile. Rows past hi are zero-filled, never read.
+  constexpr int COPIES = BN * (D / 16) / NTHREADS;
+  const uint32_t ks_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ks));
+  uint32_t soff[COPIES];
+#pragma unroll
+  for (int it = 0; it < COPIES; ++it) {
+    const int c = tid + NTHREADS * it;
+    soff[it] = tile_offset(c / (D / 16), c % (D / 16));
+  }
+  auto load_tile = [&](int i) {
+    const uint32_t dst = ks_addr + (i % STAGES) * TILE;
+    const int n0 = lo + i * BN;
+    const uint8_t* src = kv + static_cast<size_t>(n0) * D + tid * 16;
+    const int rows = hi - n0;
+    if (rows >= BN) {
+#pragma unroll
+      for (int it = 0; it < COPIES; ++it)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + soff[it]),
+                     "l"(src + it * NTHREADS * 16));
+    } else {
+#pragma unroll
+      for (int it = 0; it < COPIES; ++it) {
+        const bool in = (tid + NTHREADS * it) / (D / 16) < rows;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
+                     "l"(in ? src + it * NTHREADS * 16 : kv + static_cast<size_t>(lo) * D), "r"(in ? 16 : 0));
+      }
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < ntiles) load_tile(i);
+    asm volatile("cp.async.commit_group;\n");
+  }
+
+  // Q -> e4m3 with one scale per head (its amax maps to 448), in the [chunk][head][16] layout of the score
+  // product's B operand; the head's scale, sm_scale * log2(e) and the KV scale multiply the scores.
+  const float kv_scale = *kv_scale_ptr;
+  for (int h = warp; h < H; h += NWARPS) {
+    const __nv_bfloat162* src = reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + h) * D);
+    float2 v[D / 64];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) {
+      v[i] = __bfloat1622float2(src[lane + 32 * i]);
+      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float inv = amax > 0.f ? 448.f / amax : 1.f;
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) {
+      const int d = 2 * (lane + 32 * i);
+      *reinterpret_cast<uint16_t*>(qs + (d >> 4) * QCHUNK + h * 16 + (d & 15)) = to_e4m3x2(v[i].x * inv, v[i].y * inv);
+    }
+    if (lane == 0) qscale[h] = (amax > 0.f ? amax / 448.f : 1.f) * qk_scale * kv_scale;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  // This thread's score columns (heads) are 2*t4, 2*t4 + 1, 8 + 2*t4, 9 + 2*t4 (accumulator pairs 0/1 and 4/5 for
+  // row g of the warp's 16 rows, 2/3 and 6/7 for row g + 8).
+  const int heads[4] = {2 * t4, 2 * t4 + 1, 8 + 2 * t4, 9 + 2 * t4};
+  const uint64_t pdesc = desc(static_cast<uint32_t>(__cvta_generic_to_shared(ps)), QCHUNK, 128, 0);
+  const uint64_t qdesc = desc(static_cast<uint32_t>(__cvta_generic_to_shared(qs)), QCHUNK, 128, 0);
+  // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start.
+  const int k0 = p_position(warp * 16 + g), k1 = p_position(warp * 16 + g + 8);
+  uint8_t* const p0dst = ps + (k0 >> 4) * QCHUNK + (k0 & 15);
+  uint8_t* const p1dst = ps + (k1 >> 4) * QCHUNK + (k1 & 15);
+  const uint32_t voff[2] = {lane * 128u + ((warp ^ (lane & 7)) << 4), lane * 128u + (((4 + warp) ^ (lane & 7)) << 4)};
+  float qsc[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) qsc[e] = qscale[heads[e]];
+
+  float m[4], l[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) m[e] = -INFINITY, l[e] = 0.f;
+  float acc[8][8];  // O^T: [64-dim block][accumulator]: dims 64*mb + 16*warp + 2g (+1 for rows g + 8)
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[mb][e] = 0.f;
+
+  for (int i = 0; i < ntiles; ++i) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1
+    if (i + STAGES - 1 < ntiles) load_tile(i + STAGES - 1);
+    asm volatile("cp.async.commit_group;\n");
+    const uint32_t kt = ks_addr + (i % STAGES) * TILE;
+    const int n0 = lo + i * BN;
+
+    // S^T (64 rows x 16 heads) = K (64 x 576) Q^T: 18 k32 steps, both operands from shared memory.
+    float s[8];
+    wg_fence();
+    const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
+#pragma unroll
+    for (int st = 0; st < D / 32; ++st) {
+      const uint64_t da =
+          st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
+      wgmma_ss(s, da, qdesc + ((2 * st * QCHUNK) >> 4), st);
+    }
+    wg_commit();
+    wg_wait0();
+    fence_acc(s);
+
+    // Online softmax over the tile, log2 domain; rows past hi are masked.
+    const int r0 = warp * 16 + g;
+    const bool in0 = n0 + r0 < hi, in1 = n0 + r0 + 8 < hi;
+    float mx[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int a = (e & 1) + (e >> 1) * 4;  // accumulator of head e at row g; a + 2 at row g + 8
+      s[a] = in0 ? s[a] * qsc[e] : -INFINITY;
+      s[a + 2] = in1 ? s[a + 2] * qsc[e] : -INFINITY;
+      mx[e] = fmaxf(s[a], s[a + 2]);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = mx[e];
+    }
+    __syncthreads();
+    float alpha[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
+      mx[e] = fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w));
+      const float mn = fmaxf(m[e], mx[e]);
+      const float base = mn == -INFINITY ? 0.f : mn;
+      alpha[e] = ex2(m[e] - base);
+      m[e] = mn;
+      const int a = (e & 1) + (e >> 1) * 4;
+      const float p0 = ex2(s[a] - (base - P_BIAS)), p1 = ex2(s[a + 2] - (base - P_BIAS));
+      l[e] = l[e] * alpha[e] + (p0 + p1);  // this thread's share; summed across the CTA at the end
+      p0dst[heads[e] * 16] = to_e4m3(p0);
+      p1dst[heads[e] * 16] = to_e4m3(p1);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    // Rescale only when a running max moved somewhere in the warp (rare after the first tiles).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f || alpha[2] != 1.f || alpha[3] != 1.f)) {
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int a = (e & 1) + (e >> 1) * 4;
+          acc[mb][a] *= alpha[e];
+          acc[mb][a + 2] *= alpha[e];
+        }
+      }
+    }
+    __syncthreads();  // P is complete
+
+    // O^T (512 dims x 16 heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
+    // as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1], V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of
+    // block r; byte permutes of blocks r and r + 8 give the fragment of A row g (dim 2g) and row g + 8 (dim 2g+1).
+#pragma unroll
+    for (int kk = 0; kk < BN / 32; ++kk) {
+      uint32_t a[8][4];
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) {
+        uint32_t vb[4];
+        ldsm_x4_trans(vb, kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
+        a[mb][0] = __byte_perm(vb[0], vb[1], 0x6420);
+        a[mb][1] = __byte_perm(vb[0], vb[1], 0x7531);
+        a[mb][2] = __byte_perm(vb[2], vb[3], 0x6420);
+        a[mb][3] = __byte_perm(vb[2], vb[3], 0x7531);
+      }
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);
+      wg_fence();
+      const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) wgmma_rs(acc[mb], a[mb], db);
+    }
+    wg_commit();
+    wg_wait0();
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);
+  }
+  asm volatile("cp.async.wait_group 0;\n");
+
+  // Row sums across the warp's rows and the warps (every warp holds the same m).
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], o);
+  __syncthreads();  // every warp has read red in its last tile
+  if (g == 0) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = l[e];
+  }
+  __syncthreads();
+  float inv[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
+    l[e] = (r.x + r.y) + (r.z + r.w);
+    inv[e] = l[e] > 0.f ? kv_scale / l[e] : 0.f;  // no rows: zeros
+  }
+  const size_t part = static_cast<size_t>(b) * num_splits + split;
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) {
+    const int dim = 64 * mb + 16 * warp + 2 * g;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int a = (e & 1) + (e >> 1) * 4;
+      float2 v = make_float2(acc[mb][a] * inv[e], acc[mb][a + 2] * inv[e]);
+      if (num_splits == 1) {
+        if (!valid) v = make_float2(NAN, NAN);
+        *reinterpret_cast<__nv_bfloat162*>(out + (static_cast<size_t>(b) * H + heads[e]) * DV + dim) =
+            __floats2bfloat162_rn(v.x, v.y);
+      } else {
+        *reinterpret_cast<float2*>(part_o + (part * H + heads[e]) * DV + dim) = v;
+      }
+    }
+  }
+  if (num_splits > 1 && warp == 0 && g == 0) {  // l carries the 2^8 of P
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      part_lse[part * H + heads[e]] = l[e] > 0.f ? m[e] + log2f(l[e]) - P_BIAS : -INFINITY;
+  }
+}
+
+#else  // mma.sync, fp16
+
 constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
+constexpr int CTAS_PER_SM = 1;
 constexpr int TOKW = BN / NWARPS;      // score columns (tile rows) per warp: one m16n8 tile
 constexpr int VCOLS = DV / NWARPS;     // output columns per warp
 constexpr int STAGES = 4;              // tiles in flight (cp.async)
@@ -916,18 +1269,6 @@ __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
 // Two e4m3 bytes (low byte first) -> f16x2 by the hardware cvt.
@@ -957,9 +1298,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");  // the combine may launch and wait for this grid
-#endif
+  launch_dependents();
   int start = kv_indptr[b], end = kv_indptr[b + 1];
   const bool valid = start >= 0 && end >= start && end <= total_kv;
   if (!valid) start = end = 0;  // an invalid range reads nothing; its rows become NaN
@@ -1029,7 +1368,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
     for (int c4 = 0; c4 < KSTEPS / 4; ++c4) {
       uint32_t kb[4];
-      ldsm_x4(kb, krow + c4 * 64);
+      ldsm_x4(kb, smem_u32(krow + c4 * 64));
 #pragma unroll
       for (int a = 0; a < 4; ++a)
         mma_f16(s4[a], qa[c4 * 4 + a], e4m3x2_to_f16x2(kb[a]), e4m3x2_to_f16x2(kb[a] >> 16));
@@ -1085,13 +1424,13 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t pa[4];
-      ldsm_x4(pa, ps + (lane & 15) * PROW + kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(pa, smem_u32(ps + (lane & 15) * PROW + kk * 16 + (lane >> 4) * 8));
       const uint8_t* vrow =
           kt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * KROW + warp * VCOLS + (lane >> 4) * 16;
 #pragma unroll
       for (int gp = 0; gp < VCOLS / 32; ++gp) {  // pairs of 16-column groups
         uint32_t vb[4];
-        ldsm_x4_trans(vb, vrow + gp * 32);
+        ldsm_x4_trans(vb, smem_u32(vrow + gp * 32));
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
           const uint32_t lo_rows = vb[2 * h2], hi_rows = vb[2 * h2 + 1];
@@ -1155,6 +1494,8 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   }
 }
 
+#endif  // MLA_WGMMA
+
 // Merges the splits of one (sequence, head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
 // 128 threads x 4 columns. Waits for the split grid (programmatic dependent launch) before reading the partials.
 __global__ void __launch_bounds__(128)
@@ -1191,6 +1532,9 @@ combine_kernel(const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ ou
 }
 
 }  // namespace mla
+
+// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism).
+extern "C" int mla_fp8_ctas_per_sm() { return mla::CTAS_PER_SM; }
 
 // Launches the split kernel and, with more than one split, the combine as a programmatic dependent launch, on
 // `stream`. C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
@@ -1253,7 +1597,8 @@ def _cuda_library(capability: tuple[int, int]):
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError("cuda backend: no nvcc found (set CUDA_HOME or put nvcc on PATH)")
-    arch = f"{capability[0]}{capability[1]}"
+    wgmma = capability == CUDA_WGMMA_CAPABILITY
+    arch = f"{capability[0]}{capability[1]}{'a' if wgmma else ''}"
     digest = hashlib.sha256(f"{_CUDA_SRC}{arch}{nvcc}".encode()).hexdigest()[:16]
     cache = os.environ.get("MLA_CUDA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mla_decode")
     path = os.path.join(cache, f"libmla_fp8_sm{arch}_{digest}.so")
@@ -1265,7 +1610,7 @@ def _cuda_library(capability: tuple[int, int]):
                 f.write(_CUDA_SRC)
             built = os.path.join(tmp, "lib.so")
             cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "177",
-                   f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", built, cu]
+                   f"-DMLA_WGMMA={int(wgmma)}", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", built, cu]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 _CUDA_LIBS[capability] = f"cuda backend: nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}"
@@ -1274,6 +1619,8 @@ def _cuda_library(capability: tuple[int, int]):
     lib = ctypes.CDLL(path)
     lib.mla_fp8_decode.restype = ctypes.c_int
     lib.mla_fp8_decode.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_void_p]
+    lib.mla_fp8_ctas_per_sm.restype = ctypes.c_int
+    lib.mla_fp8_ctas_per_sm.argtypes = []
     _CUDA_LIBS[capability] = lib
     return lib
 
@@ -1297,15 +1644,21 @@ def cuda_unusable_reason(device: torch.device) -> str | None:
     return None
 
 
-def cuda_plan(batch: int, seq_len: int, num_sms: int) -> int:
-    """Splits per sequence: one CTA per SM fits (173 KB of shared memory), so the largest power of two with
-    batch x splits <= SMs, and no split shorter than one 64-row tile. Measured on the H200 (132 SMs), the best
-    split count at every leaderboard shape: 16 at 4x1024 (tile-capped), 32 at 4x8192, 4 at batch 32, 2 at batch 64,
-    1 at batch 256 (where a second wave of CTAs beats splitting: 460 vs 476 us at 2 splits, 256x8192). The sweep
-    (splits 1..32 per shape, leaderboard timing) was a throwaway script outside the repository."""
-    by_sms = max(1, num_sms // max(batch, 1))
-    by_rows = max(1, seq_len // CUDA_BLOCK_N)
-    return 1 << (min(by_sms, by_rows).bit_length() - 1)
+def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
+    """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once
+    (ctas_per_sm x SMs) and at least `ctas_per_sm` 64-row tiles per split; then, while a second CTA per SM would be
+    needed (batch x splits > SMs), halved as long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its
+    Q and its partial output, outweighs so little work). Measured on the H200 (132 SMs, 2026-11-30, splits 1..128 per
+    shape, leaderboard timing): the wgmma kernel (2 CTAs per SM) is fastest, or within 1%, at the counts this
+    picks: 8 at 4x1024, 32 at 4x8192, 4 at 32x1024, 8 at 32x8192, 4 at 64x1024 and 64x8192, 1 at batch 256; e.g.
+    4x8192: 24.9 / 25.1 / 32.9 us at 16 / 32 / 64 splits, 256x8192: 333 / 356 us at 1 / 2. The mma.sync kernel
+    (1 CTA per SM) was best at 16, 32, 4, 4, 2, 2, 1, 1 (what this picks for it)."""
+    tiles = max(1, seq_len // CUDA_BLOCK_N)
+    limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles // ctas_per_sm))
+    splits = 1 << (limit.bit_length() - 1)
+    while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
+        splits //= 2
+    return splits
 
 
 def _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
@@ -1317,7 +1670,8 @@ def _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     key = (q.device, batch, seq_len)
     launch = _CUDA_LAUNCH.get(key)
     if launch is None:
-        splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(q.device).multi_processor_count,
+                           lib.mla_fp8_ctas_per_sm())
         rows = batch * splits if splits > 1 else 0
         launch = (splits, torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=q.device),
                   torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=q.device))

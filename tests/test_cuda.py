@@ -17,11 +17,14 @@ def fresh_build(monkeypatch, tmp_path):
 
 
 @needs_nvcc
-def test_source_builds_and_exports_the_launcher(fresh_build):
-    lib = S._cuda_library((9, 0))
+@pytest.mark.parametrize("capability,suffix,ctas_per_sm", [((9, 0), "sm90a", 2), ((8, 0), "sm80", 1)],
+                         ids=["wgmma", "mma_sync"])
+def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix, ctas_per_sm):
+    lib = S._cuda_library(capability)
     assert lib.mla_fp8_decode.restype is not None
-    assert len(list(fresh_build.glob("libmla_fp8_sm90_*.so"))) == 1
-    assert S._cuda_library((9, 0)) is lib  # built once, then reused
+    assert lib.mla_fp8_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
+    assert len(list(fresh_build.glob(f"libmla_fp8_{suffix}_*.so"))) == 1
+    assert S._cuda_library(capability) is lib  # built once, then reused
 
 
 @needs_nvcc
@@ -34,11 +37,14 @@ def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build,
     assert not list(fresh_build.glob("*.so"))
 
 
-@pytest.mark.parametrize("batch,seq_len,splits", [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (32, 8192, 4),
-                                                  (64, 1024, 2), (64, 8192, 2), (256, 1024, 1), (256, 8192, 1),
-                                                  (1, 1, 1), (3, 0, 1), (1000, 50, 1)])
-def test_plan_fills_the_sms_once(batch, seq_len, splits):
-    assert S.cuda_plan(batch, seq_len, 132) == splits
+# (batch, seq_len, splits with 1 CTA per SM (mma.sync), with 2 (wgmma)): the measured best counts on the H200
+@pytest.mark.parametrize("batch,seq_len,one,two", [(4, 1024, 16, 8), (4, 8192, 32, 32), (32, 1024, 4, 4),
+                                                   (32, 8192, 4, 8), (64, 1024, 2, 4), (64, 8192, 2, 4),
+                                                   (256, 1024, 1, 1), (256, 8192, 1, 1), (1, 1, 1, 1), (3, 0, 1, 1),
+                                                   (1000, 50, 1, 1), (1, 100_000, 128, 256)])
+def test_plan_fills_the_sms(batch, seq_len, one, two):
+    assert S.cuda_plan(batch, seq_len, 132, 1) == one
+    assert S.cuda_plan(batch, seq_len, 132, 2) == two
 
 
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
@@ -53,7 +59,12 @@ def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                reason="needs an NVIDIA GPU")
-KERNEL_REL_L2 = 5e-3  # vs fp32 attention over the FP8 cache: fp16 Q and P, bf16 output (measured 1.7e-3)
+
+def kernel_rel_l2_bound() -> float:
+    """Worst-sequence rel-L2 against fp32 attention over the FP8 cache: the wgmma kernel rounds Q (per head) and P to
+    e4m3 (measured 0.029-0.037 on the H200), the mma.sync kernel keeps both in fp16 (1.7e-3)."""
+    wgmma = torch.cuda.get_device_capability() == S.CUDA_WGMMA_CAPABILITY
+    return 0.06 if wgmma else 5e-3
 
 
 def fp32_over_fp8(data) -> torch.Tensor:
@@ -77,7 +88,7 @@ def test_gpu_task_cases(cuda_backend, batch, kv_len):
     out = S.custom_kernel(data)
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
-    assert R.worst_row_relative_l2(out, fp32_over_fp8(data)) < KERNEL_REL_L2
+    assert R.worst_row_relative_l2(out, fp32_over_fp8(data)) < kernel_rel_l2_bound()
     assert torch.equal(S.custom_kernel(data), out)  # deterministic, and the cached launch is reused
 
 
@@ -88,7 +99,8 @@ def test_gpu_task_cases(cuda_backend, batch, kv_len):
 def test_gpu_varlen(cuda_backend, lens):
     data = R.generate_varlen_input(lens, seed=len(lens))
     out = S.custom_kernel(data)
-    assert R.worst_row_relative_l2(out, fp32_over_fp8(data)) < KERNEL_REL_L2  # zero rows for empty sequences
+    # zero rows for empty sequences
+    assert R.worst_row_relative_l2(out, fp32_over_fp8(data)) < kernel_rel_l2_bound()
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
 
