@@ -922,8 +922,11 @@ __device__ __forceinline__ void launch_dependents() {  // the combine may launch
 #if MLA_WGMMA
 constexpr int NTHREADS = 128;          // one warpgroup
 constexpr int NWARPS = 4;
-constexpr int STAGES = 2;              // tiles per CTA in shared memory (two CTAs per SM)
 constexpr int CTAS_PER_SM = 2;
+// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 4 when the grid leaves each CTA an SM of its own
+// (few tiles per CTA: more of them in flight at once).
+constexpr int STAGES_SHARED = 2;
+constexpr int STAGES_ALONE = 4;
 // Tile layout, wgmma's K-major swizzled layouts: dims 0..511 as four 8 KB blocks of [64 rows][128 bytes] with the
 // 16-byte units of row r permuted by u ^ (r % 8) (128-byte swizzle), dims 512..575 as [64 rows][64 bytes] with
 // u ^ ((r / 2) % 4) (64-byte swizzle). Each 128-byte line of a row lands in one 128-byte line of shared memory
@@ -932,11 +935,11 @@ constexpr int SW128_BLOCK = BN * 128;
 constexpr int ROPE_OFFSET = 4 * SW128_BLOCK;
 constexpr int TILE = BN * D;
 constexpr int QCHUNK = H * 16;         // Q and P: [chunk][16 heads][16 bytes]
-constexpr int SMEM_K = STAGES * TILE;
 constexpr int SMEM_Q = H * D;
 constexpr int SMEM_P = H * BN;
 constexpr int SMEM_RED = NWARPS * H * 4;
-constexpr int SMEM_BYTES = SMEM_K + SMEM_Q + SMEM_P + SMEM_RED + H * 4;
+template <int STAGES>
+constexpr int smem_bytes() { return STAGES * TILE + SMEM_Q + SMEM_P + SMEM_RED + H * 4; }
 constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
 
 // Byte offset of the 16-byte unit `ch` (dims 16*ch..16*ch+15) of row r in a tile.
@@ -997,6 +1000,7 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
+template <int STAGES>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr,
@@ -1004,7 +1008,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
              float* __restrict__ part_lse, int total_kv, int num_splits, float qk_scale) {
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* ks = smem;
-  uint8_t* qs = smem + SMEM_K;
+  uint8_t* qs = smem + STAGES * TILE;
   uint8_t* ps = qs + SMEM_Q;
   float* red = reinterpret_cast<float*>(ps + SMEM_P);
   float* qscale = red + NWARPS * H;
@@ -1050,29 +1054,39 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       }
     }
   };
+  // Q -> e4m3 with one scale per head (its amax maps to 448), in the [chunk][head][16] layout of the score
+  // product's B operand; the head's scale, sm_scale * log2(e) and the KV scale multiply the scores. Q's loads are
+  // issued before the first tiles' copies so they do not queue behind them.
+  constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
+  __nv_bfloat162 qv[H / NWARPS][QPAIRS];
+#pragma unroll
+  for (int j = 0; j < H / NWARPS; ++j) {
+    const __nv_bfloat162* src =
+        reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + warp + j * NWARPS) * D);
+#pragma unroll
+    for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
+  }
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < ntiles) load_tile(i);
     asm volatile("cp.async.commit_group;\n");
   }
-
-  // Q -> e4m3 with one scale per head (its amax maps to 448), in the [chunk][head][16] layout of the score
-  // product's B operand; the head's scale, sm_scale * log2(e) and the KV scale multiply the scores.
   const float kv_scale = *kv_scale_ptr;
-  for (int h = warp; h < H; h += NWARPS) {
-    const __nv_bfloat162* src = reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + h) * D);
-    float2 v[D / 64];
+#pragma unroll
+  for (int j = 0; j < H / NWARPS; ++j) {
+    const int h = warp + j * NWARPS;
+    float2 v[QPAIRS];
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < D / 64; ++i) {
-      v[i] = __bfloat1622float2(src[lane + 32 * i]);
+    for (int i = 0; i < QPAIRS; ++i) {
+      v[i] = __bfloat1622float2(qv[j][i]);
       amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
     }
 #pragma unroll
     for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float inv = amax > 0.f ? 448.f / amax : 1.f;
 #pragma unroll
-    for (int i = 0; i < D / 64; ++i) {
+    for (int i = 0; i < QPAIRS; ++i) {
       const int d = 2 * (lane + 32 * i);
       *reinterpret_cast<uint16_t*>(qs + (d >> 4) * QCHUNK + h * 16 + (d & 15)) = to_e4m3x2(v[i].x * inv, v[i].y * inv);
     }
@@ -1250,18 +1264,19 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
 constexpr int CTAS_PER_SM = 1;
+constexpr int STAGES_SHARED = 4;       // tiles in flight (cp.async); one CTA per SM in any case
+constexpr int STAGES_ALONE = 4;
 constexpr int TOKW = BN / NWARPS;      // score columns (tile rows) per warp: one m16n8 tile
 constexpr int VCOLS = DV / NWARPS;     // output columns per warp
-constexpr int STAGES = 4;              // tiles in flight (cp.async)
 constexpr int KROW = D + 16;           // smem bytes per tile row: 8 consecutive rows hit distinct banks (ldmatrix)
 constexpr int QROW = D + 8;            // halves per row of the fp16 Q staging
 constexpr int PROW = BN + 8;           // halves per P row
 constexpr int KSTEPS = D / 16;         // k16 steps of the score product
-constexpr int SMEM_K = STAGES * BN * KROW;
 constexpr int SMEM_Q = H * QROW * 2;
 constexpr int SMEM_P = H * PROW * 2;
 constexpr int SMEM_RED = NWARPS * H * 4;
-constexpr int SMEM_BYTES = SMEM_K + SMEM_Q + SMEM_P + SMEM_RED;
+template <int STAGES>
+constexpr int smem_bytes() { return STAGES * BN * KROW + SMEM_Q + SMEM_P + SMEM_RED; }
 
 __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -1285,6 +1300,7 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 // q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale (1,) fp32; kv_indptr (batch + 1,) int32.
 // num_splits == 1: out (batch, 16, 512) bf16. Otherwise part_o (batch * num_splits, 16, 512) fp32, the normalised
 // partial outputs, and part_lse (batch * num_splits, 16), their log2-sum-exp, for the combine kernel.
+template <int STAGES>
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr,
@@ -1292,9 +1308,10 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
              float* __restrict__ part_lse, int total_kv, int num_splits, float qk_scale) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ks = smem;
-  __half* qs = reinterpret_cast<__half*>(smem + SMEM_K);
-  __half* ps = reinterpret_cast<__half*>(smem + SMEM_K + SMEM_Q);
-  float* red = reinterpret_cast<float*>(smem + SMEM_K + SMEM_Q + SMEM_P);
+  uint8_t* const tail = smem + STAGES * BN * KROW;
+  __half* qs = reinterpret_cast<__half*>(tail);
+  __half* ps = reinterpret_cast<__half*>(tail + SMEM_Q);
+  float* red = reinterpret_cast<float*>(tail + SMEM_Q + SMEM_P);
 
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -1498,25 +1515,38 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 
 // Merges the splits of one (sequence, head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
 // 128 threads x 4 columns. Waits for the split grid (programmatic dependent launch) before reading the partials.
-__global__ void __launch_bounds__(128)
+// The weights are computed once, in parallel, so the partials' loads carry no dependency and overlap.
+constexpr int COMBINE_THREADS = 128;
+constexpr int MAX_SPLITS = 1024;
+__global__ void __launch_bounds__(COMBINE_THREADS)
 combine_kernel(const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, const float* __restrict__ part_o,
                const float* __restrict__ part_lse, int total_kv, int num_splits) {
-  const int bh = blockIdx.x, b = bh / H, h = bh % H, col = threadIdx.x * 4;
+  __shared__ float weight[MAX_SPLITS];
+  __shared__ float warp_max[COMBINE_THREADS / 32];
+  const int bh = blockIdx.x, b = bh / H, h = bh % H, tid = threadIdx.x, col = tid * 4;
   const int start = kv_indptr[b], end = kv_indptr[b + 1];
   const bool valid = start >= 0 && end >= start && end <= total_kv;
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H + h;
   float mx = -INFINITY;
-  for (int sp = 0; sp < num_splits; ++sp) mx = fmaxf(mx, part_lse[(b * num_splits + sp) * H + h]);
+  for (int sp = tid; sp < num_splits; sp += COMBINE_THREADS) mx = fmaxf(mx, lse[sp * H]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((tid & 31) == 0) warp_max[tid >> 5] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
   const float base = mx == -INFINITY ? 0.f : mx;  // every split empty: all weights 0, zeros out
+  for (int sp = tid; sp < num_splits; sp += COMBINE_THREADS) weight[sp] = exp2f(lse[sp * H] - base);
+  __syncthreads();
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
-  for (int sp = 0; sp < num_splits; ++sp) {
-    const size_t part = static_cast<size_t>(b) * num_splits + sp;
-    const float w = exp2f(part_lse[part * H + h] - base);
-    if (w == 0.f) continue;  // an empty split (its partial holds zeros)
-    const float4 o = *reinterpret_cast<const float4*>(part_o + (part * H + h) * DV + col);
+  const float* po = part_o + (static_cast<size_t>(b) * num_splits * H + h) * DV + col;
+#pragma unroll 8
+  for (int sp = 0; sp < num_splits; ++sp) {  // an empty split's partial holds zeros and its weight is 0
+    const float w = weight[sp];
+    const float4 o = *reinterpret_cast<const float4*>(po + static_cast<size_t>(sp) * H * DV);
     acc.x += w * o.x;
     acc.y += w * o.y;
     acc.z += w * o.z;
@@ -1536,31 +1566,46 @@ combine_kernel(const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ ou
 // Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism).
 extern "C" int mla_fp8_ctas_per_sm() { return mla::CTAS_PER_SM; }
 
+template <int STAGES>
+static cudaError_t launch_split(int dev, dim3 grid, cudaStream_t s, const void* q, const void* kv,
+                                const void* kv_scale, const int* indptr, void* out, void* part_o, void* part_lse,
+                                int total_kv, int num_splits, float qk_scale) {
+  static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
+  if (!(configured & (1u << dev))) {
+    const cudaError_t e = cudaFuncSetAttribute(mla::split_kernel<STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               mla::smem_bytes<STAGES>());
+    if (e != cudaSuccess) return e;
+    configured |= 1u << dev;
+  }
+  mla::split_kernel<STAGES><<<grid, mla::NTHREADS, mla::smem_bytes<STAGES>(), s>>>(
+      static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(kv), static_cast<const float*>(kv_scale),
+      indptr, static_cast<__nv_bfloat16*>(out), static_cast<float*>(part_o), static_cast<float*>(part_lse), total_kv,
+      num_splits, qk_scale);
+  return cudaGetLastError();
+}
+
 // Launches the split kernel and, with more than one split, the combine as a programmatic dependent launch, on
 // `stream`. C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
 extern "C" int mla_fp8_decode(const void* q, const void* kv, const void* kv_scale, const void* kv_indptr, void* out,
                               void* part_o, void* part_lse, int batch, int total_kv, int num_splits, float qk_scale,
                               void* stream) {
-  static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
+  static thread_local int sms[32] = {};  // per device
   int dev = 0;
   cudaGetDevice(&dev);
-  if (!(configured & (1u << dev))) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(mla::split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mla::SMEM_BYTES);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    configured |= 1u << dev;
-  }
+  if (dev >= 32 || num_splits > mla::MAX_SPLITS) return static_cast<int>(cudaErrorInvalidValue);
+  if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int* indptr = static_cast<const int*>(kv_indptr);
-  mla::split_kernel<<<dim3(num_splits, batch), mla::NTHREADS, mla::SMEM_BYTES, s>>>(
-      static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(kv), static_cast<const float*>(kv_scale),
-      indptr, static_cast<__nv_bfloat16*>(out), static_cast<float*>(part_o), static_cast<float*>(part_lse), total_kv,
-      num_splits, qk_scale);
-  cudaError_t e = cudaGetLastError();
+  const dim3 grid(num_splits, batch);
+  cudaError_t e = batch * num_splits <= sms[dev]
+      ? launch_split<mla::STAGES_ALONE>(dev, grid, s, q, kv, kv_scale, indptr, out, part_o, part_lse, total_kv,
+                                        num_splits, qk_scale)
+      : launch_split<mla::STAGES_SHARED>(dev, grid, s, q, kv, kv_scale, indptr, out, part_o, part_lse, total_kv,
+                                         num_splits, qk_scale);
   if (e != cudaSuccess || num_splits == 1) return static_cast<int>(e);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(batch * mla::H);
-  cfg.blockDim = dim3(128);
+  cfg.blockDim = dim3(mla::COMBINE_THREADS);
   cfg.stream = s;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
