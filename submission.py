@@ -1513,47 +1513,56 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 
 #endif  // MLA_WGMMA
 
-// Merges the splits of one (sequence, head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
-// 128 threads x 4 columns. Waits for the split grid (programmatic dependent launch) before reading the partials.
-// The weights are computed once, in parallel, so the partials' loads carry no dependency and overlap.
+// Merges the splits of one (sequence, head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
+// computed online over the splits. 128 threads x 4 columns. Waits for the split grid (programmatic dependent
+// launch) before reading the partials; a group of 8 splits' loads is issued before any is used, so the partials
+// cost one round trip per 8 splits.
 constexpr int COMBINE_THREADS = 128;
-constexpr int MAX_SPLITS = 1024;
+constexpr int COMBINE_GROUP = 8;
 __global__ void __launch_bounds__(COMBINE_THREADS)
 combine_kernel(const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, const float* __restrict__ part_o,
                const float* __restrict__ part_lse, int total_kv, int num_splits) {
-  __shared__ float weight[MAX_SPLITS];
-  __shared__ float warp_max[COMBINE_THREADS / 32];
-  const int bh = blockIdx.x, b = bh / H, h = bh % H, tid = threadIdx.x, col = tid * 4;
+  const int bh = blockIdx.x, b = bh / H, h = bh % H, col = threadIdx.x * 4;
   const int start = kv_indptr[b], end = kv_indptr[b + 1];
   const bool valid = start >= 0 && end >= start && end <= total_kv;
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H + h;
-  float mx = -INFINITY;
-  for (int sp = tid; sp < num_splits; sp += COMBINE_THREADS) mx = fmaxf(mx, lse[sp * H]);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  if ((tid & 31) == 0) warp_max[tid >> 5] = mx;
-  __syncthreads();
-  mx = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
-  const float base = mx == -INFINITY ? 0.f : mx;  // every split empty: all weights 0, zeros out
-  for (int sp = tid; sp < num_splits; sp += COMBINE_THREADS) weight[sp] = exp2f(lse[sp * H] - base);
-  __syncthreads();
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
   const float* po = part_o + (static_cast<size_t>(b) * num_splits * H + h) * DV + col;
-#pragma unroll 8
-  for (int sp = 0; sp < num_splits; ++sp) {  // an empty split's partial holds zeros and its weight is 0
-    const float w = weight[sp];
-    const float4 o = *reinterpret_cast<const float4*>(po + static_cast<size_t>(sp) * H * DV);
-    acc.x += w * o.x;
-    acc.y += w * o.y;
-    acc.z += w * o.z;
-    acc.w += w * o.w;
-    wsum += w;
+  float mx = -INFINITY, wsum = 0.f;  // running max of lse, sum of 2^(lse - mx)
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < num_splits; s0 += COMBINE_GROUP) {
+    float l[COMBINE_GROUP];
+    float4 o[COMBINE_GROUP];
+#pragma unroll
+    for (int j = 0; j < COMBINE_GROUP; ++j) {
+      const int sp = min(s0 + j, num_splits - 1);  // past the end: a repeat, weighed 0 below
+      l[j] = s0 + j < num_splits ? lse[sp * H] : -INFINITY;
+      o[j] = *reinterpret_cast<const float4*>(po + static_cast<size_t>(sp) * H * DV);
+    }
+    float gmx = mx;
+#pragma unroll
+    for (int j = 0; j < COMBINE_GROUP; ++j) gmx = fmaxf(gmx, l[j]);
+    if (gmx == -INFINITY) continue;  // only empty splits so far (their partials hold zeros)
+    const float r = exp2f(mx - gmx);
+    acc.x *= r;
+    acc.y *= r;
+    acc.z *= r;
+    acc.w *= r;
+    wsum *= r;
+    mx = gmx;
+#pragma unroll
+    for (int j = 0; j < COMBINE_GROUP; ++j) {
+      const float w = exp2f(l[j] - mx);
+      acc.x += w * o[j].x;
+      acc.y += w * o[j].y;
+      acc.z += w * o[j].z;
+      acc.w += w * o[j].w;
+      wsum += w;
+    }
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;  // every split empty: zeros
   const float nan = valid ? 1.f : NAN;
   const __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv * nan, acc.y * inv * nan);
   const __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv * nan, acc.w * inv * nan);
@@ -1592,7 +1601,7 @@ extern "C" int mla_fp8_decode(const void* q, const void* kv, const void* kv_scal
   static thread_local int sms[32] = {};  // per device
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev >= 32 || num_splits > mla::MAX_SPLITS) return static_cast<int>(cudaErrorInvalidValue);
+  if (dev >= 32) return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int* indptr = static_cast<const int*>(kv_indptr);
@@ -1691,15 +1700,15 @@ def cuda_unusable_reason(device: torch.device) -> str | None:
 
 def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once
-    (ctas_per_sm x SMs) and at least `ctas_per_sm` 64-row tiles per split; then, while a second CTA per SM would be
-    needed (batch x splits > SMs), halved as long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its
-    Q and its partial output, outweighs so little work). Measured on the H200 (132 SMs, 2026-11-30, splits 1..128 per
-    shape, leaderboard timing): the wgmma kernel (2 CTAs per SM) is fastest, or within 1%, at the counts this
-    picks: 8 at 4x1024, 32 at 4x8192, 4 at 32x1024, 8 at 32x8192, 4 at 64x1024 and 64x8192, 1 at batch 256; e.g.
-    4x8192: 24.9 / 25.1 / 32.9 us at 16 / 32 / 64 splits, 256x8192: 333 / 356 us at 1 / 2. The mma.sync kernel
+    (ctas_per_sm x SMs) and at least one 64-row tile per split; then, while a second CTA per SM would be needed
+    (batch x splits > SMs), halved as long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and
+    its partial output, outweighs so little work). Measured on the H200 (132 SMs, 2026-11-30, splits 1..64 per shape,
+    leaderboard timing), the wgmma kernel (2 CTAs per SM) is fastest, or within 4%, at the counts this picks: 16 at
+    4x1024 (12.0 us; 14.1 at 8), 32 at 4x8192 (21.4; 23.0 at 16), 4 at 32x1024 (21.8; 21.2 at 8), 8 at 32x8192, 4 at
+    64x1024 and 64x8192 (94.3; 100.6 at 2), 1 at batch 256 (256x8192: 323 / 348 us at 1 / 2). The mma.sync kernel
     (1 CTA per SM) was best at 16, 32, 4, 4, 2, 2, 1, 1 (what this picks for it)."""
     tiles = max(1, seq_len // CUDA_BLOCK_N)
-    limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles // ctas_per_sm))
+    limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles))
     splits = 1 << (limit.bit_length() - 1)
     while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
         splits //= 2
