@@ -873,12 +873,12 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 #   tile for both products (e4m3 -> fp16 by the hardware cvt from sm_89); Q in fp16 registers. On Hopper mma.sync
 #   has no FP8 form (ptxas emulates it with conversions), hence the wgmma kernel there.
 # Splits: the split grid and, when a sequence is split, a combine kernel launched as a programmatic dependent
-# launch, both from one ctypes call. Measured on the H200 (2026-11-30, leaderboard timing, split counts as
-# cuda_plan picks): wgmma 4x1024 14.5, 4x8192 25.1, 32x1024 19.7, 32x8192 57.6, 64x1024 27.1, 64x8192 100.3,
-# 256x1024 52.8, 256x8192 333.1 us (geomean 45.9; the mma.sync kernel 56.4 in the same run; the copies alone take
-# 292 us at 256x8192, the math alone 189). Accuracy: FP8 Q and P cost worst-sequence rel-L2 ~0.03-0.037 against
-# fp32 attention over the FP8 cache (the fp16 mma.sync kernel 1.7e-3); against the BF16 truth 0.033-0.051, inside
-# the 0.08 FP8 bound.
+# launch, both from one ctypes call. Measured on the H200 (2026-11-30 11:11 UTC, `bash bench/run_h200.sh`,
+# BENCHMARKS.md): wgmma 4x1024 12.1, 4x8192 22.1, 32x1024 19.4, 32x8192 55.6, 64x1024 25.5, 64x8192 98.8,
+# 256x1024 50.9, 256x8192 346.1 us (geomean 43.5; the mma.sync kernel 56.4-56.8 in earlier runs; at 256x8192 the
+# copies alone take 317 us with this grid, the math alone 189). Accuracy: FP8 Q and P cost worst-sequence rel-L2
+# ~0.03-0.037 against fp32 attention over the FP8 cache (the fp16 mma.sync kernel 1.7e-3); against the BF16 truth
+# 0.032-0.044, inside the 0.08 FP8 bound.
 # ---------------------------------------------------------------------------------------------------------
 
 CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
