@@ -892,6 +892,10 @@ _CUDA_SRC = r"""
 
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The combine kernel and the launcher are shared.
+// split_kernel<STAGES>: grid (num_splits, batch); q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale (1,)
+// fp32; kv_indptr (batch + 1,) int32. num_splits == 1: out (batch, 16, 512) bf16. Otherwise part_o
+// (batch * num_splits, 16, 512) fp32, the normalised partial outputs, and part_lse (batch * num_splits, 16), their
+// log2-sum-exp, for the combine kernel.
 namespace mla {
 
 constexpr int H = 16;                  // query heads
@@ -911,6 +915,24 @@ __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t a) {
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// The rows [lo, hi) of the cache that split `split` of sequence b attends to: splits of whole 64-row tiles,
+// ntiles of them. An invalid kv_indptr range reads nothing (valid = false; its output rows become NaN).
+struct SplitRange {
+  int lo, hi, ntiles;
+  bool valid;
+};
+
+__device__ __forceinline__ SplitRange split_range(const int* kv_indptr, int b, int split, int num_splits,
+                                                  int total_kv) {
+  int start = kv_indptr[b], end = kv_indptr[b + 1];
+  const bool valid = start >= 0 && end >= start && end <= total_kv;
+  if (!valid) start = end = 0;
+  const int per_split = ((end - start + num_splits - 1) / num_splits + BN - 1) / BN * BN;
+  const int lo = start + split * per_split;
+  const int hi = min(lo + per_split, end);
+  return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, valid};
 }
 
 __device__ __forceinline__ void launch_dependents() {  // the combine may launch now and wait for this grid
@@ -1000,6 +1022,26 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
+// Reduces v[e] (head heads[e]) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then over the 4
+// warps through `red` ([16 heads][4 warps]); every thread gets the results for its heads. op: max or sum.
+template <typename Op>
+__device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, float* red, int warp, int g, Op op) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) v[e] = op(v[e], __shfl_xor_sync(0xffffffffu, v[e], o));
+  if (g == 0) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = v[e];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
+    v[e] = op(op(r.x, r.y), op(r.z, r.w));
+  }
+}
+
 template <int STAGES>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
@@ -1016,13 +1058,9 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();
-  int start = kv_indptr[b], end = kv_indptr[b + 1];
-  const bool valid = start >= 0 && end >= start && end <= total_kv;
-  if (!valid) start = end = 0;  // an invalid range reads nothing; its rows become NaN
-  const int per_split = ((end - start + num_splits - 1) / num_splits + BN - 1) / BN * BN;
-  const int lo = start + split * per_split;
-  const int hi = min(lo + per_split, end);
-  const int ntiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+  const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
+  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
+  const bool valid = range.valid;
 
   // Copy plan: thread tid copies units c = tid + 128 * it (it < 18) of a tile, row c / 36, unit c % 36: its global
   // bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
@@ -1150,19 +1188,11 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       s[a] = in0 ? s[a] * qsc[e] : -INFINITY;
       s[a + 2] = in1 ? s[a + 2] * qsc[e] : -INFINITY;
       mx[e] = fmaxf(s[a], s[a + 2]);
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
     }
-    if (g == 0) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = mx[e];
-    }
-    __syncthreads();
+    reduce_rows(mx, heads, red, warp, g, [](float x, float y) { return fmaxf(x, y); });
     float alpha[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
-      mx[e] = fmaxf(fmaxf(r.x, r.y), fmaxf(r.z, r.w));
       const float mn = fmaxf(m[e], mx[e]);
       const float base = mn == -INFINITY ? 0.f : mn;
       alpha[e] = ex2(m[e] - base);
@@ -1218,21 +1248,11 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   asm volatile("cp.async.wait_group 0;\n");
 
   // Row sums across the warp's rows and the warps (every warp holds the same m).
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], o);
   __syncthreads();  // every warp has read red in its last tile
-  if (g == 0) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = l[e];
-  }
-  __syncthreads();
+  reduce_rows(l, heads, red, warp, g, [](float x, float y) { return x + y; });
   float inv[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
-    l[e] = (r.x + r.y) + (r.z + r.w);
     inv[e] = l[e] > 0.f ? kv_scale / l[e] : 0.f;  // no rows: zeros
   }
   const size_t part = static_cast<size_t>(b) * num_splits + split;
@@ -1297,9 +1317,6 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale (1,) fp32; kv_indptr (batch + 1,) int32.
-// num_splits == 1: out (batch, 16, 512) bf16. Otherwise part_o (batch * num_splits, 16, 512) fp32, the normalised
-// partial outputs, and part_lse (batch * num_splits, 16), their log2-sum-exp, for the combine kernel.
 template <int STAGES>
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
@@ -1316,13 +1333,9 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();
-  int start = kv_indptr[b], end = kv_indptr[b + 1];
-  const bool valid = start >= 0 && end >= start && end <= total_kv;
-  if (!valid) start = end = 0;  // an invalid range reads nothing; its rows become NaN
-  const int per_split = ((end - start + num_splits - 1) / num_splits + BN - 1) / BN * BN;
-  const int lo = start + split * per_split;
-  const int hi = min(lo + per_split, end);
-  const int ntiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+  const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
+  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
+  const bool valid = range.valid;
 
   auto load_tile = [&](int i) {  // rows past hi are zero-filled, never read
     uint8_t* dst = ks + (i % STAGES) * BN * KROW;
