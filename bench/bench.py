@@ -396,6 +396,8 @@ def _memwalk(kv_format: str):
 METHODS = (
     Method("cuda-fp8", "ours", "fp8", "ours: MLA_BACKEND=cuda (CUDA kernel built at first use; auto's pick on NVIDIA)",
            _ours("cuda", "fp8")),
+    Method("cuda-mxfp4", "ours", "mxfp4", "ours: MLA_BACKEND=cuda MLA_KV_FORMAT=mxfp4 (the Hopper kernel)",
+           _ours("cuda", "mxfp4")),
     Method("triton-fp8", "ours", "fp8", "ours: MLA_BACKEND=triton MLA_KV_FORMAT=fp8", _ours("triton", "fp8")),
     Method("triton-mxfp4", "ours", "mxfp4", "ours: MLA_BACKEND=triton MLA_KV_FORMAT=mxfp4", _ours("triton", "mxfp4")),
     Method("torch-fp8", "ours", "fp8", "ours: MLA_BACKEND=torch MLA_KV_FORMAT=fp8 (portable fallback)",

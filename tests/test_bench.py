@@ -54,7 +54,7 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
         assert ours["kv_bytes"] == ours["kv_rows"] * 576 and ours["kv_rows"] == ours["batch"] * ours["kv"]
         assert rows[(s, "torch-ref")]["rel_l2"] == 0.0
         assert rows[(s, "triton-mxfp4")]["kv_bytes"] == ours["kv_rows"] * (288 + 18)
-        for name in ("triton-fp8", "flashinfer-bf16", "flashinfer-fp8", "memwalk-fp8"):
+        for name in ("cuda-mxfp4", "triton-fp8", "flashinfer-bf16", "flashinfer-fp8", "memwalk-fp8"):
             assert rows[(s, name)]["status"] == "skipped"
     ceiling = result["anchors"]["read_ceiling"]
     assert ceiling["gbps"] > 0 and ceiling["kernel"] == "torch int32 sum"
@@ -63,10 +63,11 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     assert result["meta"]["versions"]["torch"] == torch.__version__
 
     tail = proc.stdout.strip().splitlines()[-6:]  # header, rule, one line per shape, geomean, ratio
-    assert tail[0].split()[:3] == ["shape", "cuda-fp8", "triton-fp8"] and tail[0].split()[-2:] == ["FP8", "floor"]
+    assert tail[0].split()[:3] == ["shape", "cuda-fp8", "cuda-mxfp4"] and tail[0].split()[-2:] == ["FP8", "floor"]
     assert [line.split()[0] for line in tail[2:4]] == shapes
     assert tail[4].startswith("geomean") and tail[5].startswith("vs best peer")
-    assert markdown.startswith("### ") and "| shape | cuda-fp8 | triton-fp8 |" in markdown and "| geomean |" in markdown
+    assert markdown.startswith("### ") and "| geomean |" in markdown
+    assert "| shape | cuda-fp8 | cuda-mxfp4 | triton-fp8 |" in markdown
     assert "- `flashinfer-fp8` skipped or failed: FlashInfer needs an NVIDIA GPU" in markdown
 
 
