@@ -1749,10 +1749,33 @@ def _nvcc() -> str | None:
     return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
+def _build_cuda_library(nvcc: str, arch: str, wgmma: bool) -> str:
+    """Path of the library built from _CUDA_SRC for sm_<arch> (the wgmma kernel or the mma.sync one) in
+    MLA_CUDA_CACHE (default ~/.cache/mla_decode), keyed by a hash of the source, the target and the nvcc; built
+    there once per machine. A RuntimeError carries nvcc's message when it cannot be built."""
+    digest = hashlib.sha256(f"{_CUDA_SRC}{arch}{wgmma}{nvcc}".encode()).hexdigest()[:16]
+    cache = os.environ.get("MLA_CUDA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mla_decode")
+    path = os.path.join(cache, f"libmla_decode_sm{arch}_{digest}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            cu = os.path.join(tmp, "mla_decode.cu")
+            with open(cu, "w") as f:
+                f.write(_CUDA_SRC)
+            built = os.path.join(tmp, "lib.so")
+            cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "177",
+                   f"-DMLA_WGMMA={int(wgmma)}", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", built, cu]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"cuda backend: nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            os.replace(built, path)  # atomic: concurrent builders each install a complete file
+    return path
+
+
 def _cuda_library(capability: tuple[int, int]):
-    """The kernel library for this capability: built once per machine into MLA_CUDA_CACHE (default
-    ~/.cache/mla_decode), keyed by a hash of the source and the target, then loaded. A RuntimeError carries nvcc's
-    message when it cannot be built."""
+    """The kernel library for this capability, built once per machine (see _build_cuda_library) and loaded: the
+    wgmma kernel on Hopper (sm_90a), or the mma.sync one where that cannot be built (an nvcc older than 12.0; with
+    a warning) and on other GPUs. A RuntimeError carries nvcc's message when neither can be built."""
     lib = _CUDA_LIBS.get(capability)
     if isinstance(lib, str):
         raise RuntimeError(lib)
@@ -1761,25 +1784,19 @@ def _cuda_library(capability: tuple[int, int]):
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError("cuda backend: no nvcc found (set CUDA_HOME or put nvcc on PATH)")
-    wgmma = capability == CUDA_WGMMA_CAPABILITY
-    arch = f"{capability[0]}{capability[1]}{'a' if wgmma else ''}"
-    digest = hashlib.sha256(f"{_CUDA_SRC}{arch}{nvcc}".encode()).hexdigest()[:16]
-    cache = os.environ.get("MLA_CUDA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mla_decode")
-    path = os.path.join(cache, f"libmla_fp8_sm{arch}_{digest}.so")
-    if not os.path.exists(path):
-        os.makedirs(cache, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            cu = os.path.join(tmp, "mla_fp8.cu")
-            with open(cu, "w") as f:
-                f.write(_CUDA_SRC)
-            built = os.path.join(tmp, "lib.so")
-            cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "177",
-                   f"-DMLA_WGMMA={int(wgmma)}", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", built, cu]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                _CUDA_LIBS[capability] = f"cuda backend: nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}"
-                raise RuntimeError(_CUDA_LIBS[capability])
-            os.replace(built, path)  # atomic: concurrent builders each install a complete file
+    arch = f"{capability[0]}{capability[1]}"
+    try:
+        if capability == CUDA_WGMMA_CAPABILITY:
+            try:
+                path = _build_cuda_library(nvcc, arch + "a", wgmma=True)
+            except RuntimeError as e:
+                log.warning("MLA decode: the Hopper (wgmma) kernel did not build, using the mma.sync one: %s", e)
+                path = _build_cuda_library(nvcc, arch, wgmma=False)
+        else:
+            path = _build_cuda_library(nvcc, arch, wgmma=False)
+    except RuntimeError as e:
+        _CUDA_LIBS[capability] = str(e)
+        raise
     lib = ctypes.CDLL(path)
     lib.mla_decode.restype = ctypes.c_int
     lib.mla_decode.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3

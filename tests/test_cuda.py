@@ -24,8 +24,19 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     assert lib.mla_decode.restype is not None
     assert lib.mla_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
     assert lib.mla_supports_mxfp4() == (capability == S.CUDA_WGMMA_CAPABILITY)
-    assert len(list(fresh_build.glob(f"libmla_fp8_{suffix}_*.so"))) == 1
+    assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert S._cuda_library(capability) is lib  # built once, then reused
+
+
+@needs_nvcc
+def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, monkeypatch, caplog):
+    """An nvcc that cannot build the wgmma kernel (before 12.0: no sm_90a) still gives Hopper the mma.sync one."""
+    monkeypatch.setattr(S, "_CUDA_SRC", "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n" + S._CUDA_SRC)
+    with caplog.at_level("WARNING", logger="mla_decode"):
+        lib = S._cuda_library((9, 0))
+    assert lib.mla_ctas_per_sm() == 1 and not lib.mla_supports_mxfp4()
+    assert "the Hopper (wgmma) kernel did not build" in caplog.text and "no sm_90a here" in caplog.text
+    assert [p.name.split("_")[2] for p in fresh_build.glob("*.so")] == ["sm90"]
 
 
 @needs_nvcc
