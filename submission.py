@@ -164,12 +164,29 @@ def _validate_kv(kv_data, kv_format: str, device: torch.device) -> tuple[torch.T
     return kv, scale
 
 
+def _signature(t) -> tuple:
+    return (t.shape, t.dtype, t.device, t.is_contiguous(), t.stride())
+
+
+# Signatures of inputs that passed the checks below: they read only these attributes (never tensor contents), so an
+# input with the same signature passes them again. Saves most of validate()'s host time on repeated shapes.
+_VALID_INPUTS: set = set()
+
+
 def validate(data, kv_format: str) -> tuple:
     """Checks everything that can be checked without a device sync; returns
     (q, kv, kv_scale, qo_indptr, kv_indptr, config) for the chosen KV format."""
     if not (isinstance(data, (tuple, list)) and len(data) == 5):
         raise TypeError("data: expected (q, kv_data, qo_indptr, kv_indptr, config)")
     q, kv_data, qo_indptr, kv_indptr, config = data
+    try:
+        kv, scale = kv_data[kv_format]
+        seen = (kv_format, *map(_signature, (q, qo_indptr, kv_indptr, kv, scale)))
+    except (TypeError, KeyError, ValueError, AttributeError):  # not a valid input: the checks below say why
+        seen = None
+    if seen is not None and seen in _VALID_INPUTS:
+        _validate_config(config, qo_indptr.shape[0] - 1)
+        return q, kv, scale, qo_indptr, kv_indptr, config
     q = _expect_tensor(q, "q")
     _expect(q.dtype == torch.bfloat16, "q.dtype", "torch.bfloat16", q.dtype)
     _expect(q.dim() == 3 and q.shape[1] == NUM_HEADS and q.shape[2] == QK_HEAD_DIM, "q.shape",
@@ -181,6 +198,8 @@ def validate(data, kv_format: str) -> tuple:
     _validate_config(config, batch)
     _expect(q.shape[0] == batch, "q.shape[0]", f"{batch} (batch x q_seq_len)", q.shape[0])
     kv, scale = _validate_kv(kv_data, kv_format, q.device)
+    if seen is not None and len(_VALID_INPUTS) < 256:
+        _VALID_INPUTS.add(seen)
     return q, kv, scale, qo_indptr, kv_indptr, config
 
 
