@@ -261,8 +261,7 @@ def select_backend(device: torch.device) -> str:
         choice = forced
     elif device.type == "cuda" and torch.version.hip is not None and _aiter_importable():
         choice = "aiter"
-    elif (device.type == "cuda" and _cuda_auto_usable(device)
-          and cuda_unusable_reason(device, select_kv_format()) is None):
+    elif device.type == "cuda" and _cuda_auto_usable(device, select_kv_format()):
         choice = "cuda"
     elif device.type == "cuda" and _triton_usable(device):
         choice = "triton"
@@ -275,13 +274,14 @@ def select_backend(device: torch.device) -> str:
 
 
 @functools.cache
-def _cuda_auto_usable(device: torch.device) -> bool:
-    """For auto: the cuda backend where it builds; where it does not (no nvcc, an nvcc too old for this GPU), the
-    triton backend, with the reason logged once as a warning. MLA_BACKEND=cuda raises that reason instead."""
+def _cuda_auto_usable(device: torch.device, kv_format: str) -> bool:
+    """For auto: the cuda backend where it builds and reads `kv_format`; where it does not build (no nvcc, an nvcc
+    too old for this GPU), the triton backend, with the reason logged as a warning (once per format). MLA_BACKEND=cuda
+    raises the reason instead. Cached: called on every decode."""
     reason = cuda_unusable_reason(device)
     if reason is not None and device.type == "cuda" and torch.version.hip is None:
         log.warning("MLA decode: using the triton backend, not cuda: %s", reason)
-    return reason is None
+    return reason is None and cuda_unusable_reason(device, kv_format) is None
 
 
 def select_kv_format() -> str:
