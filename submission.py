@@ -916,11 +916,14 @@ _CUDA_SRC = r"""
 #include <stdint.h>
 
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
-// mma.sync in fp16 (sm_80 and later). The combine kernel and the launcher are shared.
-// split_kernel<STAGES>: grid (num_splits, batch); q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale (1,)
-// fp32; kv_indptr (batch + 1,) int32. num_splits == 1: out (batch, 16, 512) bf16. Otherwise part_o
-// (batch * num_splits, 16, 512) fp32, the normalised partial outputs, and part_lse (batch * num_splits, 16), their
-// log2-sum-exp, for the combine kernel.
+// mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
+// split_kernel<STAGES, MX>: grid (num_splits, batch); q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale
+// (1,) fp32; kv_indptr (batch + 1,) int32; out (batch, 16, 512) bf16. num_splits == 1: each CTA writes its rows of
+// out. Otherwise each writes part_o (batch * num_splits, 16, 512) fp32, its normalised partial output, and part_lse
+// (batch * num_splits, 16), their log2-sum-exp; the CTAs of a sequence meet at a barrier (`sync`: per sequence an
+// arrival count, which every launch leaves zero, and a generation; all zero before the first launch) and each
+// merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
+// resident and the wait cannot hang.
 namespace mla {
 
 constexpr int H = 16;                  // query heads
@@ -960,10 +963,88 @@ __device__ __forceinline__ SplitRange split_range(const int* kv_indptr, int b, i
   return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, valid};
 }
 
-__device__ __forceinline__ void launch_dependents() {  // the combine may launch now and wait for this grid
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+// Waits until the num_splits CTAs of sequence b have written their partials: a counting barrier whose last
+// arrival resets the count and advances the generation the others wait on. Thread 0 arrives with release
+// semantics after the CTA's barrier (so the CTA's partial stores are published with it) and waits with acquire
+// loads (so the other CTAs' partials are visible after the closing barrier).
+__device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_splits) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* arrived = sync + 2 * b;
+    unsigned* generation = arrived + 1;
+    unsigned gen, ticket, now;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(generation) : "memory");
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(arrived) : "memory");
+    if (ticket == static_cast<unsigned>(num_splits) - 1) {
+      asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(arrived) : "memory");
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(generation) : "memory");
+    } else {
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(generation) : "memory");
+      } while (now == gen);
+    }
+  }
+  __syncthreads();
+}
+
+// When the splits of sequence b have all written their partials, split `split` merges its 1 / num_splits share
+// of the sequence's 16 x 512 outputs: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), online over
+// the splits, 4 columns per thread; a group of MERGE_GROUP splits' loads is issued before any is used (one L2 round
+// trip per group). Loads bypass L1: the partials were written by other SMs.
+constexpr int MERGE_GROUP = 16;
+__device__ __forceinline__ void merge_splits(const int* kv_indptr, unsigned* sync, int b, int split, int num_splits,
+                                             int total_kv, __nv_bfloat16* out, const float* part_o,
+                                             const float* part_lse) {
+  wait_for_splits(sync, b, num_splits);
+  const int start = kv_indptr[b], end = kv_indptr[b + 1];
+  const bool valid = start >= 0 && end >= start && end <= total_kv;
+  constexpr int QUADS = H * DV / 4;  // of one sequence
+  const int per_split = (QUADS + num_splits - 1) / num_splits;
+  const int last = min(QUADS, (split + 1) * per_split);
+  for (int u = split * per_split + threadIdx.x; u < last; u += blockDim.x) {
+    const int h = u / (DV / 4), col = u % (DV / 4) * 4;
+    const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H + h;
+    const float* po = part_o + (static_cast<size_t>(b) * num_splits * H + h) * DV + col;
+    float mx = -INFINITY, wsum = 0.f;  // running max of lse, sum of 2^(lse - mx)
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < num_splits; s0 += MERGE_GROUP) {
+      float l[MERGE_GROUP];
+      float4 o[MERGE_GROUP];
+#pragma unroll
+      for (int j = 0; j < MERGE_GROUP; ++j) {  // past the last split: weight 0
+        const bool in = s0 + j < num_splits;
+        l[j] = in ? __ldcg(lse + (s0 + j) * H) : -INFINITY;
+        o[j] = in ? __ldcg(reinterpret_cast<const float4*>(po + static_cast<size_t>(s0 + j) * H * DV))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float gmx = mx;
+#pragma unroll
+      for (int j = 0; j < MERGE_GROUP; ++j) gmx = fmaxf(gmx, l[j]);
+      if (gmx == -INFINITY) continue;  // only empty splits so far (their partials hold zeros)
+      const float r = exp2f(mx - gmx);
+      acc.x *= r;
+      acc.y *= r;
+      acc.z *= r;
+      acc.w *= r;
+      wsum *= r;
+      mx = gmx;
+#pragma unroll
+      for (int j = 0; j < MERGE_GROUP; ++j) {
+        const float w = exp2f(l[j] - mx);
+        acc.x += w * o[j].x;
+        acc.y += w * o[j].y;
+        acc.z += w * o[j].z;
+        acc.w += w * o[j].w;
+        wsum += w;
+      }
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;  // every split empty: zeros
+    const float nan = valid ? 1.f : NAN;
+    const __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv * nan, acc.y * inv * nan);
+    const __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv * nan, acc.w * inv * nan);
+    *reinterpret_cast<uint2*>(out + (static_cast<size_t>(b) * H + h) * DV + col) =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&c));
+  }
 }
 
 #if MLA_WGMMA
@@ -1116,7 +1197,8 @@ __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
              const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
-             float* __restrict__ part_lse, int total_kv, int num_splits, float qk_scale) {
+             float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
+             float qk_scale) {
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* ks = MX ? smem + TILE : smem;  // the stages (MX: after the dequantized tile)
   uint8_t* qs = MX ? smem + TILE + STAGES * MX_STAGE : smem + STAGES * TILE;
@@ -1126,7 +1208,6 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  launch_dependents();
   const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
   const bool valid = range.valid;
@@ -1379,6 +1460,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
     for (int e = 0; e < 4; ++e)
       part_lse[part * H + heads[e]] = l[e] > 0.f ? m[e] + log2f(l[e]) - P_BIAS : -INFINITY;
   }
+  if (num_splits > 1) merge_splits(kv_indptr, sync, b, split, num_splits, total_kv, out, part_o, part_lse);
 }
 
 #else  // mma.sync, fp16
@@ -1387,8 +1469,6 @@ constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
 constexpr int CTAS_PER_SM = 1;
 constexpr bool SUPPORTS_MXFP4 = false;
-constexpr int STAGES_SHARED = 4;       // tiles in flight (cp.async); one CTA per SM in any case
-constexpr int STAGES_ALONE = 4;
 constexpr int TOKW = BN / NWARPS;      // score columns (tile rows) per warp: one m16n8 tile
 constexpr int VCOLS = DV / NWARPS;     // output columns per warp
 constexpr int KROW = D + 16;           // smem bytes per tile row: 8 consecutive rows hit distinct banks (ldmatrix)
@@ -1425,7 +1505,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
              const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
-             float* __restrict__ part_lse, int total_kv, int num_splits, float qk_scale) {
+             float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
+             float qk_scale) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ks = smem;
   uint8_t* const tail = smem + STAGES * BN * KROW;
@@ -1435,7 +1516,6 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  launch_dependents();
   const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
   const bool valid = range.valid;
@@ -1625,66 +1705,10 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
     part_lse[part * H + g] = l0 > 0.f ? m0 + log2f(l0) : -INFINITY;
     part_lse[part * H + g + 8] = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
   }
+  if (num_splits > 1) merge_splits(kv_indptr, sync, b, split, num_splits, total_kv, out, part_o, part_lse);
 }
 
 #endif  // MLA_WGMMA
-
-// Merges the splits of one (sequence, head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
-// computed online over the splits. 128 threads x 4 columns. Waits for the split grid (programmatic dependent
-// launch) before reading the partials; a group of 8 splits' loads is issued before any is used, so the partials
-// cost one round trip per 8 splits.
-constexpr int COMBINE_THREADS = 128;
-constexpr int COMBINE_GROUP = 8;
-__global__ void __launch_bounds__(COMBINE_THREADS)
-combine_kernel(const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, const float* __restrict__ part_o,
-               const float* __restrict__ part_lse, int total_kv, int num_splits) {
-  const int bh = blockIdx.x, b = bh / H, h = bh % H, col = threadIdx.x * 4;
-  const int start = kv_indptr[b], end = kv_indptr[b + 1];
-  const bool valid = start >= 0 && end >= start && end <= total_kv;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H + h;
-  const float* po = part_o + (static_cast<size_t>(b) * num_splits * H + h) * DV + col;
-  float mx = -INFINITY, wsum = 0.f;  // running max of lse, sum of 2^(lse - mx)
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = 0; s0 < num_splits; s0 += COMBINE_GROUP) {
-    float l[COMBINE_GROUP];
-    float4 o[COMBINE_GROUP];
-#pragma unroll
-    for (int j = 0; j < COMBINE_GROUP; ++j) {
-      const int sp = min(s0 + j, num_splits - 1);  // past the end: a repeat, weighed 0 below
-      l[j] = s0 + j < num_splits ? lse[sp * H] : -INFINITY;
-      o[j] = *reinterpret_cast<const float4*>(po + static_cast<size_t>(sp) * H * DV);
-    }
-    float gmx = mx;
-#pragma unroll
-    for (int j = 0; j < COMBINE_GROUP; ++j) gmx = fmaxf(gmx, l[j]);
-    if (gmx == -INFINITY) continue;  // only empty splits so far (their partials hold zeros)
-    const float r = exp2f(mx - gmx);
-    acc.x *= r;
-    acc.y *= r;
-    acc.z *= r;
-    acc.w *= r;
-    wsum *= r;
-    mx = gmx;
-#pragma unroll
-    for (int j = 0; j < COMBINE_GROUP; ++j) {
-      const float w = exp2f(l[j] - mx);
-      acc.x += w * o[j].x;
-      acc.y += w * o[j].y;
-      acc.z += w * o[j].z;
-      acc.w += w * o[j].w;
-      wsum += w;
-    }
-  }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;  // every split empty: zeros
-  const float nan = valid ? 1.f : NAN;
-  const __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv * nan, acc.y * inv * nan);
-  const __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv * nan, acc.w * inv * nan);
-  *reinterpret_cast<uint2*>(out + static_cast<size_t>(bh) * DV + col) =
-      make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&c));
-}
 
 }  // namespace mla
 
@@ -1693,65 +1717,99 @@ combine_kernel(const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ ou
 extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
 extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
 
+// A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
+// GPUs with less shared memory get (0: none). The wgmma kernel has one configuration (Hopper: 227 KB per block).
+#if MLA_WGMMA
+extern "C" void mla_limit_shared_memory(int) {}
+#else
+static int smem_limit_for_tests = 0;
+extern "C" void mla_limit_shared_memory(int bytes) { smem_limit_for_tests = bytes; }
+#endif
+
+struct SplitArgs {
+  const __nv_bfloat16* q;
+  const uint8_t* kv;
+  const float* kv_scale;
+  const uint8_t* kv_block_scales;
+  int scale_stride;
+  const int* kv_indptr;
+  __nv_bfloat16* out;
+  float* part_o;
+  float* part_lse;
+  unsigned* sync;
+  int batch, total_kv, num_splits;
+  float qk_scale;
+};
+
+// With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
+// split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
 template <int STAGES, bool MX>
-static cudaError_t launch_split(int dev, dim3 grid, cudaStream_t s, const void* q, const void* kv,
-                                const void* kv_scale, const void* kv_block_scales, int scale_stride,
-                                const int* indptr, void* out, void* part_o, void* part_lse, int total_kv,
-                                int num_splits, float qk_scale) {
+static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a) {
+  constexpr int smem = mla::smem_bytes<STAGES, MX>();
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
   if (!(configured & (1u << dev))) {
-    const cudaError_t e = cudaFuncSetAttribute(mla::split_kernel<STAGES, MX>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               mla::smem_bytes<STAGES, MX>());
+    const cudaError_t e =
+        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured |= 1u << dev;
   }
-  mla::split_kernel<STAGES, MX><<<grid, mla::NTHREADS, mla::smem_bytes<STAGES, MX>(), s>>>(
-      static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(kv), static_cast<const float*>(kv_scale),
-      static_cast<const uint8_t*>(kv_block_scales), scale_stride, indptr, static_cast<__nv_bfloat16*>(out),
-      static_cast<float*>(part_o), static_cast<float*>(part_lse), total_kv, num_splits, qk_scale);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.num_splits, a.batch);
+  cfg.blockDim = dim3(mla::NTHREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute cooperative;
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  cfg.attrs = &cooperative;
+  cfg.numAttrs = a.num_splits > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
+                            a.scale_stride, a.kv_indptr, a.out, a.part_o, a.part_lse, a.sync, a.total_kv,
+                            a.num_splits, a.qk_scale);
 }
 
-// Launches the split kernel and, with more than one split, the combine as a programmatic dependent launch, on
-// `stream`. kv_format 0: kv is the FP8 cache (total_kv, 576) with kv_scale (1,) fp32; 1: kv is the MXFP4 codes
-// (total_kv, 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride. C ABI (loaded with ctypes:
-// no torch headers, seconds to build). Returns a cudaError_t.
+// Launches the split kernel (which merges its splits itself) on `stream`. kv_format 0: kv is the FP8 cache
+// (total_kv, 576) with kv_scale (1,) fp32; 1: kv is the MXFP4 codes (total_kv, 288) with kv_block_scales, E8M0
+// bytes, row r's 18 at r * scale_stride. part_o, part_lse and sync as split_kernel's (unused with one split).
+// C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
 extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, const void* kv_block_scales,
                           int scale_stride, int kv_format, const void* kv_indptr, void* out, void* part_o,
-                          void* part_lse, int batch, int total_kv, int num_splits, float qk_scale, void* stream) {
-  static thread_local int sms[32] = {};  // per device
+                          void* part_lse, void* sync, int batch, int total_kv, int num_splits, float qk_scale,
+                          void* stream) {
+  static thread_local int sms[32] = {}, smem_per_block[32] = {};  // per device
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev >= 32 || (kv_format == 1 && !mla::SUPPORTS_MXFP4)) return static_cast<int>(cudaErrorInvalidValue);
-  if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+  if (sms[dev] == 0) {
+    cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&smem_per_block[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  }
+  const SplitArgs args = {static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(kv),
+                          static_cast<const float*>(kv_scale), static_cast<const uint8_t*>(kv_block_scales),
+                          scale_stride, static_cast<const int*>(kv_indptr), static_cast<__nv_bfloat16*>(out),
+                          static_cast<float*>(part_o), static_cast<float*>(part_lse), static_cast<unsigned*>(sync),
+                          batch, total_kv, num_splits, qk_scale};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int* indptr = static_cast<const int*>(kv_indptr);
-  const dim3 grid(num_splits, batch);
-  const bool alone = batch * num_splits <= sms[dev];
   cudaError_t e;
-#define MLA_LAUNCH(STAGES, MX)                                                                                      \
-  launch_split<STAGES, MX>(dev, grid, s, q, kv, kv_scale, kv_block_scales, scale_stride, indptr, out, part_o,       \
-                           part_lse, total_kv, num_splits, qk_scale)
 #if MLA_WGMMA
+  const bool alone = batch * num_splits <= sms[dev];
   if (kv_format == 1)
-    e = alone ? MLA_LAUNCH(mla::MX_STAGES_ALONE, true) : MLA_LAUNCH(mla::MX_STAGES_SHARED, true);
+    e = alone ? launch_split<mla::MX_STAGES_ALONE, true>(dev, s, args)
+              : launch_split<mla::MX_STAGES_SHARED, true>(dev, s, args);
   else
+    e = alone ? launch_split<mla::STAGES_ALONE, false>(dev, s, args)
+              : launch_split<mla::STAGES_SHARED, false>(dev, s, args);
+#else
+  // As many stages as fit the GPU's shared memory per block: 4 (169 KB) on sm_90 and sm_100, 3 on sm_80 (163 KB),
+  // 2 on sm_86, sm_89 and sm_120 (99 KB).
+  const int limit = smem_limit_for_tests ? min(smem_limit_for_tests, smem_per_block[dev]) : smem_per_block[dev];
+  if (limit >= mla::smem_bytes<4, false>())
+    e = launch_split<4, false>(dev, s, args);
+  else if (limit >= mla::smem_bytes<3, false>())
+    e = launch_split<3, false>(dev, s, args);
+  else
+    e = launch_split<2, false>(dev, s, args);
 #endif
-    e = alone ? MLA_LAUNCH(mla::STAGES_ALONE, false) : MLA_LAUNCH(mla::STAGES_SHARED, false);
-#undef MLA_LAUNCH
-  if (e != cudaSuccess || num_splits == 1) return static_cast<int>(e);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(batch * mla::H);
-  cfg.blockDim = dim3(mla::COMBINE_THREADS);
-  cfg.stream = s;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  e = cudaLaunchKernelEx(&cfg, mla::combine_kernel, indptr, static_cast<__nv_bfloat16*>(out),
-                         static_cast<const float*>(part_o), static_cast<const float*>(part_lse), total_kv, num_splits);
   return static_cast<int>(e);
 }
 """
@@ -1818,8 +1876,10 @@ def _cuda_library(capability: tuple[int, int]):
         raise
     lib = ctypes.CDLL(path)
     lib.mla_decode.restype = ctypes.c_int
-    lib.mla_decode.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.mla_decode.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
                                + [ctypes.c_float, ctypes.c_void_p])
+    lib.mla_limit_shared_memory.restype = None
+    lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
     for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
@@ -1869,7 +1929,8 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> i
 def _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -> torch.Tensor:
     """Inputs as _triton_forward's: kv (total_kv, 1, 576) FP8 with scale (1,) fp32, or kv (total_kv, 1, 288) MXFP4
     codes with scale (>= total_kv, >= 18) E8M0 block scales (any row stride). One ctypes call launches the split
-    kernel and the combine on the current stream; the partials' workspace is cached by (device, batch, splits)."""
+    kernel (which merges the splits too) on the current stream; the workspace (partials, the per-sequence barrier's
+    counters) is cached by (device, batch, kv_seq_len)."""
     lib = _cuda_library(_cuda_capability(q.device))
     batch = q.shape[0]
     seq_len = config["kv_seq_len"] if config["kv_seq_len"] is not None else -(-kv.shape[0] // max(batch, 1))
@@ -1880,19 +1941,20 @@ def _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) ->
                            lib.mla_ctas_per_sm())
         rows = batch * splits if splits > 1 else 0
         launch = (splits, torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=q.device),
-                  torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=q.device))
+                  torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=q.device),
+                  torch.zeros((2 * batch if splits > 1 else 0,), dtype=torch.int32, device=q.device))
         if len(_CUDA_LAUNCH) >= LAUNCH_CACHE_LIMIT:
             _CUDA_LAUNCH.clear()
         _CUDA_LAUNCH[key] = launch
-    splits, part_o, part_lse = launch
+    splits, part_o, part_lse, sync = launch
     if (q.data_ptr() | kv.data_ptr() | kv_indptr.data_ptr()) % 16:
         raise ValueError(f"cuda backend: q, kv_data[{kv_format!r}][0] and kv_indptr must start on 16-byte boundaries")
     mxfp4 = kv_format == "mxfp4"
     out = torch.empty((batch, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     err = lib.mla_decode(q.data_ptr(), kv.data_ptr(), None if mxfp4 else scale.data_ptr(),
                          scale.data_ptr() if mxfp4 else None, scale.stride(0) if mxfp4 else 0, int(mxfp4),
-                         kv_indptr.data_ptr(), out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(), batch,
-                         kv.shape[0], splits, float(config["sm_scale"]) * LOG2E,
+                         kv_indptr.data_ptr(), out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
+                         sync.data_ptr(), batch, kv.shape[0], splits, float(config["sm_scale"]) * LOG2E,
                          torch.cuda.current_stream(q.device).cuda_stream)
     if err:
         raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")

@@ -72,14 +72,6 @@ def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                reason="needs an NVIDIA GPU")
 
-def kernel_rel_l2_bound() -> float:
-    """Worst-sequence rel-L2 against fp32 attention over the cache the kernel reads: the wgmma kernel rounds Q (per
-    head) and P to e4m3 (measured 0.029-0.037 on the H200; its MXFP4 dequantization is exact), the mma.sync kernel
-    keeps both in fp16 (1.7e-3)."""
-    wgmma = torch.cuda.get_device_capability() == S.CUDA_WGMMA_CAPABILITY
-    return 0.06 if wgmma else 5e-3
-
-
 def fp32_over_cache(data, kv_format: str) -> torch.Tensor:
     """fp32 attention over the dequantized cache of `kv_format` (bf16 Q): what the kernel computes, unrounded."""
     q, kv_data, qo, kvp, config = data
@@ -88,18 +80,39 @@ def fp32_over_cache(data, kv_format: str) -> torch.Tensor:
     return R.attention_reference(q, keys, qo, kvp, config["sm_scale"])
 
 
-# The formats the cuda backend reads on this GPU: MXFP4 only with the Hopper kernel.
-GPU_FORMATS = ["fp8", pytest.param("mxfp4", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != S.CUDA_WGMMA_CAPABILITY,
-    reason="the cuda backend reads MXFP4 with its Hopper kernel only"))]
+def on_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == S.CUDA_WGMMA_CAPABILITY
 
 
-@pytest.fixture(params=GPU_FORMATS)
+# (kernel, KV format, shared-memory limit per block): the wgmma kernel (Hopper only) with both formats; the mma.sync
+# kernel, built for this GPU whatever it is, with its stages for 227 KB (4), A100's 163 KB (3) and the 99 KB of
+# sm_86 / sm_89 / sm_120 (2).
+CUDA_KERNELS = [
+    pytest.param(("wgmma", fmt, 0), id=f"wgmma-{fmt}",
+                 marks=pytest.mark.skipif(not on_hopper(), reason="the wgmma kernel is Hopper's"))
+    for fmt in ("fp8", "mxfp4")
+] + [pytest.param(("mma_sync", "fp8", limit), id=f"mma_sync-{stages}stages")
+     for limit, stages in ((0, 4), (166912, 3), (101376, 2))]
+
+
+@pytest.fixture(params=CUDA_KERNELS)
 def cuda_backend(monkeypatch, request):
-    """MLA_BACKEND=cuda with each KV format; returns the format."""
+    """MLA_BACKEND=cuda with one kernel, KV format and shared-memory limit; returns (format, rel-L2 bound): the
+    bound on the worst-sequence rel-L2 against fp32 attention over the cache the kernel reads. The wgmma kernel
+    rounds Q (per head) and P to e4m3 (measured 0.029-0.037 on the H200; its MXFP4 dequantization is exact), the
+    mma.sync kernel keeps both in fp16 (1.7e-3)."""
+    kernel, kv_format, smem_limit = request.param
     monkeypatch.setenv("MLA_BACKEND", "cuda")
-    monkeypatch.setenv("MLA_KV_FORMAT", request.param)
-    return request.param
+    monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    monkeypatch.setattr(S, "_CUDA_LIBS", {})
+    monkeypatch.setattr(S, "_CUDA_LAUNCH", {})  # the plan depends on the kernel's CTAs per SM
+    if kernel == "mma_sync":
+        monkeypatch.setattr(S, "CUDA_WGMMA_CAPABILITY", None)
+    lib = S._cuda_library(torch.cuda.get_device_capability())
+    assert lib.mla_ctas_per_sm() == (2 if kernel == "wgmma" else 1)
+    lib.mla_limit_shared_memory(smem_limit)
+    yield kv_format, 0.06 if kernel == "wgmma" else 5e-3
+    lib.mla_limit_shared_memory(0)
 
 
 @pytest.mark.gpu
@@ -107,11 +120,12 @@ def cuda_backend(monkeypatch, request):
 @pytest.mark.parametrize("batch,kv_len", [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192),
                                           (256, 1024), (256, 8192)])
 def test_gpu_task_cases(cuda_backend, batch, kv_len):
+    kv_format, bound = cuda_backend
     data = R.generate_input(batch, 1, kv_len, seed=batch + kv_len)
     out = S.custom_kernel(data)
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
-    assert R.worst_row_relative_l2(out, fp32_over_cache(data, cuda_backend)) < kernel_rel_l2_bound()
+    assert R.worst_row_relative_l2(out, fp32_over_cache(data, kv_format)) < bound
     assert torch.equal(S.custom_kernel(data), out)  # deterministic, and the cached launch is reused
 
 
@@ -120,10 +134,11 @@ def test_gpu_task_cases(cuda_backend, batch, kv_len):
 @pytest.mark.parametrize("lens", [[1], [0, 5, 1, 77, 1000, 3], [8191, 1, 4096, 0], [513] * 40,
                                   list(range(0, 3000, 97))], ids=lambda x: f"b{len(x)}_max{max(x)}")
 def test_gpu_varlen(cuda_backend, lens):
+    kv_format, bound = cuda_backend
     data = R.generate_varlen_input(lens, seed=len(lens))
     out = S.custom_kernel(data)
-    exact = fp32_over_cache(data, cuda_backend)
-    assert R.worst_row_relative_l2(out, exact) < kernel_rel_l2_bound()  # zero rows for empty sequences
+    exact = fp32_over_cache(data, kv_format)
+    assert R.worst_row_relative_l2(out, exact) < bound  # zero rows for empty sequences
     ok, msg = R.check_implementation(data, out)
     # The checks must pass wherever the exact computation over the same cache passes them: a lone one-row MXFP4
     # sequence (lens [1]) misses the leaderboard rule even computed exactly (5.08% of elements, limit 5%).
@@ -132,12 +147,30 @@ def test_gpu_varlen(cuda_backend, lens):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_barrier_counters_are_left_zero_and_an_oversized_grid_fails_to_launch(cuda_backend, monkeypatch):
+    """The per-sequence barrier's arrival counts are zero after every launch (the next one starts from them), and
+    a split grid larger than the GPU holds at once is refused by the cooperative launch instead of hanging."""
+    kv_format, _ = cuda_backend
+    for lens in ([700, 3, 1, 2000], [1000] * 4):
+        data = R.generate_varlen_input(lens, seed=5)
+        S.custom_kernel(data)
+    torch.cuda.synchronize()
+    assert S._CUDA_LAUNCH and all(not launch[3][0::2].any() for launch in S._CUDA_LAUNCH.values())
+    monkeypatch.setattr(S, "cuda_plan", lambda batch, seq_len, sms, ctas_per_sm: 4 * sms * ctas_per_sm)
+    monkeypatch.setattr(S, "_CUDA_LAUNCH", {})
+    with pytest.raises(RuntimeError, match="launch failed with cudaError 720"):  # cooperative launch too large
+        S.custom_kernel(R.generate_input(4, 1, 1024, seed=1))
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("kv_seq_len", [None, 2048])  # 1 split, and several (the combine)
 def test_gpu_invalid_ranges_give_nan_rows(cuda_backend, kv_seq_len):
+    kv_format, _ = cuda_backend
     data = R.generate_varlen_input([100, 200, 50, 70], seed=3)
     q, kv_data, qo, kvp, config = data
     bad = torch.tensor([0, 100, 50, 420 + 1000, 420], dtype=torch.int32, device=q.device)
-    out = S._cuda_forward(q, *kv_data[cuda_backend], qo, bad, dict(config, kv_seq_len=kv_seq_len), cuda_backend)
+    out = S._cuda_forward(q, *kv_data[kv_format], qo, bad, dict(config, kv_seq_len=kv_seq_len), kv_format)
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
     assert torch.isfinite(out[0]).all()
