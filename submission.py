@@ -909,6 +909,7 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
 CUDA_WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
 CUDA_BLOCK_N = 64  # KV rows per tile (BN in the source)
+CUDA_MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
 _CUDA_SRC = r"""
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -987,63 +988,96 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
   __syncthreads();
 }
 
-// When the splits of sequence b have all written their partials, split `split` merges its 1 / num_splits share
-// of the sequence's 16 x 512 outputs: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), online over
-// the splits, 4 columns per thread; a group of MERGE_GROUP splits' loads is issued before any is used (one L2 round
-// trip per group). Loads bypass L1: the partials were written by other SMs.
-constexpr int MERGE_GROUP = 16;
+// The merge of one sequence's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Split
+// `split` of S merges its 2048 / S of the sequence's 2048 quads (4 columns of one head) with 128 threads, and every
+// thread issues all its 16 loads (float4 partials, L2 only: other SMs wrote them) before using any: one round trip.
+// S < 16: a thread merges W = 16 / S neighbouring quads over all S splits. S >= 16: W = 1, and the S / 16 threads
+// of a quad (neighbouring lanes) take 16 splits each, then combine their (max, sum, acc) by shuffles. S must be a
+// power of two (every thread then has exactly its G = 16 / W splits; merge_splits dispatches on W).
+constexpr int MERGE_THREADS = 128;
+constexpr int MERGE_LOADS = 16;
+constexpr int MAX_SPLITS = 512;        // a quad's threads stay within one warp (S / 16 <= 32)
+template <int W>
+__device__ __forceinline__ void merge_quads(const float* lse, const float* po, __nv_bfloat16* out, int num_splits,
+                                            int split, bool valid) {
+  constexpr int G = MERGE_LOADS / W;  // splits per thread
+  const int log_splits = __ffs(num_splits) - 1;
+  const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
+  const int per_quad = 1 << log_per_quad;
+  const int quad = (split << (11 - log_splits)) + (threadIdx.x >> log_per_quad) * W;  // 2048 quads per sequence
+  const int h = quad / (DV / 4), col = quad % (DV / 4) * 4, s0 = (threadIdx.x & (per_quad - 1)) * G;
+  const float* lse_s0 = lse + s0 * H + h;  // split s0 + j at j * H
+  const float4* po_s0 = reinterpret_cast<const float4*>(po + (static_cast<size_t>(s0) * H + h) * DV + col);
+  float l[G];
+  float4 o[G][W];
+#pragma unroll
+  for (int j = 0; j < G; ++j) {  // G splits from s0, all present: num_splits is G x per_quad
+    l[j] = __ldcg(lse_s0 + j * H);
+#pragma unroll
+    for (int w = 0; w < W; ++w) o[j][w] = __ldcg(po_s0 + j * (H * DV / 4) + w);
+  }
+  float mx = -INFINITY, wsum = 0.f;
+  float4 acc[W];
+#pragma unroll
+  for (int j = 0; j < G; ++j) mx = fmaxf(mx, l[j]);
+#pragma unroll
+  for (int w = 0; w < W; ++w) acc[w] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mx != -INFINITY) {  // else only empty splits (their partials hold zeros)
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const float wt = exp2f(l[j] - mx);
+      wsum += wt;
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        acc[w].x += wt * o[j][w].x;
+        acc[w].y += wt * o[j][w].y;
+        acc[w].z += wt * o[j][w].z;
+        acc[w].w += wt * o[j][w].w;
+      }
+    }
+  }
+  for (int lane = 1; lane < per_quad; lane <<= 1) {
+    const float omx = __shfl_xor_sync(0xffffffffu, mx, lane), ows = __shfl_xor_sync(0xffffffffu, wsum, lane);
+    const float nm = fmaxf(mx, omx);
+    const float a = nm == -INFINITY ? 0.f : exp2f(mx - nm), c = nm == -INFINITY ? 0.f : exp2f(omx - nm);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      acc[w].x = acc[w].x * a + __shfl_xor_sync(0xffffffffu, acc[w].x, lane) * c;
+      acc[w].y = acc[w].y * a + __shfl_xor_sync(0xffffffffu, acc[w].y, lane) * c;
+      acc[w].z = acc[w].z * a + __shfl_xor_sync(0xffffffffu, acc[w].z, lane) * c;
+      acc[w].w = acc[w].w * a + __shfl_xor_sync(0xffffffffu, acc[w].w, lane) * c;
+    }
+    wsum = wsum * a + ows * c;
+    mx = nm;
+  }
+  if (threadIdx.x & (per_quad - 1)) return;
+  const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (valid ? 1.f : NAN);  // every split empty: zeros
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[w].x * scale, acc[w].y * scale);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[w].z * scale, acc[w].w * scale);
+    *reinterpret_cast<uint2*>(out + h * DV + col + 4 * w) =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+  }
+}
+
+// When the splits of sequence b have all written their partials, split `split` merges its share (num_splits: a
+// power of two, 2 .. MAX_SPLITS; the launcher checks).
 __device__ __forceinline__ void merge_splits(const int* kv_indptr, unsigned* sync, int b, int split, int num_splits,
                                              int total_kv, __nv_bfloat16* out, const float* part_o,
                                              const float* part_lse) {
   wait_for_splits(sync, b, num_splits);
+  if (threadIdx.x >= MERGE_THREADS) return;
   const int start = kv_indptr[b], end = kv_indptr[b + 1];
   const bool valid = start >= 0 && end >= start && end <= total_kv;
-  constexpr int QUADS = H * DV / 4;  // of one sequence
-  const int per_split = (QUADS + num_splits - 1) / num_splits;
-  const int last = min(QUADS, (split + 1) * per_split);
-  for (int u = split * per_split + threadIdx.x; u < last; u += blockDim.x) {
-    const int h = u / (DV / 4), col = u % (DV / 4) * 4;
-    const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H + h;
-    const float* po = part_o + (static_cast<size_t>(b) * num_splits * H + h) * DV + col;
-    float mx = -INFINITY, wsum = 0.f;  // running max of lse, sum of 2^(lse - mx)
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < num_splits; s0 += MERGE_GROUP) {
-      float l[MERGE_GROUP];
-      float4 o[MERGE_GROUP];
-#pragma unroll
-      for (int j = 0; j < MERGE_GROUP; ++j) {  // past the last split: weight 0
-        const bool in = s0 + j < num_splits;
-        l[j] = in ? __ldcg(lse + (s0 + j) * H) : -INFINITY;
-        o[j] = in ? __ldcg(reinterpret_cast<const float4*>(po + static_cast<size_t>(s0 + j) * H * DV))
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float gmx = mx;
-#pragma unroll
-      for (int j = 0; j < MERGE_GROUP; ++j) gmx = fmaxf(gmx, l[j]);
-      if (gmx == -INFINITY) continue;  // only empty splits so far (their partials hold zeros)
-      const float r = exp2f(mx - gmx);
-      acc.x *= r;
-      acc.y *= r;
-      acc.z *= r;
-      acc.w *= r;
-      wsum *= r;
-      mx = gmx;
-#pragma unroll
-      for (int j = 0; j < MERGE_GROUP; ++j) {
-        const float w = exp2f(l[j] - mx);
-        acc.x += w * o[j].x;
-        acc.y += w * o[j].y;
-        acc.z += w * o[j].z;
-        acc.w += w * o[j].w;
-        wsum += w;
-      }
-    }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;  // every split empty: zeros
-    const float nan = valid ? 1.f : NAN;
-    const __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv * nan, acc.y * inv * nan);
-    const __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv * nan, acc.w * inv * nan);
-    *reinterpret_cast<uint2*>(out + (static_cast<size_t>(b) * H + h) * DV + col) =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&c));
+  const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H;
+  const float* po = part_o + static_cast<size_t>(b) * num_splits * H * DV;
+  __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV;
+  switch (num_splits) {
+    case 2: merge_quads<8>(lse, po, o, num_splits, split, valid); break;
+    case 4: merge_quads<4>(lse, po, o, num_splits, split, valid); break;
+    case 8: merge_quads<2>(lse, po, o, num_splits, split, valid); break;
+    default: merge_quads<1>(lse, po, o, num_splits, split, valid);
   }
 }
 
@@ -1779,7 +1813,9 @@ extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, c
   static thread_local int sms[32] = {}, smem_per_block[32] = {};  // per device
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev >= 32 || (kv_format == 1 && !mla::SUPPORTS_MXFP4)) return static_cast<int>(cudaErrorInvalidValue);
+  const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
+  if (dev >= 32 || !splits_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
+    return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) {
     cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
     cudaDeviceGetAttribute(&smem_per_block[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
@@ -1911,7 +1947,8 @@ def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | 
 
 def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once
-    (ctas_per_sm x SMs) and at least one 64-row tile per split; then, while a second CTA per SM would be needed
+    (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most CUDA_MAX_SPLITS and at least one 64-row
+    tile per split; then, while a second CTA per SM would be needed
     (batch x splits > SMs), halved as long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and
     its partial output, outweighs so little work). Measured on the H200 (132 SMs, 2026-11-30, splits 1..64 per shape,
     leaderboard timing), the wgmma kernel (2 CTAs per SM) is fastest, or within 4%, at the counts this picks: 16 at
@@ -1919,7 +1956,7 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> i
     64x1024 and 64x8192 (94.3; 100.6 at 2), 1 at batch 256 (256x8192: 323 / 348 us at 1 / 2). The mma.sync kernel
     (1 CTA per SM) was best at 16, 32, 4, 4, 2, 2, 1, 1 (what this picks for it)."""
     tiles = max(1, seq_len // CUDA_BLOCK_N)
-    limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles))
+    limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, CUDA_MAX_SPLITS))
     splits = 1 << (limit.bit_length() - 1)
     while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
         splits //= 2

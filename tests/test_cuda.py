@@ -59,6 +59,10 @@ def test_plan_fills_the_sms(batch, seq_len, one, two):
     assert S.cuda_plan(batch, seq_len, 132, 2) == two
 
 
+def test_plan_stays_within_what_the_merge_takes():
+    assert S.cuda_plan(1, 10_000_000, 1000, 2) == S.CUDA_MAX_SPLITS == 512
+
+
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: needs an NVIDIA GPU"):
@@ -148,18 +152,21 @@ def test_gpu_varlen(cuda_backend, lens):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_barrier_counters_are_left_zero_and_an_oversized_grid_fails_to_launch(cuda_backend, monkeypatch):
-    """The per-sequence barrier's arrival counts are zero after every launch (the next one starts from them), and
-    a split grid larger than the GPU holds at once is refused by the cooperative launch instead of hanging."""
+    """The per-sequence barrier's arrival counts are zero after every launch (the next one starts from them); a
+    split grid larger than the GPU holds at once is refused by the cooperative launch instead of hanging, and split
+    counts the merge does not take (not a power of two, above 512) are refused before any launch."""
     kv_format, _ = cuda_backend
     for lens in ([700, 3, 1, 2000], [1000] * 4):
         data = R.generate_varlen_input(lens, seed=5)
         S.custom_kernel(data)
     torch.cuda.synchronize()
     assert S._CUDA_LAUNCH and all(not launch[3][0::2].any() for launch in S._CUDA_LAUNCH.values())
-    monkeypatch.setattr(S, "cuda_plan", lambda batch, seq_len, sms, ctas_per_sm: 4 * sms * ctas_per_sm)
-    monkeypatch.setattr(S, "_CUDA_LAUNCH", {})
-    with pytest.raises(RuntimeError, match="launch failed with cudaError 720"):  # cooperative launch too large
-        S.custom_kernel(R.generate_input(4, 1, 1024, seed=1))
+    data = R.generate_input(4, 1, 1024, seed=1)
+    for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
+        monkeypatch.setattr(S, "cuda_plan", lambda batch, seq_len, sms, ctas_per_sm, n=splits: n)  # or too many
+        monkeypatch.setattr(S, "_CUDA_LAUNCH", {})
+        with pytest.raises(RuntimeError, match=f"launch failed with cudaError {error}$"):
+            S.custom_kernel(data)
 
 
 @pytest.mark.gpu
