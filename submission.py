@@ -897,13 +897,13 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 # - Other GPUs (sm_80+): mma.sync m16n8k16 in fp16, one CTA of 8 warps per SM, 4 stages; ldmatrix reads the FP8
 #   tile for both products (e4m3 -> fp16 by the hardware cvt from sm_89); Q in fp16 registers. On Hopper mma.sync
 #   has no FP8 form (ptxas emulates it with conversions), hence the wgmma kernel there.
-# Splits: the split grid and, when a sequence is split, a combine kernel launched as a programmatic dependent
-# launch, both from one ctypes call. Measured on the H200 (2026-11-30 11:11 UTC, `bash bench/run_h200.sh`,
-# BENCHMARKS.md): wgmma 4x1024 12.1, 4x8192 22.1, 32x1024 19.4, 32x8192 55.6, 64x1024 25.5, 64x8192 98.8,
-# 256x1024 50.9, 256x8192 346.1 us (geomean 43.5; the mma.sync kernel 56.4-56.8 in earlier runs; at 256x8192 the
-# copies alone take 317 us with this grid, the math alone 189). Accuracy: FP8 Q and P cost worst-sequence rel-L2
-# ~0.03-0.037 against fp32 attention over the FP8 cache (the fp16 mma.sync kernel 1.7e-3); against the BF16 truth
-# 0.032-0.044, inside the 0.08 FP8 bound.
+# Splits: one launch. With more than one split per sequence the grid is launched cooperatively and its CTAs merge
+# their own partials behind a per-sequence barrier (a second combine kernel, even overlapped by PDL, cost ~1 us more
+# at batch 4). Measured on the H200 (2026-11-30 12:08 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
+# 10.8, 4x8192 19.2, 32x1024 18.9, 32x8192 55.0, 64x1024 24.4, 64x8192 94.2, 256x1024 51.0, 256x8192 328.3 us
+# (geomean 41.2; the mma.sync kernel 56.4-56.8 in earlier runs; at 256x8192 the copies alone take 317 us with this
+# grid, the math alone 189). Accuracy: FP8 Q and P cost worst-sequence rel-L2 ~0.03-0.037 against fp32 attention
+# over the FP8 cache (the fp16 mma.sync kernel 1.7e-3); against the BF16 truth 0.032-0.044, inside the 0.08 bound.
 # ---------------------------------------------------------------------------------------------------------
 
 CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
@@ -1963,11 +1963,12 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> i
     (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most CUDA_MAX_SPLITS and at least one 64-row
     tile per split; then, while a second CTA per SM would be needed
     (batch x splits > SMs), halved as long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and
-    its partial output, outweighs so little work). Measured on the H200 (132 SMs, 2026-11-30, splits 1..64 per shape,
-    leaderboard timing), the wgmma kernel (2 CTAs per SM) is fastest, or within 4%, at the counts this picks: 16 at
-    4x1024 (12.0 us; 14.1 at 8), 32 at 4x8192 (21.4; 23.0 at 16), 4 at 32x1024 (21.8; 21.2 at 8), 8 at 32x8192, 4 at
-    64x1024 and 64x8192 (94.3; 100.6 at 2), 1 at batch 256 (256x8192: 323 / 348 us at 1 / 2). The mma.sync kernel
-    (1 CTA per SM) was best at 16, 32, 4, 4, 2, 2, 1, 1 (what this picks for it)."""
+    its partial output, outweighs so little work). Measured on the H200 (132 SMs, 2026-11-30 ~12:04 UTC, the fused
+    merge, splits 1..64 per shape, leaderboard timing), the wgmma kernel (2 CTAs per SM) is fastest, or within 3%, at
+    the counts this picks: 16 at 4x1024 (11.3 us; 12.2 at 8), 32 at 4x8192 (18.9; 20.6 at 64), 4 at 32x1024 (18.9;
+    19.5 at 8), 8 at 32x8192 (54.9; 55.2 at 4), 4 at 64x1024 (25.0; 25.6 at 2) and 64x8192 (95.7; 92.9 at 2 for FP8
+    but 141.9 against 106.8 for MXFP4), 1 at batch 256. The mma.sync kernel (1 CTA per SM) was best at 16, 32, 4, 4,
+    2, 2, 1, 1 (what this picks for it; measured with the earlier two-kernel merge)."""
     tiles = max(1, seq_len // CUDA_BLOCK_N)
     limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, CUDA_MAX_SPLITS))
     splits = 1 << (limit.bit_length() - 1)
