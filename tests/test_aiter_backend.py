@@ -137,8 +137,8 @@ def test_q_quantization_is_reference_quantize_fp8_bit_for_bit(fp8, amax):
     q = torch.randn((3, 16, 576))
     q = (q / q.abs().max() * amax).to(torch.bfloat16)
     assert torch.isfinite(q).all()
-    plan = types.SimpleNamespace(q_fp8=torch.empty(q.shape, dtype=fp8), q_fp32=torch.empty(q.shape),
-                                 q_scale=torch.empty(1), fp8_max=float(torch.finfo(fp8).max))
+    plan = types.SimpleNamespace(q_fp8=torch.empty(q.shape, dtype=fp8), q_scale=torch.empty(1),
+                                 fp8_max=float(torch.finfo(fp8).max))
     q8 = S._aiter_quantize_q(q, plan)
     want, want_scale = R.quantize_fp8(q, fp8)
     assert torch.isfinite(q8.float()).all() and torch.isfinite(plan.q_scale).all()
