@@ -1083,12 +1083,16 @@ __device__ __forceinline__ void merge_splits(const int* kv_indptr, unsigned* syn
 
 #if MLA_WGMMA
 constexpr int NTHREADS = 128;          // one warpgroup
-constexpr int NWARPS = 4;
+constexpr int NWARPS = 4;              // per warpgroup
 constexpr int CTAS_PER_SM = 2;
-// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 4 when the grid leaves each CTA an SM of its own
-// (few tiles per CTA: more of them in flight at once).
+// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 4 when the grid leaves each CTA an SM of its own.
+// A CTA alone on its SM with many tiles (FP8, at least TWO_WG_MIN_TILES per split on average) runs two warpgroups
+// (WGS = 2) taking alternate tiles, as two CTAs would, over one Q and one set of stages, merging their results at
+// the end: 64x8192 in 2 such splits 88.5 us against 97.1 in 4 one-warpgroup splits two CTAs per SM (H200). With few
+// tiles the second warpgroup idles and costs ~1 us (4x1024: 12.2 against 11.2).
 constexpr int STAGES_SHARED = 2;
 constexpr int STAGES_ALONE = 4;
+constexpr int TWO_WG_MIN_TILES = 16;
 constexpr int MX_STAGES_SHARED = 3;    // MXFP4: stages of codes (18 KB) beside the one dequantized tile
 constexpr int MX_STAGES_ALONE = 5;
 // Tile layout, wgmma's K-major swizzled layouts: dims 0..511 as four 8 KB blocks of [64 rows][128 bytes] with the
@@ -1108,9 +1112,9 @@ constexpr bool SUPPORTS_MXFP4 = true;
 constexpr int MX_ROW = D / 2;          // bytes of codes per row, two values per byte, low nibble first
 constexpr int MX_STAGE = BN * MX_ROW;
 constexpr int MX_BLOCKS = D / 32;      // E8M0 scales per row
-template <int STAGES, bool MX>
+template <int STAGES, bool MX, int WGS = 1>
 constexpr int smem_bytes() {
-  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + SMEM_P + SMEM_RED + H * 4;
+  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + WGS * (SMEM_P + SMEM_RED) + H * 4;
 }
 constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
 
@@ -1206,10 +1210,20 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
-// Reduces v[e] (head heads[e]) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then over the 4
-// warps through `red` ([16 heads][4 warps]); every thread gets the results for its heads. op: max or sum.
+// Synchronizes the 128 threads of warpgroup wg (named barriers 1 and 2; 0 is __syncthreads'). Immediate ids: a
+// register id makes ptxas reserve all 16.
+__device__ __forceinline__ void wg_sync(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+
+// Reduces v[e] (head heads[e]) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then over warpgroup
+// wg's 4 warps through its `red` ([16 heads][4 warps]); every thread gets the results for its heads. op: max or sum.
 template <typename Op>
-__device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, float* red, int warp, int g, Op op) {
+__device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, float* red, int warp, int g, int wg,
+                                            Op op) {
 #pragma unroll
   for (int e = 0; e < 4; ++e)
 #pragma unroll
@@ -1218,7 +1232,7 @@ __device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, flo
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = v[e];
   }
-  __syncthreads();
+  wg_sync(wg);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
@@ -1226,37 +1240,40 @@ __device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, flo
   }
 }
 
-template <int STAGES, bool MX>
-__global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
+template <int STAGES, bool MX, int WGS>
+__global__ void __launch_bounds__(NTHREADS * WGS, CTAS_PER_SM / WGS)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
              const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
              float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
              float qk_scale) {
+  static_assert(WGS == 1 || (WGS == 2 && !MX && STAGES % 2 == 0), "two warpgroups: FP8, whole steps of stages");
+  constexpr int THREADS = NTHREADS * WGS;
   extern __shared__ __align__(1024) uint8_t smem[];
+  const int tid = threadIdx.x, wg = WGS == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
+            t4 = lane & 3;
   uint8_t* ks = MX ? smem + TILE : smem;  // the stages (MX: after the dequantized tile)
   uint8_t* qs = MX ? smem + TILE + STAGES * MX_STAGE : smem + STAGES * TILE;
-  uint8_t* ps = qs + SMEM_Q;
-  float* red = reinterpret_cast<float*>(ps + SMEM_P);
-  float* qscale = red + NWARPS * H;
+  uint8_t* ps = qs + SMEM_Q + wg * SMEM_P;  // this warpgroup's P and red
+  float* red = reinterpret_cast<float*>(qs + SMEM_Q + WGS * SMEM_P) + wg * NWARPS * H;
+  float* qscale = reinterpret_cast<float*>(qs + SMEM_Q + WGS * SMEM_P) + WGS * NWARPS * H;
 
   const int split = blockIdx.x, b = blockIdx.y;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
   const bool valid = range.valid;
 
-  // Copy plan: thread tid copies units c = tid + 128 * it (it < 18) of a tile, row c / 36, unit c % 36: its global
+  // Copy plan: thread tid copies units c = tid + THREADS * it of a tile, row c / 36, unit c % 36: its global
   // bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
   // the same for every tile. Rows past hi are zero-filled, never read.
   // MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
-  constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NTHREADS;
+  constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / THREADS;
   constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
   const uint32_t ks_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ks));
   uint32_t soff[COPIES];
 #pragma unroll
   for (int it = 0; it < COPIES; ++it) {
-    const int c = tid + NTHREADS * it;
+    const int c = tid + THREADS * it;
     soff[it] = MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
   }
   auto load_tile = [&](int i) {
@@ -1268,13 +1285,13 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
       for (int it = 0; it < COPIES; ++it)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + soff[it]),
-                     "l"(src + it * NTHREADS * 16));
+                     "l"(src + it * THREADS * 16));
     } else {
 #pragma unroll
       for (int it = 0; it < COPIES; ++it) {
-        const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
+        const bool in = (tid + THREADS * it) / ROW_UNITS < rows;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
-                     "l"(in ? src + it * NTHREADS * 16 : kv), "r"(in ? 16 : 0));
+                     "l"(in ? src + it * THREADS * 16 : kv), "r"(in ? 16 : 0));
       }
     }
   };
@@ -1282,19 +1299,26 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   // product's B operand; the head's scale, sm_scale * log2(e) and the KV scale multiply the scores. Q's loads are
   // issued before the first tiles' copies so they do not queue behind them.
   constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
-  __nv_bfloat162 qv[H / NWARPS][QPAIRS];
+  constexpr int CTA_WARPS = NWARPS * WGS;
+  const int cta_warp = tid >> 5;
+  __nv_bfloat162 qv[H / CTA_WARPS][QPAIRS];
 #pragma unroll
-  for (int j = 0; j < H / NWARPS; ++j) {
+  for (int j = 0; j < H / CTA_WARPS; ++j) {
     const __nv_bfloat162* src =
-        reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + warp + j * NWARPS) * D);
+        reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + cta_warp + j * CTA_WARPS) * D);
 #pragma unroll
     for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
   }
+  // The pipeline moves in steps of WGS tiles (one per warpgroup), one cp.async group per step.
+  constexpr int STEPS = STAGES / WGS;  // steps in shared memory
+  auto load_step = [&](int k) {
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < ntiles) load_tile(i);
+    for (int w = 0; w < WGS; ++w)
+      if (k * WGS + w < ntiles) load_tile(k * WGS + w);
     asm volatile("cp.async.commit_group;\n");
-  }
+  };
+#pragma unroll
+  for (int k = 0; k < STEPS - 1; ++k) load_step(k);
   const float kv_scale = MX ? 1.f : *kv_scale_ptr;
   // MXFP4: this thread dequantizes blocks c = tid + 128 j (j < 9) of each tile, row c / 18, block c % 18; their
   // E8M0 scales are loaded one tile ahead, into registers (rows past hi: 127, a scale of 1 over zero codes).
@@ -1310,8 +1334,8 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   };
   if constexpr (MX) load_scales(0);
 #pragma unroll
-  for (int j = 0; j < H / NWARPS; ++j) {
-    const int h = warp + j * NWARPS;
+  for (int j = 0; j < H / CTA_WARPS; ++j) {
+    const int h = cta_warp + j * CTA_WARPS;
     float2 v[QPAIRS];
     float amax = 0.f;
 #pragma unroll
@@ -1354,12 +1378,13 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[mb][e] = 0.f;
 
-  for (int i = 0; i < ntiles; ++i) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+  for (int k = 0; k * WGS < ntiles; ++k) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STEPS - 2));
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1
-    if (i + STAGES - 1 < ntiles) load_tile(i + STAGES - 1);
-    asm volatile("cp.async.commit_group;\n");
+    __syncthreads();  // step k's tiles are visible to the tensor cores; every warp is done with step k - 1
+    load_step(k + STEPS - 1);
+    const int i = k * WGS + wg;  // this warpgroup's tile
+    if (i >= ntiles) continue;
     uint32_t kt = ks_addr + (i % STAGES) * TILE;
     if constexpr (MX) {  // codes + scales -> the e5m2 tile at offset 0 (free: every warp is done with tile i - 1)
       uint32_t scales[MX_JOBS];
@@ -1406,7 +1431,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       s[a + 2] = in1 ? s[a + 2] * qsc[e] : -INFINITY;
       mx[e] = fmaxf(s[a], s[a + 2]);
     }
-    reduce_rows(mx, heads, red, warp, g, [](float x, float y) { return fmaxf(x, y); });
+    reduce_rows(mx, heads, red, warp, g, wg, [](float x, float y) { return fmaxf(x, y); });
     float alpha[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -1433,7 +1458,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
         }
       }
     }
-    __syncthreads();  // P is complete
+    wg_sync(wg);  // P is complete
 
     // O^T (512 dims x 16 heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
     // as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1], V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of
@@ -1464,16 +1489,35 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   }
   asm volatile("cp.async.wait_group 0;\n");
 
-  // Row sums across the warp's rows and the warps (every warp holds the same m).
+  // Row sums across the warp's rows and the warps (every warp of a warpgroup holds the same m).
   __syncthreads();  // every warp has read red in its last tile
-  reduce_rows(l, heads, red, warp, g, [](float x, float y) { return x + y; });
-  float inv[4];
+  reduce_rows(l, heads, red, warp, g, wg, [](float x, float y) { return x + y; });
+  float scale[4];  // of this warpgroup's accumulators: its weight in the CTA's softmax x kv_scale / the sum
+  if constexpr (WGS == 2) {  // the warpgroups' (max, sum) per head meet in Q's shared memory (read by no one now)
+    float* stat = reinterpret_cast<float*>(qs);  // [warpgroup][head][max, sum]
+    if (warp == 0 && g == 0) {
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    inv[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;  // no rows: zeros
+      for (int e = 0; e < 4; ++e) {
+        stat[(wg * H + heads[e]) * 2] = m[e];
+        stat[(wg * H + heads[e]) * 2 + 1] = l[e];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float m_other = stat[((1 - wg) * H + heads[e]) * 2], l_other = stat[((1 - wg) * H + heads[e]) * 2 + 1];
+      const float mn = fmaxf(m[e], m_other);
+      const float own = mn == -INFINITY ? 0.f : ex2(m[e] - mn), other = mn == -INFINITY ? 0.f : ex2(m_other - mn);
+      m[e] = mn;
+      l[e] = l[e] * own + l_other * other;
+      scale[e] = l[e] > 0.f ? __fdividef(own * kv_scale, l[e]) : 0.f;  // no rows: zeros
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
   }
   const size_t part = static_cast<size_t>(b) * num_splits + split;
-  if (num_splits > 1 && warp == 0 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
+  if (num_splits > 1 && tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       part_lse[part * H + heads[e]] = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
@@ -1481,30 +1525,38 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
   // that each warp store writes whole 128-byte lines; from the fragments, each store wrote four 64-byte pieces and
   // the 32 stores took ~1500 cycles per CTA. Rows padded by 4 floats: the fragments' float2 writes take 2 wavefronts.
+  // Two warpgroups: the second adds its share to the first's (the same thread of each holds the same elements).
   constexpr int OUT_ROW = DV + 4;
   static_assert(H * OUT_ROW * 4 <= TILE, "the staged output fits the first tile's bytes");
   float* staged = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int mb = 0; mb < 8; ++mb) {
-    const int dim = 64 * mb + 16 * warp + 2 * g;
+  for (int w = 0; w < WGS; ++w) {
+    if (wg == w) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int a = (e & 1) + (e >> 1) * 4;
-      *reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim) =
-          make_float2(acc[mb][a] * inv[e], acc[mb][a + 2] * inv[e]);
+      for (int mb = 0; mb < 8; ++mb) {
+        const int dim = 64 * mb + 16 * warp + 2 * g;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int a = (e & 1) + (e >> 1) * 4;
+          float2* dst = reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim);
+          const float2 prior = w == 0 ? make_float2(0.f, 0.f) : *dst;
+          *dst = make_float2(prior.x + acc[mb][a] * scale[e], prior.y + acc[mb][a + 2] * scale[e]);
+        }
+      }
     }
+    __syncthreads();
   }
-  __syncthreads();
+  const int col = 4 * (tid & (NTHREADS - 1));
 #pragma unroll 4
-  for (int h = 0; h < H; ++h) {
-    float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + 4 * tid);
+  for (int h = wg; h < H; h += WGS) {
+    float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
     if (num_splits == 1) {
       if (!valid) v = make_float4(NAN, NAN, NAN, NAN);
       const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi2 = __floats2bfloat162_rn(v.z, v.w);
-      *reinterpret_cast<uint2*>(out + (static_cast<size_t>(b) * H + h) * DV + 4 * tid) =
+      *reinterpret_cast<uint2*>(out + (static_cast<size_t>(b) * H + h) * DV + col) =
           make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi2));
     } else {
-      *reinterpret_cast<float4*>(part_o + (part * H + h) * DV + 4 * tid) = v;
+      *reinterpret_cast<float4*>(part_o + (part * H + h) * DV + col) = v;
     }
   }
   if (num_splits > 1) merge_splits(kv_indptr, sync, b, split, num_splits, total_kv, out, part_o, part_lse);
@@ -1525,7 +1577,7 @@ constexpr int KSTEPS = D / 16;         // k16 steps of the score product
 constexpr int SMEM_Q = H * QROW * 2;
 constexpr int SMEM_P = H * PROW * 2;
 constexpr int SMEM_RED = NWARPS * H * 4;
-template <int STAGES, bool MX>
+template <int STAGES, bool MX, int WGS = 1>
 constexpr int smem_bytes() { return STAGES * BN * KROW + SMEM_Q + SMEM_P + SMEM_RED; }
 
 __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -1547,7 +1599,7 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <int STAGES, bool MX>  // MX: not supported here (the launcher never instantiates it)
+template <int STAGES, bool MX, int WGS>  // MX, WGS > 1: not supported here (the launcher never instantiates them)
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
@@ -1762,6 +1814,12 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 // Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), and whether this build reads
 // the MXFP4 cache.
 extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
+// Tiles per split from which a CTA alone on its SM reads FP8 with two warpgroups (0: never, the mma.sync build).
+#if MLA_WGMMA
+extern "C" int mla_two_warpgroup_tiles() { return mla::TWO_WG_MIN_TILES; }
+#else
+extern "C" int mla_two_warpgroup_tiles() { return 0; }
+#endif
 extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
 
 // A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
@@ -1790,19 +1848,19 @@ struct SplitArgs {
 
 // With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
 // split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
-template <int STAGES, bool MX>
+template <int STAGES, bool MX, int WGS = 1>
 static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a) {
-  constexpr int smem = mla::smem_bytes<STAGES, MX>();
+  constexpr int smem = mla::smem_bytes<STAGES, MX, WGS>();
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
   if (!(configured & (1u << dev))) {
     const cudaError_t e =
-        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured |= 1u << dev;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(a.num_splits, a.batch);
-  cfg.blockDim = dim3(mla::NTHREADS);
+  cfg.blockDim = dim3(mla::NTHREADS * WGS);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute cooperative;
@@ -1810,7 +1868,7 @@ static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a
   cooperative.val.cooperative = 1;
   cfg.attrs = &cooperative;
   cfg.numAttrs = a.num_splits > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
+  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX, WGS>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
                             a.scale_stride, a.kv_indptr, a.out, a.part_o, a.part_lse, a.sync, a.total_kv,
                             a.num_splits, a.qk_scale);
 }
@@ -1845,9 +1903,12 @@ extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, c
   if (kv_format == 1)
     e = alone ? launch_split<mla::MX_STAGES_ALONE, true>(dev, s, args)
               : launch_split<mla::MX_STAGES_SHARED, true>(dev, s, args);
+  else if (!alone)
+    e = launch_split<mla::STAGES_SHARED, false>(dev, s, args);
+  else if (total_kv >= static_cast<long long>(batch) * num_splits * mla::TWO_WG_MIN_TILES * mla::BN)
+    e = launch_split<mla::STAGES_ALONE, false, 2>(dev, s, args);
   else
-    e = alone ? launch_split<mla::STAGES_ALONE, false>(dev, s, args)
-              : launch_split<mla::STAGES_SHARED, false>(dev, s, args);
+    e = launch_split<mla::STAGES_ALONE, false>(dev, s, args);
 #else
   // As many stages as fit the GPU's shared memory per block: 4 (169 KB) on sm_90 and sm_100, 3 on sm_80 (163 KB),
   // 2 on sm_86, sm_89 and sm_120 (99 KB).
@@ -1929,7 +1990,7 @@ def _cuda_library(capability: tuple[int, int]):
                                + [ctypes.c_float, ctypes.c_void_p])
     lib.mla_limit_shared_memory.restype = None
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
-    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
+    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4", "mla_two_warpgroup_tiles"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     _CUDA_LIBS[capability] = lib
@@ -1958,22 +2019,30 @@ def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | 
     return None
 
 
-def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
-    """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once
-    (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most CUDA_MAX_SPLITS and at least one 64-row
-    tile per split; then, while a second CTA per SM would be needed
-    (batch x splits > SMs), halved as long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and
-    its partial output, outweighs so little work). Measured on the H200 (132 SMs, 2026-11-30 ~12:04 UTC, the fused
-    merge, splits 1..64 per shape, leaderboard timing), the wgmma kernel (2 CTAs per SM) is fastest, or within 3%, at
-    the counts this picks: 16 at 4x1024 (11.3 us; 12.2 at 8), 32 at 4x8192 (18.9; 20.6 at 64), 4 at 32x1024 (18.9;
-    19.5 at 8), 8 at 32x8192 (54.9; 55.2 at 4), 4 at 64x1024 (25.0; 25.6 at 2) and 64x8192 (95.7; 92.9 at 2 for FP8
-    but 141.9 against 106.8 for MXFP4), 1 at batch 256. The mma.sync kernel (1 CTA per SM) was best at 16, 32, 4, 4,
-    2, 2, 1, 1 (what this picks for it; measured with the earlier two-kernel merge)."""
+def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1, two_warpgroup_tiles: int = 0) -> int:
+    """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once (ctas_per_sm x
+    SMs; the merge's barrier needs them all resident), at most CUDA_MAX_SPLITS and at least one 64-row tile per split;
+    then, while a second CTA per SM would be needed (batch x splits > SMs), halved as long as a split would hold fewer
+    than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little work). With two_warpgroup_tiles
+    (FP8 on the wgmma kernel: mla_two_warpgroup_tiles()), a grid needing a second CTA per SM becomes one CTA per SM when
+    its splits then hold at least that many tiles (two warpgroups per CTA). Measured on the H200 (132 SMs, 2026-11-30
+    ~12:04 UTC, the fused merge, splits 1..64 per shape, leaderboard timing), the wgmma kernel (2 CTAs per SM, one
+    warpgroup each) is fastest, or within 3%, at the counts the first rule picks: 16 at 4x1024 (11.3 us; 12.2 at 8), 32
+    at 4x8192 (18.9; 20.6 at 64), 4 at 32x1024 (18.9; 19.5 at 8), 8 at 32x8192 (54.9; 55.2 at 4), 4 at 64x1024 (25.0;
+    25.6 at 2) and 64x8192 (95.7; 92.9 at 2 for FP8 but 141.9 against 106.8 for MXFP4), 1 at batch 256. The mma.sync
+    kernel (1 CTA per SM) was best at 16, 32, 4, 4, 2, 2, 1, 1 (what this picks for it; measured with the earlier
+    two-kernel merge). With two warpgroups (~12:13 UTC): 64x8192 in 2 splits 88.5 us (97.1 at 4); 32x8192 in 4, 54.4
+    (54.5 at 8)."""
     tiles = max(1, seq_len // CUDA_BLOCK_N)
     limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, CUDA_MAX_SPLITS))
     splits = 1 << (limit.bit_length() - 1)
     while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
         splits //= 2
+    # FP8 on the wgmma kernel: a grid of one CTA per SM whose splits hold >= two_warpgroup_tiles tiles runs two
+    # warpgroups per CTA, faster than twice the CTAs with one (64x8192: 2 splits 88.5 us, 4 splits 97.1).
+    alone = 1 << (max(1, num_sms // max(batch, 1)).bit_length() - 1) if batch <= num_sms else 0
+    if two_warpgroup_tiles and batch * splits > num_sms and alone and tiles // alone >= two_warpgroup_tiles:
+        splits = alone
     return splits
 
 
@@ -1981,15 +2050,15 @@ def _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) ->
     """Inputs as _triton_forward's: kv (total_kv, 1, 576) FP8 with scale (1,) fp32, or kv (total_kv, 1, 288) MXFP4
     codes with scale (>= total_kv, >= 18) E8M0 block scales (any row stride). One ctypes call launches the split
     kernel (which merges the splits too) on the current stream; the workspace (partials, the per-sequence barrier's
-    counters) is cached by (device, batch, kv_seq_len)."""
+    counters) is cached by (device, batch, kv_seq_len, format)."""
     lib = _cuda_library(_cuda_capability(q.device))
     batch = q.shape[0]
     seq_len = config["kv_seq_len"] if config["kv_seq_len"] is not None else -(-kv.shape[0] // max(batch, 1))
-    key = (q.device, batch, seq_len)
+    key = (q.device, batch, seq_len, kv_format)
     launch = _CUDA_LAUNCH.get(key)
     if launch is None:
         splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(q.device).multi_processor_count,
-                           lib.mla_ctas_per_sm())
+                           lib.mla_ctas_per_sm(), lib.mla_two_warpgroup_tiles() if kv_format == "fp8" else 0)
         rows = batch * splits if splits > 1 else 0
         launch = (splits, torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=q.device),
                   torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=q.device),

@@ -23,6 +23,7 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     lib = S._cuda_library(capability)
     assert lib.mla_decode.restype is not None
     assert lib.mla_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
+    assert lib.mla_two_warpgroup_tiles() == (16 if capability == S.CUDA_WGMMA_CAPABILITY else 0)
     assert lib.mla_supports_mxfp4() == (capability == S.CUDA_WGMMA_CAPABILITY)
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert S._cuda_library(capability) is lib  # built once, then reused
@@ -57,6 +58,13 @@ def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build,
 def test_plan_fills_the_sms(batch, seq_len, one, two):
     assert S.cuda_plan(batch, seq_len, 132, 1) == one
     assert S.cuda_plan(batch, seq_len, 132, 2) == two
+
+
+# (batch, seq_len, splits): FP8 on the wgmma kernel (two warpgroups per CTA alone from 16 tiles per split)
+@pytest.mark.parametrize("batch,seq_len,splits", [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (32, 8192, 4),
+                                                  (64, 1024, 4), (64, 8192, 2), (256, 8192, 1), (1, 100_000, 256)])
+def test_plan_with_two_warpgroups(batch, seq_len, splits):
+    assert S.cuda_plan(batch, seq_len, 132, 2, two_warpgroup_tiles=16) == splits
 
 
 def test_plan_stays_within_what_the_merge_takes():
@@ -163,7 +171,7 @@ def test_gpu_barrier_counters_are_left_zero_and_an_oversized_grid_fails_to_launc
     assert S._CUDA_LAUNCH and all(not launch[3][0::2].any() for launch in S._CUDA_LAUNCH.values())
     data = R.generate_input(4, 1, 1024, seed=1)
     for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
-        monkeypatch.setattr(S, "cuda_plan", lambda batch, seq_len, sms, ctas_per_sm, n=splits: n)  # or too many
+        monkeypatch.setattr(S, "cuda_plan", lambda *args, n=splits: n)  # or too many
         monkeypatch.setattr(S, "_CUDA_LAUNCH", {})
         with pytest.raises(RuntimeError, match=f"launch failed with cudaError {error}$"):
             S.custom_kernel(data)
