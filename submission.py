@@ -883,7 +883,8 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 # Why beside the Triton kernel: Triton 3.6 feeds the transposed V operand of the FP8 kernel with one-byte shared
 # loads (256 LDS.U8 per thread per tile in its SASS) and runs at the 255-register limit with spills, so each SM
 # holds 2 programs that spend ~4 us per 64-row tile. Here the layouts are ours. One source, two split kernels:
-# - Hopper (sm_90a, built with MLA_WGMMA): one warpgroup per CTA, two CTAs per SM, two 64-row cp.async stages each.
+# - Hopper (sm_90a, built with MLA_WGMMA): one warpgroup per CTA, two CTAs per SM, two 64-row cp.async stages each
+#   (a grid of one CTA per SM: four stages, and with FP8 and >= 16 tiles per split two warpgroups on alternate tiles).
 #   S^T = K Q^T by warpgroup MMAs with both FP8 operands in shared memory (the tile as the 64-row M side, Q quantized
 #   to e4m3 per head in the CTA as the 16-wide N side); P = 2^8 * softmax numerators in e4m3; O^T = V^T P^T with
 #   V^T as register fragments (ldmatrix.trans of the FP8 rows plus byte permutes, no conversion) and P^T from shared
@@ -899,9 +900,9 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 #   has no FP8 form (ptxas emulates it with conversions), hence the wgmma kernel there.
 # Splits: one launch. With more than one split per sequence the grid is launched cooperatively and its CTAs merge
 # their own partials behind a per-sequence barrier (a second combine kernel, even overlapped by PDL, cost ~1 us more
-# at batch 4). Measured on the H200 (2026-11-30 12:08 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
-# 10.8, 4x8192 19.2, 32x1024 18.9, 32x8192 55.0, 64x1024 24.4, 64x8192 94.2, 256x1024 51.0, 256x8192 328.3 us
-# (geomean 41.2; the mma.sync kernel 56.4-56.8 in earlier runs; at 256x8192 the copies alone take 317 us with this
+# at batch 4). Measured on the H200 (2026-11-30 12:25 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
+# 10.9, 4x8192 19.3, 32x1024 19.0, 32x8192 55.3, 64x1024 24.6, 64x8192 89.8, 256x1024 50.7, 256x8192 326.7 us
+# (geomean 41.0; the mma.sync kernel 56.4-56.8 in earlier runs; at 256x8192 the copies alone take 317 us with this
 # grid, the math alone 189). Accuracy: FP8 Q and P cost worst-sequence rel-L2 ~0.03-0.037 against fp32 attention
 # over the FP8 cache (the fp16 mma.sync kernel 1.7e-3); against the BF16 truth 0.032-0.044, inside the 0.08 bound.
 # ---------------------------------------------------------------------------------------------------------
