@@ -919,7 +919,8 @@ _CUDA_SRC = r"""
 
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX>: grid (num_splits, batch); q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale
+// split_kernel<STAGES, MX, WGS>: grid (num_splits, batch) of CTAs of WGS x NTHREADS threads (WGS = 2: the wgmma
+// build's two-warpgroup CTAs); q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale
 // (1,) fp32; kv_indptr (batch + 1,) int32; out (batch, 16, 512) bf16. num_splits == 1: each CTA writes its rows of
 // out. Otherwise each writes part_o (batch * num_splits, 16, 512) fp32, its normalised partial output, and part_lse
 // (batch * num_splits, 16), their log2-sum-exp; the CTAs of a sequence meet at a barrier (`sync`: per sequence an
