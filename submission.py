@@ -18,10 +18,11 @@ Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros.
 
 Backends (MLA_BACKEND=auto|aiter|cuda|triton|torch, default auto; a forced one that is unavailable fails):
   aiter   AMD GPU with aiter importable (auto picks it on ROCm): FP8 Q + FP8 KV, persistent mla_decode_fwd
-  cuda    NVIDIA GPU with nvcc (auto picks it there for FP8): our mma.sync kernel, built at the first call
-  triton  any GPU with triton (auto: NVIDIA without nvcc, AMD without aiter, MXFP4): our split-KV kernel
+  cuda    NVIDIA GPU with nvcc (auto picks it where it reads the format: FP8 anywhere, MXFP4 on Hopper): our
+          CUDA kernels (wgmma on Hopper, mma.sync elsewhere), built at the first call
+  triton  any GPU with triton (auto: NVIDIA where the cuda backend cannot run, AMD without aiter): our split-KV kernel
   torch   anywhere: fp32 math over the dequantized cache in bounded chunks
-KV format (MLA_KV_FORMAT=fp8|mxfp4, default fp8) selects which cache the triton and torch backends read.
+KV format (MLA_KV_FORMAT=fp8|mxfp4, default fp8) selects which cache the cuda, triton and torch backends read.
 MLA_VALIDATE=1 adds the host-side check of the indptr contents (a device sync) on every backend; the torch
 backend always does it. GPU kernels never read outside the cache whatever the indptr holds: a sequence whose
 range is invalid gets NaN rows.
@@ -878,7 +879,8 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# cuda backend (NVIDIA, FP8 KV): CUDA kernels built at first use with the machine's nvcc, called through ctypes
+# cuda backend (NVIDIA; FP8 KV, and MXFP4 on Hopper): CUDA kernels built at first use with the machine's nvcc,
+# called through ctypes
 #
 # Why beside the Triton kernel: Triton 3.6 feeds the transposed V operand of the FP8 kernel with one-byte shared
 # loads (256 LDS.U8 per thread per tile in its SASS) and runs at the 255-register limit with spills, so each SM
@@ -895,9 +897,10 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 #   e5m2 x e4m3. Measured (H200, 2026-11-30, bench.py --methods cuda-fp8,cuda-mxfp4,triton-mxfp4): geomean 44.9 us
 #   against 42.7 for FP8 in the same run and 82.5 for the Triton MXFP4 kernel; 369 vs 327 us at 256x8192: half the
 #   bytes buy nothing here, the kernel is bound by its instructions (the dequantization adds ~1 per value).
-# - Other GPUs (sm_80+): mma.sync m16n8k16 in fp16, one CTA of 8 warps per SM, 4 stages; ldmatrix reads the FP8
-#   tile for both products (e4m3 -> fp16 by the hardware cvt from sm_89); Q in fp16 registers. On Hopper mma.sync
-#   has no FP8 form (ptxas emulates it with conversions), hence the wgmma kernel there.
+# - Other GPUs (sm_80+): mma.sync m16n8k16 in fp16, one CTA of 8 warps per SM, 4, 3 or 2 stages as the GPU's shared
+#   memory allows (the launcher picks); ldmatrix reads the FP8 tile for both products (e4m3 -> fp16 by the hardware
+#   cvt from sm_89); Q in fp16 registers. On Hopper mma.sync has no FP8 form (ptxas emulates it with conversions),
+#   hence the wgmma kernel there.
 # Splits: one launch. With more than one split per sequence the grid is launched cooperatively and its CTAs merge
 # their own partials behind a per-sequence barrier (a second combine kernel, even overlapped by PDL, cost ~1 us more
 # at batch 4). Measured on the H200 (2026-11-30 12:25 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
@@ -946,6 +949,13 @@ __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t a) {
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// v rounded to bf16, stored as 4 consecutive values (8-byte aligned dst).
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(dst) =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }
 
 // The rows [lo, hi) of the cache that split `split` of sequence b attends to: splits of whole 64-row tiles,
@@ -1055,23 +1065,17 @@ __device__ __forceinline__ void merge_quads(const float* lse, const float* po, _
   if (threadIdx.x & (per_quad - 1)) return;
   const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (valid ? 1.f : NAN);  // every split empty: zeros
 #pragma unroll
-  for (int w = 0; w < W; ++w) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[w].x * scale, acc[w].y * scale);
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[w].z * scale, acc[w].w * scale);
-    *reinterpret_cast<uint2*>(out + h * DV + col + 4 * w) =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-  }
+  for (int w = 0; w < W; ++w)
+    store_bf16x4(out + h * DV + col + 4 * w,
+                 make_float4(acc[w].x * scale, acc[w].y * scale, acc[w].z * scale, acc[w].w * scale));
 }
 
 // When the splits of sequence b have all written their partials, split `split` merges its share (num_splits: a
-// power of two, 2 .. MAX_SPLITS; the launcher checks).
-__device__ __forceinline__ void merge_splits(const int* kv_indptr, unsigned* sync, int b, int split, int num_splits,
-                                             int total_kv, __nv_bfloat16* out, const float* part_o,
-                                             const float* part_lse) {
+// power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on b's range (false: NaN rows).
+__device__ __forceinline__ void merge_splits(unsigned* sync, int b, int split, int num_splits, bool valid,
+                                             __nv_bfloat16* out, const float* part_o, const float* part_lse) {
   wait_for_splits(sync, b, num_splits);
   if (threadIdx.x >= MERGE_THREADS) return;
-  const int start = kv_indptr[b], end = kv_indptr[b + 1];
-  const bool valid = start >= 0 && end >= start && end <= total_kv;
   const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H;
   const float* po = part_o + static_cast<size_t>(b) * num_splits * H * DV;
   __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV;
@@ -1271,7 +1275,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   // MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
   constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / THREADS;
   constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
-  const uint32_t ks_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ks));
+  const uint32_t ks_addr = smem_u32(ks);
   uint32_t soff[COPIES];
 #pragma unroll
   for (int it = 0; it < COPIES; ++it) {
@@ -1360,8 +1364,8 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   // This thread's score columns (heads) are 2*t4, 2*t4 + 1, 8 + 2*t4, 9 + 2*t4 (accumulator pairs 0/1 and 4/5 for
   // row g of the warp's 16 rows, 2/3 and 6/7 for row g + 8).
   const int heads[4] = {2 * t4, 2 * t4 + 1, 8 + 2 * t4, 9 + 2 * t4};
-  const uint64_t pdesc = desc(static_cast<uint32_t>(__cvta_generic_to_shared(ps)), QCHUNK, 128, 0);
-  const uint64_t qdesc = desc(static_cast<uint32_t>(__cvta_generic_to_shared(qs)), QCHUNK, 128, 0);
+  const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
+  const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
   // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start.
   const int k0 = p_position(warp * 16 + g), k1 = p_position(warp * 16 + g + 8);
   uint8_t* const p0dst = ps + (k0 >> 4) * QCHUNK + (k0 & 15);
@@ -1404,7 +1408,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       __syncthreads();
-      kt = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+      kt = smem_u32(smem);
     }
     const int n0 = lo + i * BN;
 
@@ -1554,14 +1558,12 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
     if (num_splits == 1) {
       if (!valid) v = make_float4(NAN, NAN, NAN, NAN);
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi2 = __floats2bfloat162_rn(v.z, v.w);
-      *reinterpret_cast<uint2*>(out + (static_cast<size_t>(b) * H + h) * DV + col) =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi2));
+      store_bf16x4(out + (static_cast<size_t>(b) * H + h) * DV + col, v);
     } else {
       *reinterpret_cast<float4*>(part_o + (part * H + h) * DV + col) = v;
     }
   }
-  if (num_splits > 1) merge_splits(kv_indptr, sync, b, split, num_splits, total_kv, out, part_o, part_lse);
+  if (num_splits > 1) merge_splits(sync, b, split, num_splits, valid, out, part_o, part_lse);
 }
 
 #else  // mma.sync, fp16
@@ -1628,7 +1630,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       const int r = c / (D / 16), col = (c % (D / 16)) * 16;
       const int n = n0 + r;
       const uint8_t* src = kv + static_cast<size_t>(n < hi ? n : lo) * D + col;
-      const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + r * KROW + col));
+      const uint32_t d = smem_u32(dst + r * KROW + col);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n < hi ? 16 : 0));
     }
   };
@@ -1790,12 +1792,8 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
     if (num_splits == 1) {
       if (!valid) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
       __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV + col;
-      const __nv_bfloat162 a0 = __floats2bfloat162_rn(v0.x, v0.y), a1 = __floats2bfloat162_rn(v0.z, v0.w);
-      const __nv_bfloat162 c0 = __floats2bfloat162_rn(v1.x, v1.y), c1 = __floats2bfloat162_rn(v1.z, v1.w);
-      *reinterpret_cast<uint2*>(o + g * DV) =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&a0), *reinterpret_cast<const uint32_t*>(&a1));
-      *reinterpret_cast<uint2*>(o + (g + 8) * DV) =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&c0), *reinterpret_cast<const uint32_t*>(&c1));
+      store_bf16x4(o + g * DV, v0);
+      store_bf16x4(o + (g + 8) * DV, v1);
     } else {
       float* o = part_o + part * H * DV + col;
       *reinterpret_cast<float4*>(o + g * DV) = v0;
@@ -1806,7 +1804,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
     part_lse[part * H + g] = l0 > 0.f ? m0 + log2f(l0) : -INFINITY;
     part_lse[part * H + g + 8] = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
   }
-  if (num_splits > 1) merge_splits(kv_indptr, sync, b, split, num_splits, total_kv, out, part_o, part_lse);
+  if (num_splits > 1) merge_splits(sync, b, split, num_splits, valid, out, part_o, part_lse);
 }
 
 #endif  // MLA_WGMMA
@@ -1816,13 +1814,13 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 // Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), and whether this build reads
 // the MXFP4 cache.
 extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
+extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
 // Tiles per split from which a CTA alone on its SM reads FP8 with two warpgroups (0: never, the mma.sync build).
 #if MLA_WGMMA
 extern "C" int mla_two_warpgroup_tiles() { return mla::TWO_WG_MIN_TILES; }
 #else
 extern "C" int mla_two_warpgroup_tiles() { return 0; }
 #endif
-extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
 
 // A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
 // GPUs with less shared memory get (0: none). The wgmma kernel has one configuration (Hopper: 227 KB per block).
