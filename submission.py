@@ -886,7 +886,8 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 # loads (256 LDS.U8 per thread per tile in its SASS) and runs at the 255-register limit with spills, so each SM
 # holds 2 programs that spend ~4 us per 64-row tile. Here the layouts are ours. One source, two split kernels:
 # - Hopper (sm_90a, built with MLA_WGMMA): one warpgroup per CTA, two CTAs per SM, two 64-row cp.async stages each
-#   (a grid of one CTA per SM: four stages, and with FP8 and >= 16 tiles per split two warpgroups on alternate tiles).
+#   (a grid of one CTA per SM: three stages, and with FP8 and >= 16 tiles per split two warpgroups on alternate tiles
+#   over four).
 #   S^T = K Q^T by warpgroup MMAs with both FP8 operands in shared memory (the tile as the 64-row M side, Q quantized
 #   to e4m3 per head in the CTA as the 16-wide N side); P = 2^8 * softmax numerators in e4m3; O^T = V^T P^T with
 #   V^T as register fragments (ldmatrix.trans of the FP8 rows plus byte permutes, no conversion) and P^T from shared
@@ -1091,16 +1092,21 @@ __device__ __forceinline__ void merge_splits(unsigned* sync, int b, int split, i
 constexpr int NTHREADS = 128;          // one warpgroup
 constexpr int NWARPS = 4;              // per warpgroup
 constexpr int CTAS_PER_SM = 2;
-// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 4 when the grid leaves each CTA an SM of its own.
+// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 3 when the grid leaves each CTA an SM of its own.
+// A split's first STAGES - 1 tiles are requested before the loop and the next when one lands: more at once delays
+// the first (DRAM interleaves every request in flight), so with 4 stages (3 tiles requested at once) 4x8192 and
+// 32x1024 took 18.7 and 18.9 us against 17.5 and 17.7 with 3 (H200; requesting all 4 at once: 20.0 and 20.1).
 // A CTA alone on its SM with many tiles (FP8, at least TWO_WG_MIN_TILES per split on average) runs two warpgroups
-// (WGS = 2) taking alternate tiles, as two CTAs would, over one Q and one set of stages, merging their results at
-// the end: 64x8192 in 2 such splits 88.5 us against 97.1 in 4 one-warpgroup splits two CTAs per SM (H200). With few
-// tiles the second warpgroup idles and costs ~1 us (4x1024: 12.2 against 11.2).
+// (WGS = 2) taking alternate tiles, as two CTAs would, over one Q and STAGES_TWO_WG stages (steps of two tiles),
+// merging their results at the end: 64x8192 in 2 such splits 88.5 us against 97.1 in 4 one-warpgroup splits two
+// CTAs per SM (H200). With few tiles the second warpgroup idles and costs ~1 us (4x1024: 12.2 against 11.2).
 constexpr int STAGES_SHARED = 2;
-constexpr int STAGES_ALONE = 4;
+constexpr int STAGES_ALONE = 3;
+constexpr int STAGES_TWO_WG = 4;
 constexpr int TWO_WG_MIN_TILES = 16;
-constexpr int MX_STAGES_SHARED = 3;    // MXFP4: stages of codes (18 KB) beside the one dequantized tile
-constexpr int MX_STAGES_ALONE = 5;
+// MXFP4: stages of codes (18 KB) beside the one dequantized tile, 3 whether alone or not (5 alone: 19.6 us at
+// 4x8192 and 19.7 at 32x1024, against 18.5 and 18.8 with 3).
+constexpr int MX_STAGES = 3;
 // Tile layout, wgmma's K-major swizzled layouts: dims 0..511 as four 8 KB blocks of [64 rows][128 bytes] with the
 // 16-byte units of row r permuted by u ^ (r % 8) (128-byte swizzle), dims 512..575 as [64 rows][64 bytes] with
 // u ^ ((r / 2) % 4) (64-byte swizzle). Each 128-byte line of a row lands in one 128-byte line of shared memory
@@ -1901,12 +1907,11 @@ extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, c
 #if MLA_WGMMA
   const bool alone = batch * num_splits <= sms[dev];
   if (kv_format == 1)
-    e = alone ? launch_split<mla::MX_STAGES_ALONE, true>(dev, s, args)
-              : launch_split<mla::MX_STAGES_SHARED, true>(dev, s, args);
+    e = launch_split<mla::MX_STAGES, true>(dev, s, args);
   else if (!alone)
     e = launch_split<mla::STAGES_SHARED, false>(dev, s, args);
   else if (total_kv >= static_cast<long long>(batch) * num_splits * mla::TWO_WG_MIN_TILES * mla::BN)
-    e = launch_split<mla::STAGES_ALONE, false, 2>(dev, s, args);
+    e = launch_split<mla::STAGES_TWO_WG, false, 2>(dev, s, args);
   else
     e = launch_split<mla::STAGES_ALONE, false>(dev, s, args);
 #else

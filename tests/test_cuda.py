@@ -159,16 +159,33 @@ def test_gpu_varlen(cuda_backend, lens):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16, 32])  # 4 x 32 CTAs: within one per SM (cooperative launch)
+def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
+    """Every merge width (merge_quads' W = 8, 4, 2, 1 and its shuffles from 32 splits) on odd, empty and one-row
+    sequences, with splits that get no rows; the second input reuses the first's workspace, and its output owes
+    nothing to the first's partials."""
+    kv_format, bound = cuda_backend
+    monkeypatch.setattr(S, "cuda_plan", lambda *args: splits)
+    for seed in (splits, splits + 100):
+        data = R.generate_varlen_input([1, 777, 0, 3001], seed=seed)
+        out = S.custom_kernel(data)
+        assert R.worst_row_relative_l2(out, fp32_over_cache(data, kv_format)) < bound
+    assert len(S._CUDA_LAUNCH) == 1
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_barrier_counters_are_left_zero_and_an_oversized_grid_fails_to_launch(cuda_backend, monkeypatch):
-    """The per-sequence barrier's arrival counts are zero after every launch (the next one starts from them); a
-    split grid larger than the GPU holds at once is refused by the cooperative launch instead of hanging, and split
-    counts the merge does not take (not a power of two, above 512) are refused before any launch."""
-    kv_format, _ = cuda_backend
+    """The per-sequence barrier's arrival counts are zero after every launch (the next one starts from them) and
+    its generations advance by one per launch; a split grid larger than the GPU holds at once is refused by the
+    cooperative launch instead of hanging, and split counts the merge does not take (not a power of two, above 512)
+    are refused before any launch."""
     for lens in ([700, 3, 1, 2000], [1000] * 4):
         data = R.generate_varlen_input(lens, seed=5)
-        S.custom_kernel(data)
+        for _ in range(3):
+            S.custom_kernel(data)
     torch.cuda.synchronize()
-    assert S._CUDA_LAUNCH and all(not launch[3][0::2].any() for launch in S._CUDA_LAUNCH.values())
+    assert [launch[3].tolist() for launch in S._CUDA_LAUNCH.values()] == [[0, 3] * 4] * 2
     data = R.generate_input(4, 1, 1024, seed=1)
     for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
         monkeypatch.setattr(S, "cuda_plan", lambda *args, n=splits: n)  # or too many
