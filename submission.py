@@ -886,8 +886,7 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 # loads (256 LDS.U8 per thread per tile in its SASS) and runs at the 255-register limit with spills, so each SM
 # holds 2 programs that spend ~4 us per 64-row tile. Here the layouts are ours. One source, two split kernels:
 # - Hopper (sm_90a, built with MLA_WGMMA): one warpgroup per CTA, two CTAs per SM, two 64-row cp.async stages each
-#   (a grid of one CTA per SM: three stages, and with FP8 and >= 16 tiles per split two warpgroups on alternate tiles
-#   over four).
+#   (a grid of one CTA per SM: three stages).
 #   S^T = K Q^T by warpgroup MMAs with both FP8 operands in shared memory (the tile as the 64-row M side, Q quantized
 #   to e4m3 per head in the CTA as the 16-wide N side); P = 2^8 * softmax numerators in e4m3; O^T = V^T P^T with
 #   V^T as register fragments (ldmatrix.trans of the FP8 rows plus byte permutes, no conversion) and P^T from shared
@@ -923,14 +922,13 @@ _CUDA_SRC = r"""
 
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX, WGS>: grid (num_splits, batch) of CTAs of WGS x NTHREADS threads (WGS = 2: the wgmma
-// build's two-warpgroup CTAs); q (batch, 16, 576) bf16; kv (total_kv, 576) e4m3; kv_scale
-// (1,) fp32; kv_indptr (batch + 1,) int32; out (batch, 16, 512) bf16. num_splits == 1: each CTA writes its rows of
-// out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16, its normalised partial output, and part_lse
-// (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a sequence meet at a barrier (`sync`: per sequence an
-// arrival count, which every launch leaves zero, and a generation; all zero before the first launch) and each
-// merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
-// resident and the wait cannot hang.
+// split_kernel<STAGES, MX>: grid (num_splits, batch) of CTAs of NTHREADS threads; q (batch, 16, 576) bf16; kv
+// (total_kv, 576) e4m3; kv_scale (1,) fp32; kv_indptr (batch + 1,) int32; out (batch, 16, 512) bf16.
+// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
+// its normalised partial output, and part_lse (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
+// sequence meet at a barrier (`sync`: per sequence an arrival count, which every launch leaves zero, and a
+// generation; all zero before the first launch) and each merges 1 / num_splits of the sequence's outputs. The grid
+// is launched cooperatively, so all its CTAs are resident and the wait cannot hang.
 namespace mla {
 
 constexpr int H = 16;                  // query heads
@@ -1100,14 +1098,8 @@ constexpr int CTAS_PER_SM = 2;
 // A split's first STAGES - 1 tiles are requested before the loop and the next when one lands: more at once delays
 // the first (DRAM interleaves every request in flight), so with 4 stages (3 tiles requested at once) 4x8192 and
 // 32x1024 took 18.7 and 18.9 us against 17.5 and 17.7 with 3 (H200; requesting all 4 at once: 20.0 and 20.1).
-// A CTA alone on its SM with many tiles (FP8, at least TWO_WG_MIN_TILES per split on average) runs two warpgroups
-// (WGS = 2) taking alternate tiles, as two CTAs would, over one Q and STAGES_TWO_WG stages (steps of two tiles),
-// merging their results at the end: 64x8192 in 2 such splits 88.5 us against 97.1 in 4 one-warpgroup splits two
-// CTAs per SM (H200). With few tiles the second warpgroup idles and costs ~1 us (4x1024: 12.2 against 11.2).
 constexpr int STAGES_SHARED = 2;
 constexpr int STAGES_ALONE = 3;
-constexpr int STAGES_TWO_WG = 4;
-constexpr int TWO_WG_MIN_TILES = 16;
 // MXFP4: stages of codes (18 KB) beside the one dequantized tile, 3 whether alone or not (5 alone: 19.6 us at
 // 4x8192 and 19.7 at 32x1024, against 18.5 and 18.8 with 3).
 constexpr int MX_STAGES = 3;
@@ -1128,9 +1120,9 @@ constexpr bool SUPPORTS_MXFP4 = true;
 constexpr int MX_ROW = D / 2;          // bytes of codes per row, two values per byte, low nibble first
 constexpr int MX_STAGE = BN * MX_ROW;
 constexpr int MX_BLOCKS = D / 32;      // E8M0 scales per row
-template <int STAGES, bool MX, int WGS = 1>
+template <int STAGES, bool MX>
 constexpr int smem_bytes() {
-  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + WGS * (SMEM_P + SMEM_RED) + H * 4;
+  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + SMEM_P + SMEM_RED + H * 4;
 }
 constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
 
@@ -1226,20 +1218,10 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
-// Synchronizes the 128 threads of warpgroup wg (named barriers 1 and 2; 0 is __syncthreads'). Immediate ids: a
-// register id makes ptxas reserve all 16.
-__device__ __forceinline__ void wg_sync(int wg) {
-  if (wg == 0)
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-  else
-    asm volatile("bar.sync 2, 128;" ::: "memory");
-}
-
-// Reduces v[e] (head heads[e]) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then over warpgroup
-// wg's 4 warps through its `red` ([16 heads][4 warps]); every thread gets the results for its heads. op: max or sum.
+// Reduces v[e] (head heads[e]) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then over the 4
+// warps through `red` ([16 heads][4 warps]); every thread gets the results for its heads. op: max or sum.
 template <typename Op>
-__device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, float* red, int warp, int g, int wg,
-                                            Op op) {
+__device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, float* red, int warp, int g, Op op) {
 #pragma unroll
   for (int e = 0; e < 4; ++e)
 #pragma unroll
@@ -1248,7 +1230,7 @@ __device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, flo
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = v[e];
   }
-  wg_sync(wg);
+  __syncthreads();
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
@@ -1256,41 +1238,38 @@ __device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, flo
   }
 }
 
-template <int STAGES, bool MX, int WGS>
-__global__ void __launch_bounds__(NTHREADS * WGS, CTAS_PER_SM / WGS)
+template <int STAGES, bool MX>
+__global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
              const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ part_o,
              float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
              float qk_scale) {
-  static_assert(WGS == 1 || (WGS == 2 && !MX && STAGES % 2 == 0), "two warpgroups: FP8, whole steps of stages");
-  constexpr int THREADS = NTHREADS * WGS;
   extern __shared__ __align__(1024) uint8_t smem[];
-  const int tid = threadIdx.x, wg = WGS == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
-            t4 = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   uint8_t* ks = MX ? smem + TILE : smem;  // the stages (MX: after the dequantized tile)
   uint8_t* qs = MX ? smem + TILE + STAGES * MX_STAGE : smem + STAGES * TILE;
-  uint8_t* ps = qs + SMEM_Q + wg * SMEM_P;  // this warpgroup's P and red
-  float* red = reinterpret_cast<float*>(qs + SMEM_Q + WGS * SMEM_P) + wg * NWARPS * H;
-  float* qscale = reinterpret_cast<float*>(qs + SMEM_Q + WGS * SMEM_P) + WGS * NWARPS * H;
+  uint8_t* ps = qs + SMEM_Q;
+  float* red = reinterpret_cast<float*>(ps + SMEM_P);
+  float* qscale = red + NWARPS * H;
 
   const int split = blockIdx.x, b = blockIdx.y;
   const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
   const bool valid = range.valid;
 
-  // Copy plan: thread tid copies units c = tid + THREADS * it of a tile, row c / 36, unit c % 36: its global
+  // Copy plan: thread tid copies units c = tid + NTHREADS * it of a tile, row c / 36, unit c % 36: its global
   // bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
   // the same for every tile. Rows past hi are zero-filled, never read. The copies ask L2 for whole 128-byte lines
   // (.L2::128B): 256x8192 took 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
   // MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
-  constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / THREADS;
+  constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NTHREADS;
   constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
   const uint32_t ks_addr = smem_u32(ks);
   uint32_t soff[COPIES];
 #pragma unroll
   for (int it = 0; it < COPIES; ++it) {
-    const int c = tid + THREADS * it;
+    const int c = tid + NTHREADS * it;
     soff[it] = MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
   }
   auto load_tile = [&](int i) {
@@ -1302,13 +1281,13 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
       for (int it = 0; it < COPIES; ++it)
         asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff[it]),
-                     "l"(src + it * THREADS * 16));
+                     "l"(src + it * NTHREADS * 16));
     } else {
 #pragma unroll
       for (int it = 0; it < COPIES; ++it) {
-        const bool in = (tid + THREADS * it) / ROW_UNITS < rows;
+        const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
         asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
-                     "l"(in ? src + it * THREADS * 16 : kv), "r"(in ? 16 : 0));
+                     "l"(in ? src + it * NTHREADS * 16 : kv), "r"(in ? 16 : 0));
       }
     }
   };
@@ -1316,26 +1295,21 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   // product's B operand; the head's scale, sm_scale * log2(e) and the KV scale multiply the scores. Q's loads are
   // issued before the first tiles' copies so they do not queue behind them.
   constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
-  constexpr int CTA_WARPS = NWARPS * WGS;
-  const int cta_warp = tid >> 5;
-  __nv_bfloat162 qv[H / CTA_WARPS][QPAIRS];
+  __nv_bfloat162 qv[H / NWARPS][QPAIRS];
 #pragma unroll
-  for (int j = 0; j < H / CTA_WARPS; ++j) {
+  for (int j = 0; j < H / NWARPS; ++j) {
     const __nv_bfloat162* src =
-        reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + cta_warp + j * CTA_WARPS) * D);
+        reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + warp + j * NWARPS) * D);
 #pragma unroll
     for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
   }
-  // The pipeline moves in steps of WGS tiles (one per warpgroup), one cp.async group per step.
-  constexpr int STEPS = STAGES / WGS;  // steps in shared memory
-  auto load_step = [&](int k) {
-#pragma unroll
-    for (int w = 0; w < WGS; ++w)
-      if (k * WGS + w < ntiles) load_tile(k * WGS + w);
+  // One cp.async group per tile (empty past the last).
+  auto load_group = [&](int i) {
+    if (i < ntiles) load_tile(i);
     asm volatile("cp.async.commit_group;\n");
   };
 #pragma unroll
-  for (int k = 0; k < STEPS - 1; ++k) load_step(k);
+  for (int i = 0; i < STAGES - 1; ++i) load_group(i);
   const float kv_scale = MX ? 1.f : *kv_scale_ptr;
   // MXFP4: this thread dequantizes blocks c = tid + 128 j (j < 9) of each tile, row c / 18, block c % 18; their
   // E8M0 scales are loaded one tile ahead, into registers (rows past hi: 127, a scale of 1 over zero codes).
@@ -1351,8 +1325,8 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   };
   if constexpr (MX) load_scales(0);
 #pragma unroll
-  for (int j = 0; j < H / CTA_WARPS; ++j) {
-    const int h = cta_warp + j * CTA_WARPS;
+  for (int j = 0; j < H / NWARPS; ++j) {
+    const int h = warp + j * NWARPS;
     float2 v[QPAIRS];
     float amax = 0.f;
 #pragma unroll
@@ -1395,13 +1369,11 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[mb][e] = 0.f;
 
-  for (int k = 0; k * WGS < ntiles; ++k) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(STEPS - 2));
+  for (int i = 0; i < ntiles; ++i) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // step k's tiles are visible to the tensor cores; every warp is done with step k - 1
-    load_step(k + STEPS - 1);
-    const int i = k * WGS + wg;  // this warpgroup's tile
-    if (i >= ntiles) continue;
+    __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1
+    load_group(i + STAGES - 1);
     uint32_t kt = ks_addr + (i % STAGES) * TILE;
     if constexpr (MX) {  // codes + scales -> the e5m2 tile at offset 0 (free: every warp is done with tile i - 1)
       uint32_t scales[MX_JOBS];
@@ -1448,7 +1420,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       s[a + 2] = in1 ? s[a + 2] * qsc[e] : -INFINITY;
       mx[e] = fmaxf(s[a], s[a + 2]);
     }
-    reduce_rows(mx, heads, red, warp, g, wg, [](float x, float y) { return fmaxf(x, y); });
+    reduce_rows(mx, heads, red, warp, g, [](float x, float y) { return fmaxf(x, y); });
     float alpha[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -1475,7 +1447,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
         }
       }
     }
-    wg_sync(wg);  // P is complete
+    __syncthreads();  // P is complete
 
     // O^T (512 dims x 16 heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
     // as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1], V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of
@@ -1506,33 +1478,12 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   }
   asm volatile("cp.async.wait_group 0;\n");
 
-  // Row sums across the warp's rows and the warps (every warp of a warpgroup holds the same m).
+  // Row sums across the warp's rows and the warps (every warp holds the same m).
   __syncthreads();  // every warp has read red in its last tile
-  reduce_rows(l, heads, red, warp, g, wg, [](float x, float y) { return x + y; });
-  float scale[4];  // of this warpgroup's accumulators: its weight in the CTA's softmax x kv_scale / the sum
-  if constexpr (WGS == 2) {  // the warpgroups' (max, sum) per head meet in Q's shared memory (read by no one now)
-    float* stat = reinterpret_cast<float*>(qs);  // [warpgroup][head][max, sum]
-    if (warp == 0 && g == 0) {
+  reduce_rows(l, heads, red, warp, g, [](float x, float y) { return x + y; });
+  float scale[4];  // kv_scale / the sum (no rows: zeros)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        stat[(wg * H + heads[e]) * 2] = m[e];
-        stat[(wg * H + heads[e]) * 2 + 1] = l[e];
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float m_other = stat[((1 - wg) * H + heads[e]) * 2], l_other = stat[((1 - wg) * H + heads[e]) * 2 + 1];
-      const float mn = fmaxf(m[e], m_other);
-      const float own = mn == -INFINITY ? 0.f : ex2(m[e] - mn), other = mn == -INFINITY ? 0.f : ex2(m_other - mn);
-      m[e] = mn;
-      l[e] = l[e] * own + l_other * other;
-      scale[e] = l[e] > 0.f ? __fdividef(own * kv_scale, l[e]) : 0.f;  // no rows: zeros
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
-  }
+  for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
   const size_t part = static_cast<size_t>(b) * num_splits + split;
   if (num_splits > 1 && tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
@@ -1542,30 +1493,23 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
   // that each warp store writes whole 128-byte lines; from the fragments, each store wrote four 64-byte pieces and
   // the 32 stores took ~1500 cycles per CTA. Rows padded by 4 floats: the fragments' float2 writes take 2 wavefronts.
-  // Two warpgroups: the second adds its share to the first's (the same thread of each holds the same elements).
   constexpr int OUT_ROW = DV + 4;
   static_assert(H * OUT_ROW * 4 <= TILE, "the staged output fits the first tile's bytes");
   float* staged = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int w = 0; w < WGS; ++w) {
-    if (wg == w) {
+  for (int mb = 0; mb < 8; ++mb) {
+    const int dim = 64 * mb + 16 * warp + 2 * g;
 #pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-        const int dim = 64 * mb + 16 * warp + 2 * g;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int a = (e & 1) + (e >> 1) * 4;
-          float2* dst = reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim);
-          const float2 prior = w == 0 ? make_float2(0.f, 0.f) : *dst;
-          *dst = make_float2(prior.x + acc[mb][a] * scale[e], prior.y + acc[mb][a + 2] * scale[e]);
-        }
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int a = (e & 1) + (e >> 1) * 4;
+      *reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim) =
+          make_float2(acc[mb][a] * scale[e], acc[mb][a + 2] * scale[e]);
     }
-    __syncthreads();
   }
-  const int col = 4 * (tid & (NTHREADS - 1));
+  __syncthreads();
+  const int col = 4 * tid;
 #pragma unroll 4
-  for (int h = wg; h < H; h += WGS) {
+  for (int h = 0; h < H; ++h) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
     if (num_splits == 1 && !valid) v = make_float4(NAN, NAN, NAN, NAN);
     store_bf16x4((num_splits == 1 ? out + static_cast<size_t>(b) * H * DV : part_o + part * H * DV) + h * DV + col, v);
@@ -1588,7 +1532,7 @@ constexpr int KSTEPS = D / 16;         // k16 steps of the score product
 constexpr int SMEM_Q = H * QROW * 2;
 constexpr int SMEM_P = H * PROW * 2;
 constexpr int SMEM_RED = NWARPS * H * 4;
-template <int STAGES, bool MX, int WGS = 1>
+template <int STAGES, bool MX>
 constexpr int smem_bytes() { return STAGES * BN * KROW + SMEM_Q + SMEM_P + SMEM_RED; }
 
 __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -1610,7 +1554,7 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <int STAGES, bool MX, int WGS>  // MX, WGS > 1: not supported here (the launcher never instantiates them)
+template <int STAGES, bool MX>  // MX: not supported here (the launcher never instantiates it)
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
              const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
@@ -1822,12 +1766,6 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 // the MXFP4 cache.
 extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
 extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
-// Tiles per split from which a CTA alone on its SM reads FP8 with two warpgroups (0: never, the mma.sync build).
-#if MLA_WGMMA
-extern "C" int mla_two_warpgroup_tiles() { return mla::TWO_WG_MIN_TILES; }
-#else
-extern "C" int mla_two_warpgroup_tiles() { return 0; }
-#endif
 
 // A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
 // GPUs with less shared memory get (0: none). The wgmma kernel has one configuration (Hopper: 227 KB per block).
@@ -1855,19 +1793,19 @@ struct SplitArgs {
 
 // With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
 // split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
-template <int STAGES, bool MX, int WGS = 1>
+template <int STAGES, bool MX>
 static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a) {
-  constexpr int smem = mla::smem_bytes<STAGES, MX, WGS>();
+  constexpr int smem = mla::smem_bytes<STAGES, MX>();
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
   if (!(configured & (1u << dev))) {
     const cudaError_t e =
-        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured |= 1u << dev;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(a.num_splits, a.batch);
-  cfg.blockDim = dim3(mla::NTHREADS * WGS);
+  cfg.blockDim = dim3(mla::NTHREADS);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute cooperative;
@@ -1875,7 +1813,7 @@ static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a
   cooperative.val.cooperative = 1;
   cfg.attrs = &cooperative;
   cfg.numAttrs = a.num_splits > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX, WGS>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
+  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
                             a.scale_stride, a.kv_indptr, a.out, a.part_o, a.part_lse, a.sync, a.total_kv,
                             a.num_splits, a.qk_scale);
 }
@@ -1906,13 +1844,10 @@ extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, c
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e;
 #if MLA_WGMMA
-  const bool alone = batch * num_splits <= sms[dev];
   if (kv_format == 1)
     e = launch_split<mla::MX_STAGES, true>(dev, s, args);
-  else if (!alone)
+  else if (batch * num_splits > sms[dev])
     e = launch_split<mla::STAGES_SHARED, false>(dev, s, args);
-  else if (total_kv >= static_cast<long long>(batch) * num_splits * mla::TWO_WG_MIN_TILES * mla::BN)
-    e = launch_split<mla::STAGES_TWO_WG, false, 2>(dev, s, args);
   else
     e = launch_split<mla::STAGES_ALONE, false>(dev, s, args);
 #else
@@ -1996,7 +1931,7 @@ def _cuda_library(capability: tuple[int, int]):
                                + [ctypes.c_float, ctypes.c_void_p])
     lib.mla_limit_shared_memory.restype = None
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
-    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4", "mla_two_warpgroup_tiles"):
+    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     _CUDA_LIBS[capability] = lib
@@ -2025,30 +1960,24 @@ def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | 
     return None
 
 
-def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1, two_warpgroup_tiles: int = 0) -> int:
+def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once (ctas_per_sm x
     SMs; the merge's barrier needs them all resident), at most CUDA_MAX_SPLITS and at least one 64-row tile per split;
     then, while a second CTA per SM would be needed (batch x splits > SMs), halved as long as a split would hold fewer
-    than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little work). With two_warpgroup_tiles
-    (FP8 on the wgmma kernel: mla_two_warpgroup_tiles()), a grid needing a second CTA per SM becomes one CTA per SM when
-    its splits then hold at least that many tiles (two warpgroups per CTA). Measured on the H200 (132 SMs, 2026-11-30
-    ~12:04 UTC, the fused merge, splits 1..64 per shape, leaderboard timing), the wgmma kernel (2 CTAs per SM, one
-    warpgroup each) is fastest, or within 3%, at the counts the first rule picks: 16 at 4x1024 (11.3 us; 12.2 at 8), 32
-    at 4x8192 (18.9; 20.6 at 64), 4 at 32x1024 (18.9; 19.5 at 8), 8 at 32x8192 (54.9; 55.2 at 4), 4 at 64x1024 (25.0;
-    25.6 at 2) and 64x8192 (95.7; 92.9 at 2 for FP8 but 141.9 against 106.8 for MXFP4), 1 at batch 256. The mma.sync
-    kernel (1 CTA per SM) was best at 16, 32, 4, 4, 2, 2, 1, 1 (what this picks for it; measured with the earlier
-    two-kernel merge). With two warpgroups (~12:13 UTC): 64x8192 in 2 splits 88.5 us (97.1 at 4); 32x8192 in 4, 54.4
-    (54.5 at 8)."""
+    than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little work). Measured on the H200
+    (132 SMs, 2026-11-30 ~12:04 UTC, the fused merge, splits 1..64 per shape, leaderboard timing), the wgmma kernel (2
+    CTAs per SM) is fastest, or within 3%, at the counts this picks: 16 at 4x1024 (11.3 us; 12.2 at 8), 32 at 4x8192
+    (18.9; 20.6 at 64), 4 at 32x1024 (18.9; 19.5 at 8), 8 at 32x8192 (54.9; 55.2 at 4), 4 at 64x1024 (25.0; 25.6 at 2)
+    and 64x8192, 1 at batch 256; rechecked at ~13:10 UTC with the current kernel: 4x8192 at 64 18.8 (17.0 at 32),
+    32x1024 at 8 17.7 (17.4 at 4), 32x8192 at 4 54.2 (53.1 at 8). Two warpgroups per CTA alone on its SM (alternate
+    tiles; 64x8192 in 2 splits, 32x8192 in 4) were faster until the copies asked L2 for whole lines, then slower (89.4
+    against 87.5 and 54.4 against 53.1 us), and were removed. The mma.sync kernel (1 CTA per SM) was best at 16, 32, 4,
+    4, 2, 2, 1, 1 (what this picks for it; measured with the earlier two-kernel merge)."""
     tiles = max(1, seq_len // CUDA_BLOCK_N)
     limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, CUDA_MAX_SPLITS))
     splits = 1 << (limit.bit_length() - 1)
     while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
         splits //= 2
-    # FP8 on the wgmma kernel: a grid of one CTA per SM whose splits hold >= two_warpgroup_tiles tiles runs two
-    # warpgroups per CTA, faster than twice the CTAs with one (64x8192: 2 splits 88.5 us, 4 splits 97.1).
-    alone = 1 << (max(1, num_sms // max(batch, 1)).bit_length() - 1) if batch <= num_sms else 0
-    if two_warpgroup_tiles and batch * splits > num_sms and alone and tiles // alone >= two_warpgroup_tiles:
-        splits = alone
     return splits
 
 
@@ -2064,7 +1993,7 @@ def _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) ->
     launch = _CUDA_LAUNCH.get(key)
     if launch is None:
         splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(q.device).multi_processor_count,
-                           lib.mla_ctas_per_sm(), lib.mla_two_warpgroup_tiles() if kv_format == "fp8" else 0)
+                           lib.mla_ctas_per_sm())
         rows = batch * splits if splits > 1 else 0
         launch = (splits, torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device),
                   torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=q.device),

@@ -23,7 +23,6 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     lib = S._cuda_library(capability)
     assert lib.mla_decode.restype is not None
     assert lib.mla_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
-    assert lib.mla_two_warpgroup_tiles() == (16 if capability == S.CUDA_WGMMA_CAPABILITY else 0)
     assert lib.mla_supports_mxfp4() == (capability == S.CUDA_WGMMA_CAPABILITY)
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert S._cuda_library(capability) is lib  # built once, then reused
@@ -58,13 +57,6 @@ def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build,
 def test_plan_fills_the_sms(batch, seq_len, one, two):
     assert S.cuda_plan(batch, seq_len, 132, 1) == one
     assert S.cuda_plan(batch, seq_len, 132, 2) == two
-
-
-# (batch, seq_len, splits): FP8 on the wgmma kernel (two warpgroups per CTA alone from 16 tiles per split)
-@pytest.mark.parametrize("batch,seq_len,splits", [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (32, 8192, 4),
-                                                  (64, 1024, 4), (64, 8192, 2), (256, 8192, 1), (1, 100_000, 256)])
-def test_plan_with_two_warpgroups(batch, seq_len, splits):
-    assert S.cuda_plan(batch, seq_len, 132, 2, two_warpgroup_tiles=16) == splits
 
 
 def test_plan_stays_within_what_the_merge_takes():
