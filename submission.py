@@ -903,11 +903,11 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 #   hence the wgmma kernel there.
 # Splits: one launch. With more than one split per sequence the grid is launched cooperatively and its CTAs merge
 # their own partials behind a per-sequence barrier (a second combine kernel, even overlapped by PDL, cost ~1 us more
-# at batch 4). Measured on the H200 (2026-11-30 12:25 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
-# 10.9, 4x8192 19.3, 32x1024 19.0, 32x8192 55.3, 64x1024 24.6, 64x8192 89.8, 256x1024 50.7, 256x8192 326.7 us
-# (geomean 41.0; the mma.sync kernel 56.4-56.8 in earlier runs; at 256x8192 the copies alone take 317 us with this
-# grid, the math alone 189). Accuracy: FP8 Q and P cost worst-sequence rel-L2 ~0.03-0.037 against fp32 attention
-# over the FP8 cache (the fp16 mma.sync kernel 1.7e-3); against the BF16 truth 0.032-0.044, inside the 0.08 bound.
+# at batch 4). Measured on the H200 (2026-11-30 13:11 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
+# 10.5, 4x8192 17.6, 32x1024 17.3, 32x8192 53.2, 64x1024 23.6, 64x8192 87.0, 256x1024 51.0, 256x8192 287.4 us
+# (geomean 38.8; the mma.sync kernel 56.4-56.8 in earlier runs, before the changes of that session). Accuracy: FP8
+# Q and P cost worst-sequence rel-L2 ~0.03-0.037 against fp32 attention over the FP8 cache (the fp16 mma.sync kernel
+# 1.7e-3); against the BF16 truth 0.032-0.044, inside the 0.08 bound.
 # ---------------------------------------------------------------------------------------------------------
 
 CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
