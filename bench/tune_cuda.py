@@ -1,0 +1,232 @@
+"""Experiments on the cuda backend's kernel, on one GPU in one process (one device call).
+
+    python3 bench/tune_cuda.py ab --variant now= --variant s4=STAGES_ALONE:4 --variant x=STAGES_SHARED:2@16 \
+        --module base=/tmp/base.py [--shapes 4x1k,4x8k] [--format fp8] [--iters 40]
+    python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9]
+
+A variant is the current submission with some of its CUDA source's integer constants replaced
+(`NAME=CONST:VALUE;CONST:VALUE`, every `constexpr int CONST = ...;` line of the source) and optionally a forced split
+count (`@SPLITS`); `--module NAME=PATH` times a frozen copy of submission.py instead (e.g. `git show
+HEAD:submission.py > /tmp/base.py`). Nothing here is read by the submission or the tests' GPU runs.
+
+ab: every variant's output is checked with reference.check_implementation, then timed the leaderboard's way (L2
+flushed, events around the one call, median of --iters), variants interleaved per shape so that drift hits them
+alike; prints µs per shape and variant and the geometric means.
+
+timeline: thread 0 of every CTA records %globaltimer at the MARKS patched into the source; prints, for the median of
+--runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA started. Rows
+past a split's tiles stay empty; the marks after the loop exist only with more than one split.
+"""
+
+import argparse
+import ctypes
+import importlib.util
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import reference as R  # noqa: E402
+import submission as S  # noqa: E402
+from utils import clear_l2_cache  # noqa: E402
+
+LEADERBOARD_SHAPES = "4x1k,4x8k,32x1k,32x8k,64x1k,64x8k,256x1k,256x8k"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        batch, kv = item.lower().split("x")
+        shapes.append((int(batch), int(kv[:-1]) * 1024 if kv.endswith("k") else int(kv)))
+    return shapes
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, int], int | None]:
+    """'NAME=CONST:VALUE;CONST:VALUE@SPLITS' -> (name, {const: value}, splits or None); 'NAME=' is the source as is."""
+    name, sep, spec = text.partition("=")
+    if not name or not sep:
+        raise ValueError(f"--variant {text!r}: expected NAME=[CONST:VALUE[;CONST:VALUE...]][@SPLITS]")
+    spec, _, splits = spec.partition("@")
+    consts = {}
+    for item in filter(None, spec.split(";")):
+        const, _, value = item.partition(":")
+        consts[const.strip()] = int(value)
+    return name, consts, int(splits) if splits else None
+
+
+def patched_source(source: str, consts: dict[str, int]) -> str:
+    """The source with every `constexpr int CONST = ...;` line of each constant set to its value."""
+    lines = source.splitlines(keepends=True)
+    for const, value in consts.items():
+        hits = [i for i, line in enumerate(lines) if line.startswith(f"constexpr int {const} = ")]
+        if not hits:
+            raise ValueError(f"no `constexpr int {const} = ...;` line in the CUDA source")
+        for i in hits:
+            comment = lines[i].split("//", 1)[1] if "//" in lines[i] else ""
+            lines[i] = f"constexpr int {const} = {value};" + (f"  //{comment}" if comment else "\n")
+    return "".join(lines)
+
+
+class Variant:
+    """One configuration of the cuda backend: its source, library cache, launch cache and split plan, swapped
+    into the submission module by activate() (the module's caches are per variant, so nothing is rebuilt)."""
+
+    def __init__(self, name: str, source: str, splits: int | None):
+        self.name, self.source, self.splits = name, source, splits
+        self.libs: dict = {}
+        self.launches: dict = {}
+
+    def activate(self) -> None:
+        S._CUDA_SRC, S._CUDA_LIBS, S._CUDA_LAUNCH = self.source, self.libs, self.launches
+        S.cuda_plan = (lambda *args: self.splits) if self.splits else PLAN
+
+    def __call__(self, data):
+        self.activate()
+        return S.custom_kernel(data)
+
+
+PLAN = S.cuda_plan
+SOURCE = S._CUDA_SRC
+
+
+def load_module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(f"mla_variant_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def leaderboard_us(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters + 3):
+        torch.cuda.synchronize()
+        clear_l2_cache()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[3:])
+
+
+def run_ab(args, variants: dict) -> None:
+    results = {name: [] for name in variants}
+    for batch, kv_len in args.shapes:
+        data = R.generate_input(batch, 1, kv_len, seed=batch + kv_len)
+        cells = []
+        for name, fn in variants.items():
+            out = fn(data)
+            ok, _ = R.check_implementation(data, out)
+            us = leaderboard_us(lambda fn=fn, data=data: fn(data), args.iters)
+            results[name].append(us)
+            cells.append(f"{name} {us:7.1f}{'' if ok else ' FAIL'}")
+        print(f"{batch}x{kv_len}: " + "  ".join(cells), flush=True)
+    print(f"geomean {args.format}: " + "  ".join(
+        f"{name} {math.prod(r) ** (1 / len(r)):.1f}" for name, r in results.items()), flush=True)
+
+
+# (name, anchor in the source, whether the stamp goes before it or after it, the mark's index expression)
+MARKS = [
+    ("start", "  const bool valid = range.valid;\n", "after", "0"),
+    ("Q", "  // This thread's score columns (heads) are", "before", "1"),
+    ("tile", "    __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1\n",
+     "after", "2 + i"),  # for i < TILE_MARKS
+    ("loop", "  // Row sums across the warp's rows", "before", "2 + TILE_MARKS"),
+    ("partial", "  if (num_splits > 1) merge_splits(", "before", "3 + TILE_MARKS"),
+    ("barrier", "  if (threadIdx.x >= MERGE_THREADS) return;\n  const float* lse", "before", "4 + TILE_MARKS"),
+    ("merged", "  if (num_splits > 1) merge_splits(sync, b, split, num_splits, valid, out, part_o, part_lse);\n",
+     "after", "5 + TILE_MARKS"),
+]
+TILE_MARKS = 5
+SLOTS = 6 + TILE_MARKS
+
+
+def timeline_source(source: str) -> str:
+    """The wgmma kernel's source with the MARKS' stamps and an export of them (mla_timeline_get)."""
+    block = f"static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x) * {SLOTS}"
+    decl = f"__device__ unsigned long long mla_timeline[16384 * {SLOTS}];\nconstexpr int TILE_MARKS = {TILE_MARKS};\n"
+    # The shared merge comes before the wgmma kernel's section, the mma.sync kernel after it (not stamped).
+    start, end = source.index("\n#if MLA_WGMMA\n"), source.index("\n#else  // mma.sync")
+    head, kernel, tail = source[:start], source[start:end], source[end:]
+    head = head.replace("namespace mla {\n", "namespace mla {\n" + decl, 1)
+    for name, anchor, where, index in MARKS:
+        text = head if name == "barrier" else kernel
+        if text.count(anchor) != 1:
+            raise ValueError(f"timeline mark {name!r}: its anchor is not in the source exactly once: {anchor!r}")
+        guard = "i < TILE_MARKS && " if name == "tile" else ""
+        stamp = (f"if ({guard}threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %%globaltimer;\""
+                 f" : \"=l\"(t_)); mla_timeline[{block} + {index}] = t_; }}\n")
+        patched = text.replace(anchor, anchor + stamp if where == "after" else stamp + anchor, 1)
+        head, kernel = (patched, kernel) if name == "barrier" else (head, patched)
+    export = ('\nextern "C" int mla_timeline_get(void* dst) {\n  return static_cast<int>(cudaMemcpyFromSymbol(dst, '
+              'mla::mla_timeline, sizeof(mla::mla_timeline)));\n}\n')
+    return head + kernel + tail + export
+
+
+def run_timeline(args, variants: dict) -> None:
+    names = ["start", "Q"] + [f"tile{k}" for k in range(TILE_MARKS)] + ["loop", "partial", "barrier", "merged"]
+    for batch, kv_len in args.shapes:
+        data = R.generate_input(batch, 1, kv_len, seed=batch + kv_len)
+        for variant in variants.values():
+            if not isinstance(variant, Variant):
+                raise SystemExit("timeline: --module copies cannot be stamped; give --variant")
+            stamped = Variant(variant.name, timeline_source(variant.source), variant.splits)
+            stamped(data)
+            torch.cuda.synchronize()
+            lib = stamped.libs[torch.cuda.get_device_capability()]
+            splits = next(iter(stamped.launches.values()))[0]
+            ctas, tiles = batch * splits, -(-kv_len // splits // S.CUDA_BLOCK_N)
+            runs = []
+            for _ in range(args.runs):
+                buf = (ctypes.c_ulonglong * (16384 * SLOTS))()
+                torch.cuda.synchronize()
+                clear_l2_cache()
+                torch.cuda.synchronize()
+                stamped(data)
+                torch.cuda.synchronize()
+                if lib.mla_timeline_get(ctypes.cast(buf, ctypes.c_void_p)):
+                    raise RuntimeError("mla_timeline_get failed")
+                t = torch.tensor(buf[: ctas * SLOTS], dtype=torch.float64).view(ctas, SLOTS)
+                rel = (t - t[:, 0].min()) / 1000.0
+                runs.append((rel[:, -1 if splits > 1 else 3 + TILE_MARKS].max().item(), rel))
+            rel = sorted(runs, key=lambda r: r[0])[len(runs) // 2][1]
+            cols = [0, 1] + [2 + k for k in range(min(tiles, TILE_MARKS))] + [2 + TILE_MARKS, 3 + TILE_MARKS]
+            cols += [4 + TILE_MARKS, 5 + TILE_MARKS] if splits > 1 else []
+            print(f"{batch}x{kv_len} {variant.name}: {splits} splits, {ctas} CTAs, {tiles} tiles each; "
+                  "us after the first CTA started, min/median/max over CTAs")
+            print("  " + "  ".join(f"{names[k]:>14}" for k in cols))
+            print("  " + "  ".join(f"{rel[:, k].min():4.1f}/{rel[:, k].median():4.1f}/{rel[:, k].max():4.1f}"
+                                   for k in cols), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("ab", "timeline"))
+    parser.add_argument("--variant", action="append", default=[], help="NAME=[CONST:VALUE[;...]][@SPLITS]")
+    parser.add_argument("--module", action="append", default=[], help="NAME=PATH of a copy of submission.py")
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(LEADERBOARD_SHAPES))
+    parser.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=9)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_cuda.py needs an NVIDIA GPU")
+    os.environ.update(MLA_BACKEND="cuda", MLA_KV_FORMAT=args.format)
+    variants = {}
+    for text in args.variant or ["now="]:
+        name, consts, splits = parse_variant(text)
+        variants[name] = Variant(name, patched_source(SOURCE, consts), splits)
+    for text in args.module:
+        name, _, path = text.partition("=")
+        variants[name] = load_module(name, path).custom_kernel
+    (run_ab if args.mode == "ab" else run_timeline)(args, variants)
+
+
+if __name__ == "__main__":
+    main()
