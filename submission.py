@@ -245,8 +245,10 @@ def _triton_usable(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def select_backend(device: torch.device) -> str:
-    """MLA_BACKEND if set (and usable here), else the best backend available on `device`; logged once."""
+def select_backend(device: torch.device, kv_format: str | None = None) -> str:
+    """MLA_BACKEND if set (and usable here), else the best backend available on `device` for `kv_format` (default:
+    select_kv_format()); logged once."""
+    kv_format = kv_format or select_kv_format()
     forced = os.environ.get("MLA_BACKEND", "auto")
     if forced not in BACKENDS + ("auto",):
         raise ValueError(f"MLA_BACKEND: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
@@ -255,14 +257,14 @@ def select_backend(device: torch.device) -> str:
     if forced == "triton" and not _triton_usable(device):
         raise RuntimeError(f"MLA_BACKEND=triton: needs triton and a GPU (or TRITON_INTERPRET=1); device is {device}")
     if forced == "cuda":
-        reason = cuda_unusable_reason(device, select_kv_format())
+        reason = cuda_unusable_reason(device, kv_format)
         if reason is not None:
             raise RuntimeError(f"MLA_BACKEND=cuda: {reason}")
     if forced != "auto":
         choice = forced
     elif device.type == "cuda" and torch.version.hip is not None and _aiter_importable():
         choice = "aiter"
-    elif device.type == "cuda" and _cuda_auto_usable(device, select_kv_format()):
+    elif device.type == "cuda" and _cuda_auto_usable(device, kv_format):
         choice = "cuda"
     elif device.type == "cuda" and _triton_usable(device):
         choice = "triton"
@@ -2091,7 +2093,7 @@ def custom_kernel(data):
     """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
     kv_format = select_kv_format()
     q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
-    backend = select_backend(q.device)
+    backend = select_backend(q.device, kv_format)
     if backend != "torch" and os.environ.get("MLA_VALIDATE") == "1":
         validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
     if backend == "aiter":
