@@ -1770,12 +1770,25 @@ extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
 extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
 
 // A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
-// GPUs with less shared memory get (0: none). The wgmma kernel has one configuration (Hopper: 227 KB per block).
+// GPUs with less shared memory get (0: none). Returns the stages it will run with on the current device (0 in the
+// wgmma build, which has one configuration per grid: Hopper has 227 KB per block).
 #if MLA_WGMMA
-extern "C" void mla_limit_shared_memory(int) {}
+extern "C" int mla_limit_shared_memory(int) { return 0; }
 #else
 static int smem_limit_for_tests = 0;
-extern "C" void mla_limit_shared_memory(int bytes) { smem_limit_for_tests = bytes; }
+// As many stages as fit the shared memory per block (or the limit for tests): 4 (169 KB) on sm_90 and sm_100, 3 on
+// sm_80 (163 KB), 2 on sm_86, sm_89 and sm_120 (99 KB).
+static int mma_sync_stages(int smem_per_block) {
+  const int limit = smem_limit_for_tests ? min(smem_limit_for_tests, smem_per_block) : smem_per_block;
+  return limit >= mla::smem_bytes<4, false>() ? 4 : limit >= mla::smem_bytes<3, false>() ? 3 : 2;
+}
+extern "C" int mla_limit_shared_memory(int bytes) {
+  smem_limit_for_tests = bytes;
+  int dev = 0, smem_per_block = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return mma_sync_stages(smem_per_block);
+}
 #endif
 
 struct SplitArgs {
@@ -1853,15 +1866,11 @@ extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, c
   else
     e = launch_split<mla::STAGES_ALONE, false>(dev, s, args);
 #else
-  // As many stages as fit the GPU's shared memory per block: 4 (169 KB) on sm_90 and sm_100, 3 on sm_80 (163 KB),
-  // 2 on sm_86, sm_89 and sm_120 (99 KB).
-  const int limit = smem_limit_for_tests ? min(smem_limit_for_tests, smem_per_block[dev]) : smem_per_block[dev];
-  if (limit >= mla::smem_bytes<4, false>())
-    e = launch_split<4, false>(dev, s, args);
-  else if (limit >= mla::smem_bytes<3, false>())
-    e = launch_split<3, false>(dev, s, args);
-  else
-    e = launch_split<2, false>(dev, s, args);
+  switch (mma_sync_stages(smem_per_block[dev])) {
+    case 4: e = launch_split<4, false>(dev, s, args); break;
+    case 3: e = launch_split<3, false>(dev, s, args); break;
+    default: e = launch_split<2, false>(dev, s, args);
+  }
 #endif
   return static_cast<int>(e);
 }
@@ -1931,7 +1940,7 @@ def _cuda_library(capability: tuple[int, int]):
     lib.mla_decode.restype = ctypes.c_int
     lib.mla_decode.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
                                + [ctypes.c_float, ctypes.c_void_p])
-    lib.mla_limit_shared_memory.restype = None
+    lib.mla_limit_shared_memory.restype = ctypes.c_int
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
     for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
         getattr(lib, name).restype = ctypes.c_int
