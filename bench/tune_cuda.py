@@ -4,14 +4,16 @@
         --module base=/tmp/base.py [--shapes 4x1k,4x8k] [--format fp8] [--iters 40]
     python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9]
 
+Shapes are task.yml's benchmarks (bench.py's --shapes), with their seeds.
+
 A variant is the current submission with some of its CUDA source's integer constants replaced
 (`NAME=CONST:VALUE;CONST:VALUE`, every `constexpr int CONST = ...;` line of the source) and optionally a forced split
 count (`@SPLITS`); `--module NAME=PATH` times a frozen copy of submission.py instead (e.g. `git show
 HEAD:submission.py > /tmp/base.py`). Nothing here is read by the submission or the tests' GPU runs.
 
-ab: every variant's output is checked with reference.check_implementation, then timed the leaderboard's way (L2
-flushed, events around the one call, median of --iters), variants interleaved per shape so that drift hits them
-alike; prints µs per shape and variant and the geometric means.
+ab: every variant's output is checked with reference.check_implementation, then timed the leaderboard's way
+(bench.py's Timer: L2 flushed, events around the one call; median of --iters after 2 warm-up calls), variants
+interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS patched into the source; prints, for the median of
 --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA started. Rows
@@ -29,21 +31,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
+import bench  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
 from utils import clear_l2_cache  # noqa: E402
 
-LEADERBOARD_SHAPES = "4x1k,4x8k,32x1k,32x8k,64x1k,64x8k,256x1k,256x8k"
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    shapes = []
-    for item in text.split(","):
-        batch, kv = item.lower().split("x")
-        shapes.append((int(batch), int(kv[:-1]) * 1024 if kv.endswith("k") else int(kv)))
-    return shapes
+PLAN = S.cuda_plan
+SOURCE = S._CUDA_SRC
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int], int | None]:
@@ -90,10 +86,6 @@ class Variant:
         return S.custom_kernel(data)
 
 
-PLAN = S.cuda_plan
-SOURCE = S._CUDA_SRC
-
-
 def load_module(name: str, path: str):
     spec = importlib.util.spec_from_file_location(f"mla_variant_{name}", path)
     module = importlib.util.module_from_spec(spec)
@@ -101,29 +93,18 @@ def load_module(name: str, path: str):
     return module
 
 
-def leaderboard_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters + 3):
-        torch.cuda.synchronize()
-        clear_l2_cache()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[3:])
-
-
 def run_ab(args, variants: dict) -> None:
+    timer = bench.Timer(torch.device("cuda"))
     results = {name: [] for name in variants}
-    for batch, kv_len in args.shapes:
-        data = R.generate_input(batch, 1, kv_len, seed=batch + kv_len)
+    for shape in args.shapes:
+        batch, kv_len = shape.batch, shape.kv
+        data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
         cells = []
         for name, fn in variants.items():
             out = fn(data)
             ok, _ = R.check_implementation(data, out)
-            us = leaderboard_us(lambda fn=fn, data=data: fn(data), args.iters)
+            fn(data)
+            us = statistics.median(timer.leaderboard(lambda fn=fn, data=data: fn(data), args.iters))
             results[name].append(us)
             cells.append(f"{name} {us:7.1f}{'' if ok else ' FAIL'}")
         print(f"{batch}x{kv_len}: " + "  ".join(cells), flush=True)
@@ -171,8 +152,9 @@ def timeline_source(source: str) -> str:
 
 def run_timeline(args, variants: dict) -> None:
     names = ["start", "Q"] + [f"tile{k}" for k in range(TILE_MARKS)] + ["loop", "partial", "barrier", "merged"]
-    for batch, kv_len in args.shapes:
-        data = R.generate_input(batch, 1, kv_len, seed=batch + kv_len)
+    for shape in args.shapes:
+        batch, kv_len = shape.batch, shape.kv
+        data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
         for variant in variants.values():
             if not isinstance(variant, Variant):
                 raise SystemExit("timeline: --module copies cannot be stamped; give --variant")
@@ -210,11 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("mode", choices=("ab", "timeline"))
     parser.add_argument("--variant", action="append", default=[], help="NAME=[CONST:VALUE[;...]][@SPLITS]")
     parser.add_argument("--module", action="append", default=[], help="NAME=PATH of a copy of submission.py")
-    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(LEADERBOARD_SHAPES))
+    parser.add_argument("--shapes", help="BATCHxKV[,...] among task.yml's benchmarks (default: all 8)")
     parser.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--runs", type=int, default=9)
     args = parser.parse_args(argv)
+    args.shapes = bench.select_shapes(bench.leaderboard_shapes(), args.shapes)
     if not torch.cuda.is_available():
         raise SystemExit("tune_cuda.py needs an NVIDIA GPU")
     os.environ.update(MLA_BACKEND="cuda", MLA_KV_FORMAT=args.format)
