@@ -121,7 +121,7 @@ MARKS = [
     ("loop", "  // Row sums across the warp's rows", "before", "2 + TILE_MARKS"),
     ("partial", "  if (num_splits > 1) merge_splits(", "before", "3 + TILE_MARKS"),
     ("barrier", "  if (threadIdx.x >= MERGE_THREADS) return;\n  const float* lse", "before", "4 + TILE_MARKS"),
-    ("merged", "  if (num_splits > 1) merge_splits(sync, b, split, num_splits, valid, out, part_o, part_lse);\n",
+    ("merged", "  if (num_splits > 1) merge_splits(sync, base, b, split, num_splits, valid, out, part_o, part_lse);\n",
      "after", "5 + TILE_MARKS"),
 ]
 TILE_MARKS = 5
