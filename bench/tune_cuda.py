@@ -2,7 +2,7 @@
 
     python3 bench/tune_cuda.py ab --variant now= --variant s4=STAGES_ALONE:4 --variant x=STAGES_SHARED:2@16 \
         --module base=/tmp/base.py [--shapes 4x1k,4x8k] [--format fp8] [--iters 40]
-    python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9]
+    python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock]
 
 Shapes are task.yml's benchmarks (bench.py's --shapes), with their seeds.
 
@@ -16,8 +16,10 @@ ab: every variant's output is checked with reference.check_implementation, then 
 interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS patched into the source; prints, for the median of
---runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA started. Rows
-past a split's tiles stay empty; the marks after the loop exist only with more than one split.
+--runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA entered (the
+timer ticks every ~0.26 µs on the H200). --clock records %clock64 instead: cycles after each CTA's own entry, exact
+per phase (clocks of different SMs are not comparable). Rows past a split's tiles stay empty; the handoff's marks
+exist only with more than one split.
 """
 
 import argparse
@@ -112,58 +114,99 @@ def run_ab(args, variants: dict) -> None:
         f"{name} {math.prod(r) ** (1 / len(r)):.1f}" for name, r in results.items()), flush=True)
 
 
-# (name, anchor in the source, whether the stamp goes before it or after it, the mark's index expression)
+# The marks in the order they are passed: (name, anchor in the source, whether the stamp goes before or after it).
+# "tile" stamps tile i landing (i < TILE_MARKS: that many slots); the four after it time the phases of tile 0's
+# math; the handoff's marks (synced .. lse) lie in the merge, shared with the mma.sync kernel (stamped there too).
 MARKS = [
-    ("start", "  const bool valid = range.valid;\n", "after", "0"),
-    ("Q", "  // This thread's score columns (heads) are", "before", "1"),
+    ("entry", "  extern __shared__ __align__(1024) uint8_t smem[];\n", "after"),
+    ("start", "  const bool valid = range.valid;\n", "after"),  # kv_indptr read
+    ("issued", "  for (int i = 0; i < STAGES - 1; ++i) load_group(i);\n", "after"),  # Q loads, first tiles' copies
+    ("Q", "  // This thread's score columns (heads) are", "before"),  # Q converted into shared memory
     ("tile", "    __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1\n",
-     "after", "2 + i"),  # for i < TILE_MARKS
-    ("loop", "  // Row sums across the warp's rows", "before", "2 + TILE_MARKS"),
-    ("partial", "  if (num_splits > 1) merge_splits(", "before", "3 + TILE_MARKS"),
-    ("barrier", "  if (threadIdx.x >= MERGE_THREADS) return;\n  const float* lse", "before", "4 + TILE_MARKS"),
+     "after"),
+    ("scored", "    fence_acc(s);\n", "after"),  # tile 0's scores
+    ("maxed", "    reduce_rows(mx, heads, red, warp, g, [](float x, float y) { return fmaxf(x, y); });\n", "after"),
+    ("P", "    __syncthreads();  // P is complete\n", "after"),
+    ("PV", "    wg_commit();\n    wg_wait0();\n#pragma unroll\n"
+     "    for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);\n", "after"),  # tile 0's O += V^T P^T
+    ("loop", "  // Row sums across the warp's rows", "before"),
+    ("staged", "  const int col = 4 * tid;\n", "before"),  # row sums, output (or partial) in shared memory
+    ("partial", "  if (num_splits > 1) merge_splits(", "before"),  # its stores issued
+    ("synced", "  if (threadIdx.x == 0) {\n    const unsigned target", "before"),
+    ("arrived", 'red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync + b) : "memory");\n', "after"),
+    ("barrier", "  if (threadIdx.x >= MERGE_THREADS) return;\n  const float* lse", "before"),
+    ("lse", "  if (mx != -INFINITY) {  // else only", "before"),  # the merge's loads landed
     ("merged", "  if (num_splits > 1) merge_splits(sync, base, b, split, num_splits, valid, out, part_o, part_lse);\n",
-     "after", "5 + TILE_MARKS"),
+     "after"),
 ]
 TILE_MARKS = 5
-SLOTS = 6 + TILE_MARKS
+TILE0_MARKS = ("scored", "maxed", "P", "PV")
+HANDOFF_MARKS = ("synced", "arrived", "barrier", "lse", "merged")
+IN_MERGE = ("synced", "arrived", "barrier", "lse")
 
 
-def timeline_source(source: str) -> str:
-    """The wgmma kernel's source with the MARKS' stamps and an export of them (mla_timeline_get)."""
+def mark_slots() -> dict[str, int]:
+    """Each mark's first slot in a CTA's row of stamps (tile takes TILE_MARKS)."""
+    slots, k = {}, 0
+    for name, _, _ in MARKS:
+        slots[name] = k
+        k += TILE_MARKS if name == "tile" else 1
+    return slots
+
+
+SLOTS = sum(TILE_MARKS if name == "tile" else 1 for name, _, _ in MARKS)
+
+
+def timeline_source(source: str, clock: bool = False) -> str:
+    """The wgmma kernel's source with the MARKS' stamps (%globaltimer, or %clock64 with clock) and an export of them
+    (mla_timeline_get)."""
     block = f"static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x) * {SLOTS}"
     decl = f"__device__ unsigned long long mla_timeline[16384 * {SLOTS}];\nconstexpr int TILE_MARKS = {TILE_MARKS};\n"
     # The shared merge comes before the wgmma kernel's section, the mma.sync kernel after it (not stamped).
     start, end = source.index("\n#if MLA_WGMMA\n"), source.index("\n#else  // mma.sync")
-    head, kernel, tail = source[:start], source[start:end], source[end:]
-    head = head.replace("namespace mla {\n", "namespace mla {\n" + decl, 1)
-    for name, anchor, where, index in MARKS:
-        text = head if name == "barrier" else kernel
+    parts = {"head": source[:start], "kernel": source[start:end]}
+    parts["head"] = parts["head"].replace("namespace mla {\n", "namespace mla {\n" + decl, 1)
+    timer = "clock64" if clock else "globaltimer"
+    for name, anchor, where in MARKS:
+        part = "head" if name in IN_MERGE else "kernel"
+        text = parts[part]
         if text.count(anchor) != 1:
             raise ValueError(f"timeline mark {name!r}: its anchor is not in the source exactly once: {anchor!r}")
-        guard = "i < TILE_MARKS && " if name == "tile" else ""
-        stamp = (f"if ({guard}threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %%globaltimer;\""
+        slot = mark_slots()[name]
+        guard, index = "", str(slot)
+        if name == "tile":
+            guard, index = "i < TILE_MARKS && ", f"{slot} + i"
+        elif name in TILE0_MARKS:
+            guard = "i == 0 && "
+        stamp = (f"if ({guard}threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %%{timer};\""
                  f" : \"=l\"(t_)); mla_timeline[{block} + {index}] = t_; }}\n")
-        patched = text.replace(anchor, anchor + stamp if where == "after" else stamp + anchor, 1)
-        head, kernel = (patched, kernel) if name == "barrier" else (head, patched)
+        parts[part] = text.replace(anchor, anchor + stamp if where == "after" else stamp + anchor, 1)
     export = ('\nextern "C" int mla_timeline_get(void* dst) {\n  return static_cast<int>(cudaMemcpyFromSymbol(dst, '
               'mla::mla_timeline, sizeof(mla::mla_timeline)));\n}\n')
-    return head + kernel + tail + export
+    return parts["head"] + parts["kernel"] + source[end:] + export
 
 
 def run_timeline(args, variants: dict) -> None:
-    names = ["start", "Q"] + [f"tile{k}" for k in range(TILE_MARKS)] + ["loop", "partial", "barrier", "merged"]
+    slots = mark_slots()
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
         for variant in variants.values():
             if not isinstance(variant, Variant):
                 raise SystemExit("timeline: --module copies cannot be stamped; give --variant")
-            stamped = Variant(variant.name, timeline_source(variant.source), variant.splits)
+            stamped = Variant(variant.name, timeline_source(variant.source, args.clock), variant.splits)
             stamped(data)
             torch.cuda.synchronize()
             lib = stamped.libs[torch.cuda.get_device_capability()]
             splits = next(iter(stamped.launches.values()))[0]
             ctas, tiles = batch * splits, -(-kv_len // splits // S.CUDA_BLOCK_N)
+            cols = []
+            for name, _, _ in MARKS:
+                if name == "tile":
+                    cols += [(f"tile{k}", slots[name] + k) for k in range(min(tiles, TILE_MARKS))]
+                elif splits > 1 or name not in HANDOFF_MARKS:
+                    cols.append((name, slots[name]))
+            last = slots["merged" if splits > 1 else "partial"]
             runs = []
             for _ in range(args.runs):
                 buf = (ctypes.c_ulonglong * (16384 * SLOTS))()
@@ -175,16 +218,19 @@ def run_timeline(args, variants: dict) -> None:
                 if lib.mla_timeline_get(ctypes.cast(buf, ctypes.c_void_p)):
                     raise RuntimeError("mla_timeline_get failed")
                 t = torch.tensor(buf[: ctas * SLOTS], dtype=torch.float64).view(ctas, SLOTS)
-                rel = (t - t[:, 0].min()) / 1000.0
-                runs.append((rel[:, -1 if splits > 1 else 3 + TILE_MARKS].max().item(), rel))
+                entry = t[:, slots["entry"]]
+                # clock64 is per SM: cycles since each CTA's own entry; globaltimer: us since the first CTA's
+                rel = t - entry[:, None] if args.clock else (t - entry.min()) / 1000.0
+                runs.append((rel[:, last].max().item(), rel))
             rel = sorted(runs, key=lambda r: r[0])[len(runs) // 2][1]
-            cols = [0, 1] + [2 + k for k in range(min(tiles, TILE_MARKS))] + [2 + TILE_MARKS, 3 + TILE_MARKS]
-            cols += [4 + TILE_MARKS, 5 + TILE_MARKS] if splits > 1 else []
+            unit = "cycles after each CTA's entry" if args.clock else "us after the first CTA's entry"
             print(f"{batch}x{kv_len} {variant.name}: {splits} splits, {ctas} CTAs, {tiles} tiles each; "
-                  "us after the first CTA started, min/median/max over CTAs")
-            print("  " + "  ".join(f"{names[k]:>14}" for k in cols))
-            print("  " + "  ".join(f"{rel[:, k].min():4.1f}/{rel[:, k].median():4.1f}/{rel[:, k].max():4.1f}"
-                                   for k in cols), flush=True)
+                  f"{unit}, min/median/max over CTAs (scored..PV: tile 0)")
+            width = 20 if args.clock else 14
+            print("  " + "  ".join(f"{name:>{width}}" for name, _ in cols))
+            fmt = ".0f" if args.clock else "4.1f"
+            print("  " + "  ".join(f"{rel[:, k].min():{fmt}}/{rel[:, k].median():{fmt}}/{rel[:, k].max():{fmt}}"
+                                   .rjust(width) for _, k in cols), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--clock", action="store_true", help="timeline in %%clock64 cycles per CTA")
     args = parser.parse_args(argv)
     args.shapes = bench.select_shapes(bench.leaderboard_shapes(), args.shapes)
     if not torch.cuda.is_available():

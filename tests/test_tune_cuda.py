@@ -49,28 +49,32 @@ def test_patched_source_changes_only_the_named_constants(tune):
         tune.patched_source(tune.SOURCE, {"NO_SUCH_CONSTANT": 1})
 
 
-def test_every_timeline_mark_finds_its_place(tune):
-    stamped = tune.timeline_source(tune.SOURCE)
-    assert stamped.count("%%globaltimer") == len(tune.MARKS)
+@pytest.mark.parametrize("clock", [False, True])
+def test_every_timeline_mark_finds_its_place(tune, clock):
+    stamped = tune.timeline_source(tune.SOURCE, clock)
+    assert stamped.count("%%clock64" if clock else "%%globaltimer") == len(tune.MARKS)
     assert 'extern "C" int mla_timeline_get' in stamped
+    assert sorted(tune.mark_slots().values()) == sorted(set(tune.mark_slots().values()))
+    assert max(tune.mark_slots().values()) == tune.SLOTS - 1
 
 
 @needs_nvcc
-def test_the_stamped_source_builds(tune, monkeypatch, tmp_path):
+@pytest.mark.parametrize("clock", [False, True])
+def test_the_stamped_source_builds(tune, monkeypatch, tmp_path, clock):
     monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path))
-    monkeypatch.setattr(S, "_CUDA_SRC", tune.timeline_source(tune.SOURCE))
+    monkeypatch.setattr(S, "_CUDA_SRC", tune.timeline_source(tune.SOURCE, clock))
     monkeypatch.setattr(S, "_CUDA_LIBS", {})
     assert S._cuda_library((9, 0)).mla_timeline_get is not None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("mode", ["ab", "timeline"])
+@pytest.mark.parametrize("mode", ["ab", "timeline", "timeline --clock"])
 def test_gpu_both_modes_run(mode, tmp_path):
     base = tmp_path / "base.py"
     base.write_text((ROOT / "submission.py").read_text())
-    args = [sys.executable, str(TUNE), mode, "--shapes", "4x1k", "--iters", "3", "--runs", "3", "--variant", "now=",
-            "--variant", "s2=STAGES_ALONE:2@8"]
+    args = [sys.executable, str(TUNE), *mode.split(), "--shapes", "4x1k", "--iters", "3", "--runs", "3",
+            "--variant", "now=", "--variant", "s2=STAGES_ALONE:2@8"]
     out = subprocess.run(args + (["--module", f"base={base}"] if mode == "ab" else []), capture_output=True,
                          text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr
