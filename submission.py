@@ -905,9 +905,9 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
 #   hence the wgmma kernel there.
 # Splits: one launch. With more than one split per sequence the grid is launched cooperatively and its CTAs merge
 # their own partials behind a per-sequence barrier (a second combine kernel, even overlapped by PDL, cost ~1 us more
-# at batch 4). Measured on the H200 (2026-11-30 13:11 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
-# 10.5, 4x8192 17.6, 32x1024 17.3, 32x8192 53.2, 64x1024 23.6, 64x8192 87.0, 256x1024 51.0, 256x8192 287.4 us
-# (geomean 38.8; the mma.sync kernel 56.4-56.8 in earlier runs, before the changes of that session). Accuracy: FP8
+# at batch 4). Measured on the H200 (2026-11-30 14:01 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
+# 10.1, 4x8192 16.5, 32x1024 16.4, 32x8192 52.3, 64x1024 21.5, 64x8192 87.0, 256x1024 50.9, 256x8192 286.3 us
+# (geomean 37.4; the mma.sync kernel 56.4-56.8 in earlier runs, before the changes of that day). Accuracy: FP8
 # Q and P cost worst-sequence rel-L2 ~0.03-0.037 against fp32 attention over the FP8 cache (the fp16 mma.sync kernel
 # 1.7e-3); against the BF16 truth 0.032-0.044, inside the 0.08 bound.
 # ---------------------------------------------------------------------------------------------------------
