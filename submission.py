@@ -929,8 +929,8 @@ _CUDA_SRC = r"""
 // num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
 // its normalised partial output, and part_lse (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
 // sequence meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
-// each merges 1 / num_splits of the sequence's outputs. The grid
-// is launched cooperatively, so all its CTAs are resident and the wait cannot hang.
+// each merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
+// resident and the wait cannot hang.
 namespace mla {
 
 constexpr int H = 16;                  // query heads
@@ -1818,8 +1818,8 @@ struct SplitArgs {
 // split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
 // The KV cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its
 // first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
-// 23.0 -> 21.3 us, the other shapes within +-0.4 (H200, A/B twice); why 64x1024 alone (37.7 MB of cache, the split
-// partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
+// 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
+// the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
 template <int STAGES, bool MX>
 static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a, int max_window) {
   constexpr int smem = mla::smem_bytes<STAGES, MX>();

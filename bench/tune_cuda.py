@@ -145,16 +145,16 @@ HANDOFF_MARKS = ("synced", "arrived", "barrier", "lse", "merged")
 IN_MERGE = ("synced", "arrived", "barrier", "lse")
 
 
-def mark_slots() -> dict[str, int]:
-    """Each mark's first slot in a CTA's row of stamps (tile takes TILE_MARKS)."""
+def _mark_slots() -> tuple[dict[str, int], int]:
+    """Each mark's first slot in a CTA's row of stamps (tile takes TILE_MARKS), and the row's length."""
     slots, k = {}, 0
     for name, _, _ in MARKS:
         slots[name] = k
         k += TILE_MARKS if name == "tile" else 1
-    return slots
+    return slots, k
 
 
-SLOTS = sum(TILE_MARKS if name == "tile" else 1 for name, _, _ in MARKS)
+MARK_SLOTS, SLOTS = _mark_slots()
 
 
 def timeline_source(source: str, clock: bool = False) -> str:
@@ -172,7 +172,7 @@ def timeline_source(source: str, clock: bool = False) -> str:
         text = parts[part]
         if text.count(anchor) != 1:
             raise ValueError(f"timeline mark {name!r}: its anchor is not in the source exactly once: {anchor!r}")
-        slot = mark_slots()[name]
+        slot = MARK_SLOTS[name]
         guard, index = "", str(slot)
         if name == "tile":
             guard, index = "i < TILE_MARKS && ", f"{slot} + i"
@@ -187,7 +187,7 @@ def timeline_source(source: str, clock: bool = False) -> str:
 
 
 def run_timeline(args, variants: dict) -> None:
-    slots = mark_slots()
+    slots = MARK_SLOTS
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)

@@ -54,8 +54,8 @@ def test_every_timeline_mark_finds_its_place(tune, clock):
     stamped = tune.timeline_source(tune.SOURCE, clock)
     assert stamped.count("%%clock64" if clock else "%%globaltimer") == len(tune.MARKS)
     assert 'extern "C" int mla_timeline_get' in stamped
-    assert sorted(tune.mark_slots().values()) == sorted(set(tune.mark_slots().values()))
-    assert max(tune.mark_slots().values()) == tune.SLOTS - 1
+    assert sorted(tune.MARK_SLOTS.values()) == sorted(set(tune.MARK_SLOTS.values()))
+    assert max(tune.MARK_SLOTS.values()) == tune.SLOTS - 1
 
 
 @needs_nvcc
