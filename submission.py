@@ -289,7 +289,8 @@ def _cuda_auto_usable(device: torch.device, kv_format: str) -> bool:
 
 def select_kv_format() -> str:
     fmt = os.environ.get("MLA_KV_FORMAT", "fp8")
-    _expect(fmt in KV_FORMATS, "MLA_KV_FORMAT", f"one of {KV_FORMATS}", repr(fmt))
+    if fmt not in KV_FORMATS:  # not _expect: its message would be formatted on every call
+        raise ValueError(f"MLA_KV_FORMAT: expected one of {KV_FORMATS}, got {fmt!r}")
     return fmt
 
 
