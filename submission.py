@@ -384,8 +384,9 @@ class _AiterPlan:
     """What one shape of call needs besides its inputs, allocated once. The six metadata buffers live and die
     together here: work_metadata_ptrs holds the raw device addresses of work_indptr and work_info_set."""
 
-    __slots__ = ("refill", "filled", "metadata", "kv_indices", "kv_last_page_lens", "q_fp8", "q_scale",
-                 "fp8_max", "kv_lens", "empty_rows", "kv_indptr_safe", "cummax_index", "indptr_changed", "invalid")
+    __slots__ = ("refill", "filled", "metadata", "kv_indices", "kv_last_page_lens", "q_fp8", "q_amax", "q_scale",
+                 "fp8_max", "scale_floor", "kv_lens", "empty_rows", "kv_indptr_safe", "cummax_index", "indptr_changed",
+                 "invalid")
 
     def __init__(self, info_fn, fp8: torch.dtype, batch: int, total_kv: int, device: torch.device,
                  uniform_len: int | None):
@@ -402,8 +403,12 @@ class _AiterPlan:
         self.kv_indices = torch.arange(total_kv, dtype=torch.int32, device=device)  # (total_kv,)
         self.kv_last_page_lens = torch.ones(batch, dtype=torch.int32, device=device)  # (batch,)
         self.q_fp8 = torch.empty((batch, NUM_HEADS, QK_HEAD_DIM), dtype=fp8, device=device)
+        self.q_amax = torch.empty(1, dtype=torch.float32, device=device)  # (1,), written on device every call
         self.q_scale = torch.empty(1, dtype=torch.float32, device=device)  # (1,), written on device every call
-        self.fp8_max = float(torch.finfo(fp8).max)  # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942)
+        # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942); and an all-zero q's scale, reference.quantize_fp8's
+        # clamp: fp32 1e-12 / fp8 max
+        self.fp8_max = torch.full((1,), torch.finfo(fp8).max, dtype=torch.float32, device=device)
+        self.scale_floor = torch.full((1,), 1e-12, dtype=torch.float32, device=device) / self.fp8_max
         self.kv_lens = torch.empty(batch, dtype=torch.int32, device=device) if refill else None
         self.empty_rows = torch.empty(batch, dtype=torch.bool, device=device) if refill else None
         # The kv_indptr aiter sees: for a uniform plan the one its key proves, arange(batch + 1) * L, so the plan never
@@ -470,15 +475,20 @@ def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor,
 
 
 def _aiter_quantize_q(q: torch.Tensor, plan: _AiterPlan) -> torch.Tensor:
-    """q (batch, 16, 576) bf16 -> plan.q_fp8 with plan.q_scale (1,) float32 = max(amax|q|, 1e-12) / fp8 max, all
-    on the device into the plan's buffers: q ~= q_fp8 * q_scale, bit for bit reference.quantize_fp8. Any finite
-    bf16 q maps into [-fp8 max, fp8 max] (the clamp only absorbs the last rounding), so no NaN and no saturation."""
-    amax = plan.q_scale.view(())
-    torch.linalg.vector_norm(q, float("inf"), dtype=torch.float32, out=amax)  # max |q|, exact in fp32
-    amax.clamp_(min=1e-12).div_(plan.fp8_max)  # now the scale
+    """q (batch, 16, 576) bf16 -> plan.q_fp8 with plan.q_scale (1,) float32, the scale, all on the device into the
+    plan's buffers, in three kernels: q ~= q_fp8 * q_scale. Bit for bit reference.quantize_fp8 (scale = max(amax|q|,
+    1e-12) / fp8 max) wherever max|q| >= 2.7e-5 or max|q| < 4.7e-20 (an all-zero q included); in between, the scale
+    exceeds the reference's by at most 1e-12 / fp8 max (see below). Any finite bf16 q maps into [-fp8 max, fp8 max],
+    so no NaN and no saturation."""
+    torch.linalg.vector_norm(q, float("inf"), dtype=torch.float32, out=plan.q_amax.view(()))  # max |q|, exact
+    # The scale in one kernel instead of two (clamp, then divide): amax / fp8 max + 1e-12 / fp8 max. The addend is
+    # below half an ulp of the quotient whenever the quotient is >= 2^-24 (max|q| >= 2.7e-5), and the quotient below
+    # half an ulp of the addend when max|q| < 4.7e-20: the reference's value in both cases, the clamp's (1e-12 / fp8
+    # max) for an all-zero q. One launch fewer per call on the GPU's stream.
+    torch.addcdiv(plan.scale_floor, plan.q_amax, plan.fp8_max, out=plan.q_scale)
     # q / scale in fp32 (the scale is a 1-element tensor, not a 0-dim one: it sets the computation's dtype), rounded
     # to nearest even into FP8 by the same kernel's store. |q / scale| <= fp8 max x (1 + 2^-23) rounds to fp8 max,
-    # so the reference's clamp before the cast changes nothing and costs a kernel here (4 kernels in all, were 6).
+    # so the reference's clamp before the cast changes nothing and would cost a kernel here.
     torch.div(q, plan.q_scale, out=plan.q_fp8)
     return plan.q_fp8
 
