@@ -75,7 +75,9 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     """Dynamic per-tensor FP8: scale = amax / finfo.max (float32, shape (1,)); x ~= x_fp8 * scale."""
     finfo = torch.finfo(dtype)
     amax = x.abs().amax().float().clamp(min=1e-12)
-    scale = (amax / finfo.max).reshape(1)
+    # A tensor divisor: a Python number would make CUDA (and ROCm) multiply by its float32 reciprocal, up to an ulp
+    # away from the quotient the CPU computes; the scale is then the same on every device.
+    scale = (amax / amax.new_full((), finfo.max)).reshape(1)
     flat = x.reshape(x.shape[0], -1)
     out = torch.empty(flat.shape, dtype=dtype, device=x.device)
     for lo, hi in _row_chunks(flat.shape[0]):
