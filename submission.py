@@ -380,13 +380,96 @@ def _aiter_api() -> tuple[tuple, torch.dtype]:
     return fns, fp8
 
 
+# Q's dynamic per-tensor FP8 quantization for the aiter path, bit for bit reference.quantize_fp8: scale =
+# max(amax|q|, 1e-12) / fp8 max in fp32, q_fp8 = q / scale rounded to nearest even (|q / scale| <= fp8 max x (1 +
+# 2^-23) rounds to fp8 max, so the reference's clamp before the cast changes nothing). With triton (a GPU, or the
+# interpreter) two small kernels: per 4096-element block its max |q|, then every block reduces those maxima to the
+# scale and quantizes itself. Without, torch: vector_norm, then the scale in one addcdiv (amax / fp8 max + 1e-12 /
+# fp8 max: the addend is below half an ulp of the quotient whenever the quotient is >= 2^-24, max|q| >= 2.7e-5, and
+# the quotient below half an ulp of the addend when max|q| < 4.7e-20, an all-zero q included; in between the scale
+# exceeds the reference's by at most 1e-12 / fp8 max), then the division. On the H200 (leaderboard timing, L2
+# flushed, 2026-11-30) torch's reduction alone took 12 us at batch 4 and its four-kernel form 20-22 us.
+Q_QUANT_BLOCK = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def _q_absmax_kernel(q_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(partial_ptr + tl.program_id(0), tl.max(tl.abs(x), axis=0))
+
+    @triton.jit
+    def _q_quantize_kernel(q_ptr, partial_ptr, num_partials, q8_ptr, scale_ptr, n, fp8_max,
+                           BLOCK: tl.constexpr, PARTIALS: tl.constexpr):
+        parts = tl.load(partial_ptr + tl.arange(0, PARTIALS), mask=tl.arange(0, PARTIALS) < num_partials, other=0.0)
+        scale = tl.math.div_rn(tl.maximum(tl.max(parts, axis=0), 1e-12), fp8_max)
+        if tl.program_id(0) == 0:
+            tl.store(scale_ptr, scale)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        q8 = tl.math.div_rn(x, scale).to(q8_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(q8_ptr + offs, q8, mask=offs < n)
+
+
+class QQuantizer:
+    """q (batch, 16, 576) bf16, contiguous -> self.q_fp8 (same shape, `fp8`) and self.scale (1,) float32, on the
+    device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be ordered on one stream."""
+
+    def __init__(self, batch: int, fp8: torch.dtype, device: torch.device):
+        self.q_fp8 = torch.empty((batch, NUM_HEADS, QK_HEAD_DIM), dtype=fp8, device=device)
+        self.scale = torch.empty(1, dtype=torch.float32, device=device)
+        self.fp8_max = torch.finfo(fp8).max  # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942)
+        # The triton kernels for e4m3fn (gfx950) only: e4m3fnuz (gfx942) casts are neither in Triton's interpreter
+        # nor on NVIDIA GPUs, so nothing here could test them.
+        triton_ok = fp8 == torch.float8_e4m3fn and _triton_usable(device)
+        self.blocks = triton.cdiv(self.q_fp8.numel(), Q_QUANT_BLOCK) if triton_ok else 0
+        if self.blocks:
+            self.partials = torch.empty(self.blocks, dtype=torch.float32, device=device)
+            self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks))  # BLOCK, PARTIALS
+            self.compiled = None  # the two kernels as compiled for a 16-byte aligned q (not under the interpreter)
+        else:
+            self._use_torch()
+
+    def _use_torch(self) -> None:
+        device = self.q_fp8.device
+        self.blocks = 0
+        self.amax = torch.empty((), dtype=torch.float32, device=device)
+        self.fp8_max_t = torch.full((1,), self.fp8_max, dtype=torch.float32, device=device)
+        self.scale_floor = torch.full((1,), 1e-12, dtype=torch.float32, device=device) / self.fp8_max_t
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        if self.blocks:
+            n, grid = self.q_fp8.numel(), (self.blocks, 1, 1)  # compiled kernels take the grid as a 3-tuple
+            absmax_args = (q, self.partials, n)
+            quantize_args = (q, self.partials, self.blocks, self.q_fp8, self.scale, n, self.fp8_max)
+            aligned = q.data_ptr() % 16 == 0
+            if self.compiled is not None and aligned:  # launched directly: the JIT's dispatch costs host time
+                self.compiled[0][grid](*absmax_args, self.consts[0])
+                self.compiled[1][grid](*quantize_args, *self.consts)
+                return self.q_fp8
+            try:
+                absmax = _q_absmax_kernel[grid](*absmax_args, BLOCK=self.consts[0])
+                quantize = _q_quantize_kernel[grid](*quantize_args, BLOCK=self.consts[0], PARTIALS=self.consts[1])
+                if aligned and absmax is not None and quantize is not None:
+                    self.compiled = (absmax, quantize)
+                return self.q_fp8
+            except Exception as e:  # a triton that cannot build them here: the torch form, for good
+                log.warning("MLA decode: Q quantization falls back to torch ops: the triton kernels failed: %s", e)
+                self._use_torch()
+        torch.linalg.vector_norm(q, float("inf"), dtype=torch.float32, out=self.amax)  # max |q|, exact
+        torch.addcdiv(self.scale_floor, self.amax, self.fp8_max_t, out=self.scale)
+        # fp32 division (the scale is a 1-element tensor, not a 0-dim one: it sets the computation's dtype)
+        torch.div(q, self.scale, out=self.q_fp8)
+        return self.q_fp8
+
+
 class _AiterPlan:
     """What one shape of call needs besides its inputs, allocated once. The six metadata buffers live and die
     together here: work_metadata_ptrs holds the raw device addresses of work_indptr and work_info_set."""
 
-    __slots__ = ("refill", "filled", "metadata", "kv_indices", "kv_last_page_lens", "q_fp8", "q_amax", "q_scale",
-                 "fp8_max", "scale_floor", "kv_lens", "empty_rows", "kv_indptr_safe", "cummax_index", "indptr_changed",
-                 "invalid")
+    __slots__ = ("refill", "filled", "metadata", "kv_indices", "kv_last_page_lens", "q_quant", "kv_lens", "empty_rows",
+                 "kv_indptr_safe", "cummax_index", "indptr_changed", "invalid")
 
     def __init__(self, info_fn, fp8: torch.dtype, batch: int, total_kv: int, device: torch.device,
                  uniform_len: int | None):
@@ -402,13 +485,7 @@ class _AiterPlan:
         # are the honest value (the non-persistent kernel would read them).
         self.kv_indices = torch.arange(total_kv, dtype=torch.int32, device=device)  # (total_kv,)
         self.kv_last_page_lens = torch.ones(batch, dtype=torch.int32, device=device)  # (batch,)
-        self.q_fp8 = torch.empty((batch, NUM_HEADS, QK_HEAD_DIM), dtype=fp8, device=device)
-        self.q_amax = torch.empty(1, dtype=torch.float32, device=device)  # (1,), written on device every call
-        self.q_scale = torch.empty(1, dtype=torch.float32, device=device)  # (1,), written on device every call
-        # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942); and an all-zero q's scale, reference.quantize_fp8's
-        # clamp: fp32 1e-12 / fp8 max
-        self.fp8_max = torch.full((1,), torch.finfo(fp8).max, dtype=torch.float32, device=device)
-        self.scale_floor = torch.full((1,), 1e-12, dtype=torch.float32, device=device) / self.fp8_max
+        self.q_quant = QQuantizer(batch, fp8, device)
         self.kv_lens = torch.empty(batch, dtype=torch.int32, device=device) if refill else None
         self.empty_rows = torch.empty(batch, dtype=torch.bool, device=device) if refill else None
         # The kv_indptr aiter sees: for a uniform plan the one its key proves, arange(batch + 1) * L, so the plan never
@@ -474,25 +551,6 @@ def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor,
     plan.filled = True
 
 
-def _aiter_quantize_q(q: torch.Tensor, plan: _AiterPlan) -> torch.Tensor:
-    """q (batch, 16, 576) bf16 -> plan.q_fp8 with plan.q_scale (1,) float32, the scale, all on the device into the
-    plan's buffers, in three kernels: q ~= q_fp8 * q_scale. Bit for bit reference.quantize_fp8 (scale = max(amax|q|,
-    1e-12) / fp8 max) wherever max|q| >= 2.7e-5 or max|q| < 4.7e-20 (an all-zero q included); in between, the scale
-    exceeds the reference's by at most 1e-12 / fp8 max (see below). Any finite bf16 q maps into [-fp8 max, fp8 max],
-    so no NaN and no saturation."""
-    torch.linalg.vector_norm(q, float("inf"), dtype=torch.float32, out=plan.q_amax.view(()))  # max |q|, exact
-    # The scale in one kernel instead of two (clamp, then divide): amax / fp8 max + 1e-12 / fp8 max. The addend is
-    # below half an ulp of the quotient whenever the quotient is >= 2^-24 (max|q| >= 2.7e-5), and the quotient below
-    # half an ulp of the addend when max|q| < 4.7e-20: the reference's value in both cases, the clamp's (1e-12 / fp8
-    # max) for an all-zero q. One launch fewer per call on the GPU's stream.
-    torch.addcdiv(plan.scale_floor, plan.q_amax, plan.fp8_max, out=plan.q_scale)
-    # q / scale in fp32 (the scale is a 1-element tensor, not a 0-dim one: it sets the computation's dtype), rounded
-    # to nearest even into FP8 by the same kernel's store. |q / scale| <= fp8 max x (1 + 2^-23) rounds to fp8 max,
-    # so the reference's clamp before the cast changes nothing and would cost a kernel here.
-    torch.div(q, plan.q_scale, out=plan.q_fp8)
-    return plan.q_fp8
-
-
 def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     """FP8 Q x FP8 KV through aiter's persistent MLA decode: one aiter.mla.mla_decode_fwd call writing `o`.
 
@@ -533,7 +591,7 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     plan = _aiter_plan(fns, fp8, q, kv, config)
     if plan.refill or not plan.filled:
         _aiter_fill_metadata(fns[2], plan, qo_indptr, kv_indptr, fp8, total_kv)
-    q_fp8 = _aiter_quantize_q(q, plan)  # (batch, 16, 576) fp8, scale plan.q_scale (1,) float32
+    q_fp8 = plan.q_quant(q)  # (batch, 16, 576) fp8, scale plan.q_quant.scale (1,) float32
     o = q.new_empty((batch, NUM_HEADS, V_HEAD_DIM))  # q is bf16
     work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = plan.metadata
     fns[0](q_fp8, kv.view(total_kv, 1, NUM_KV_HEADS, QK_HEAD_DIM), o, qo_indptr, plan.kv_indptr_safe, plan.kv_indices,
@@ -541,7 +599,7 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
            page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=float(config["sm_scale"]),
            work_meta_data=work_metadata_ptrs, work_indptr=work_indptr, work_info_set=work_info_set,
            reduce_indptr=reduce_indptr, reduce_final_map=reduce_final_map, reduce_partial_map=reduce_partial_map,
-           q_scale=plan.q_scale, kv_scale=scale, intra_batch_mode=False)
+           q_scale=plan.q_quant.scale, kv_scale=scale, intra_batch_mode=False)
     if plan.refill:
         # Lengths unknown on the host: a sequence with no KV rows gives zeros whatever the kernel wrote for it.
         torch.sub(plan.kv_indptr_safe[1:], plan.kv_indptr_safe[:-1], out=plan.kv_lens)

@@ -12,7 +12,6 @@ output remains: TIGHT.
 import copy
 import gc
 import inspect
-import types
 
 import pytest
 import torch
@@ -129,27 +128,64 @@ def test_q_beyond_the_fp8_range_gives_no_nan(standin, version):
     assert ok, msg
 
 
-@pytest.mark.parametrize("fp8", (E4M3FN, E4M3FNUZ))
-@pytest.mark.parametrize("amax", (0.0, 1e-30, 1e-15, 1e-6, 2.7e-5, 4.0, 1e3, 3.3e38))
-def test_q_quantization_is_reference_quantize_fp8(fp8, amax):
-    """The device-side dynamic scale, for any finite bf16 q (largest |q| from 0 to near the bf16 maximum 3.39e38)
-    and both FP8 flavours: no NaN, no Inf; exactly reference.quantize_fp8 wherever max|q| >= 2.7e-5 or < 4.7e-20,
-    and in between a scale at most 1e-12 / fp8 max above the reference's, the values its quantization."""
-    q = torch.randn((3, 16, 576))
+AMAXES = (0.0, 1e-30, 1e-15, 1e-6, 2.7e-5, 4.0, 1e3, 3.3e38)
+
+
+def scaled_q(batch: int, amax: float, device=CPU) -> torch.Tensor:
+    q = torch.randn((batch, 16, 576), device=device)
     q = (q / q.abs().max() * amax).to(torch.bfloat16)
     assert torch.isfinite(q).all()
-    fp8_max = torch.full((1,), torch.finfo(fp8).max)
-    plan = types.SimpleNamespace(q_fp8=torch.empty(q.shape, dtype=fp8), q_amax=torch.empty(1), q_scale=torch.empty(1),
-                                 fp8_max=fp8_max, scale_floor=torch.full((1,), 1e-12) / fp8_max)
-    q8 = S._aiter_quantize_q(q, plan)
+    return q
+
+
+def assert_quantized_as_the_reference(q: torch.Tensor, quant: "S.QQuantizer", fp8: torch.dtype, exact: bool) -> None:
+    q8 = quant(q)
     want, want_scale = R.quantize_fp8(q, fp8)
-    assert torch.isfinite(q8.float()).all() and torch.isfinite(plan.q_scale).all()
+    assert torch.isfinite(q8.float()).all() and torch.isfinite(quant.scale).all()
     top = q.abs().max().item()
-    if top >= 2.7e-5 or top < 4.7e-20:
-        assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8)) and torch.equal(plan.q_scale, want_scale)
-    else:
-        assert want_scale <= plan.q_scale <= want_scale + plan.scale_floor * (1 + 2**-23)
-        assert torch.equal(q8, (q.float() / plan.q_scale).to(fp8))
+    if exact or top >= 2.7e-5 or top < 4.7e-20:
+        assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8)) and torch.equal(quant.scale, want_scale)
+    else:  # the torch form's one-kernel scale: at most 1e-12 / fp8 max above the reference's
+        assert want_scale <= quant.scale <= want_scale * (1 + 2**-23) + 1e-12 / torch.finfo(fp8).max
+        assert torch.equal(q8, (q.float() / quant.scale).to(fp8))
+
+
+@pytest.mark.parametrize("fp8", (E4M3FN, E4M3FNUZ))
+@pytest.mark.parametrize("amax", AMAXES)
+def test_q_quantization_is_reference_quantize_fp8(fp8, amax):
+    """The device-side dynamic scale in its torch form (no triton on the CPU), for any finite bf16 q (largest |q|
+    from 0 to near the bf16 maximum 3.39e38) and both FP8 flavours: no NaN, no Inf; exactly reference.quantize_fp8
+    wherever max|q| >= 2.7e-5 or < 4.7e-20, and in between a scale at most 1e-12 / fp8 max above the reference's,
+    the values its quantization. The triton form: tests/test_triton.py (interpreter) and the GPU test below."""
+    quant = S.QQuantizer(3, fp8, CPU)
+    assert quant.blocks == 0
+    assert_quantized_as_the_reference(scaled_q(3, amax), quant, fp8, exact=False)
+
+
+def test_q_quantization_falls_back_to_torch_when_triton_fails(monkeypatch, caplog):
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("no compiler for this GPU")
+
+    if S.triton is None:
+        pytest.skip("no triton here")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton form is chosen on the CPU, then fails to launch
+    monkeypatch.setattr(S, "_q_absmax_kernel", Broken())
+    quant = S.QQuantizer(2, E4M3FN, CPU)
+    assert quant.blocks > 0
+    assert_quantized_as_the_reference(scaled_q(2, 4.0), quant, E4M3FN, exact=True)
+    assert quant.blocks == 0 and "falls back to torch" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or S.triton is None, reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("batch", (1, 4, 32, 64, 256))
+def test_gpu_q_quantization_in_triton_is_reference_quantize_fp8(batch):
+    """The triton form on a GPU (e4m3fn, the gfx950 FP8; the real compiler): bit for bit the reference."""
+    quant = S.QQuantizer(batch, E4M3FN, torch.device("cuda"))
+    assert quant.blocks > 0
+    for amax in AMAXES:
+        assert_quantized_as_the_reference(scaled_q(batch, amax, "cuda"), quant, E4M3FN, exact=True)
 
 
 def test_gfx942_fp8_flavour(standin):

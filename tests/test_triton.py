@@ -134,6 +134,20 @@ def _interpreted_checks() -> dict:
                     assert (torch.isnan(out[b]).all() if b in bad else torch.isfinite(out[b]).all()), b
 
             _check(results, f"{name}-splits{splits}", invalid)
+
+    def q_quantization():  # the aiter path's Q quantization, its triton form (e4m3fn)
+        for batch in (1, 3):
+            quant = S.QQuantizer(batch, torch.float8_e4m3fn, CPU)
+            assert quant.blocks > 0
+            for amax in (0.0, 1e-30, 1e-15, 1e-6, 4.0, 1e3, 3.3e38):
+                q = torch.randn((batch, 16, 576))
+                q = (q / q.abs().max() * amax).to(torch.bfloat16)
+                q8 = quant(q)
+                want, want_scale = R.quantize_fp8(q, torch.float8_e4m3fn)
+                assert torch.equal(quant.scale, want_scale), (batch, amax, quant.scale, want_scale)
+                assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8)), (batch, amax)
+
+    _check(results, "q_quantization", q_quantization)
     return results
 
 
@@ -156,6 +170,13 @@ def test_interpreted_matches_fp32_and_passes_the_gate(interpreted, kv_format, ca
 @pytest.mark.parametrize("case", sorted(INVALID))
 def test_interpreted_invalid_ranges_give_nan_rows(interpreted, case, splits):
     ok, msg = interpreted[f"{case}-splits{splits}"]
+    assert ok, msg
+
+
+def test_interpreted_q_quantization_is_reference_quantize_fp8(interpreted):
+    """QQuantizer's two triton kernels (the aiter path's Q, e4m3fn) against reference.quantize_fp8, bit for bit, for
+    largest |q| from 0 to near the bf16 maximum (no range where the torch form's one-kernel scale differs)."""
+    ok, msg = interpreted["q_quantization"]
     assert ok, msg
 
 
