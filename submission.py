@@ -444,17 +444,17 @@ class QQuantizer:
             absmax_args = (q, self.partials, n)
             quantize_args = (q, self.partials, self.blocks, self.q_fp8, self.scale, n, self.fp8_max)
             aligned = q.data_ptr() % 16 == 0
-            if self.compiled is not None and aligned:  # launched directly: the JIT's dispatch costs host time
-                self.compiled[0][grid](*absmax_args, self.consts[0])
-                self.compiled[1][grid](*quantize_args, *self.consts)
-                return self.q_fp8
             try:
-                absmax = _q_absmax_kernel[grid](*absmax_args, BLOCK=self.consts[0])
-                quantize = _q_quantize_kernel[grid](*quantize_args, BLOCK=self.consts[0], PARTIALS=self.consts[1])
-                if aligned and absmax is not None and quantize is not None:
-                    self.compiled = (absmax, quantize)
+                if self.compiled is not None and aligned:  # launched directly: the JIT's dispatch costs host time
+                    self.compiled[0][grid](*absmax_args, self.consts[0])
+                    self.compiled[1][grid](*quantize_args, *self.consts)
+                else:
+                    absmax = _q_absmax_kernel[grid](*absmax_args, BLOCK=self.consts[0])
+                    quantize = _q_quantize_kernel[grid](*quantize_args, BLOCK=self.consts[0], PARTIALS=self.consts[1])
+                    if aligned and absmax is not None and quantize is not None:
+                        self.compiled = (absmax, quantize)
                 return self.q_fp8
-            except Exception as e:  # a triton that cannot build them here: the torch form, for good
+            except Exception as e:  # a triton that cannot build or launch them here: the torch form, for good
                 log.warning("MLA decode: Q quantization falls back to torch ops: the triton kernels failed: %s", e)
                 self._use_torch()
         torch.linalg.vector_norm(q, float("inf"), dtype=torch.float32, out=self.amax)  # max |q|, exact

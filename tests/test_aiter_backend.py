@@ -162,7 +162,10 @@ def test_q_quantization_is_reference_quantize_fp8(fp8, amax):
     assert_quantized_as_the_reference(scaled_q(3, amax), quant, fp8, exact=False)
 
 
-def test_q_quantization_falls_back_to_torch_when_triton_fails(monkeypatch, caplog):
+@pytest.mark.parametrize("failing", ("jit", "compiled"))
+def test_q_quantization_falls_back_to_torch_when_triton_fails(monkeypatch, caplog, failing):
+    """The triton form failing to build (the JIT launch) or to launch later (the compiled kernels): the torch form
+    from then on, with a warning, and the same result."""
     class Broken:
         def __getitem__(self, grid):
             raise RuntimeError("no compiler for this GPU")
@@ -170,9 +173,12 @@ def test_q_quantization_falls_back_to_torch_when_triton_fails(monkeypatch, caplo
     if S.triton is None:
         pytest.skip("no triton here")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton form is chosen on the CPU, then fails to launch
-    monkeypatch.setattr(S, "_q_absmax_kernel", Broken())
     quant = S.QQuantizer(2, E4M3FN, CPU)
     assert quant.blocks > 0
+    if failing == "jit":
+        monkeypatch.setattr(S, "_q_absmax_kernel", Broken())
+    else:
+        quant.compiled = (Broken(), Broken())
     assert_quantized_as_the_reference(scaled_q(2, 4.0), quant, E4M3FN, exact=True)
     assert quant.blocks == 0 and "falls back to torch" in caplog.text
 
