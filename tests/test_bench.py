@@ -156,3 +156,23 @@ def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
         assert rows[(shape, "not-built")]["status"] == "skipped"
         assert "not built yet" in rows[(shape, "not-built")]["reason"]
     assert "FAIL: 2x64 zeros" in capsys.readouterr().out
+
+
+Q_QUANT = """
+import runpy, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import test_triton
+test_triton._patch_interpreter()  # the interpreter's fp32 -> fp8 rounding (see there)
+sys.argv = ["q_quant.py", "--batches", "1,3", "--iters", "2"]
+runpy.run_path(sys.path[0] + "/bench/q_quant.py", run_name="__main__")
+"""
+
+
+def test_q_quant_script_checks_and_times_both_forms():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_")} | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", Q_QUANT, str(ROOT)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), proc.stdout
