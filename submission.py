@@ -414,15 +414,16 @@ if triton is not None:
 
 class QQuantizer:
     """q (batch, 16, 576) bf16, contiguous -> self.q_fp8 (same shape, `fp8`) and self.scale (1,) float32, on the
-    device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be ordered on one stream."""
+    device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be ordered on one stream. The Triton form
+    where it can run (allow_triton=False: the torch form; self.blocks == 0 tells which)."""
 
-    def __init__(self, batch: int, fp8: torch.dtype, device: torch.device):
+    def __init__(self, batch: int, fp8: torch.dtype, device: torch.device, allow_triton: bool = True):
         self.q_fp8 = torch.empty((batch, NUM_HEADS, QK_HEAD_DIM), dtype=fp8, device=device)
         self.scale = torch.empty(1, dtype=torch.float32, device=device)
         self.fp8_max = torch.finfo(fp8).max  # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942)
         # The triton kernels for e4m3fn (gfx950) only: e4m3fnuz (gfx942) casts are neither in Triton's interpreter
         # nor on NVIDIA GPUs, so nothing here could test them.
-        triton_ok = fp8 == torch.float8_e4m3fn and _triton_usable(device)
+        triton_ok = allow_triton and fp8 == torch.float8_e4m3fn and _triton_usable(device)
         self.blocks = triton.cdiv(self.q_fp8.numel(), Q_QUANT_BLOCK) if triton_ok else 0
         if self.blocks:
             self.partials = torch.empty(self.blocks, dtype=torch.float32, device=device)

@@ -28,8 +28,8 @@ FP8 = torch.float8_e4m3fn
 
 
 def forms(batch: int, device: torch.device) -> dict[str, S.QQuantizer]:
-    triton_form, torch_form = S.QQuantizer(batch, FP8, device), S.QQuantizer(batch, FP8, device)
-    torch_form._use_torch()
+    triton_form = S.QQuantizer(batch, FP8, device)
+    torch_form = S.QQuantizer(batch, FP8, device, allow_triton=False)
     if not triton_form.blocks:
         raise SystemExit(f"q_quant.py: the Triton form does not run here ({device}: needs triton and a GPU, or "
                          "TRITON_INTERPRET=1)")
