@@ -579,10 +579,11 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     scales as float32 device tensors. Q gets a dynamic per-tensor scale, amax / fp8 max computed on the device (no
     .item(), no host sync), so any finite bf16 q quantizes without NaN or saturation (|q| > 448 included).
 
-    Plans. Per shape (see _aiter_plan_key for the reuse rule) the q FP8 scratch, q_scale, kv_indices,
-    kv_last_page_lens and the six metadata buffers are allocated once and kept in _AITER_PLANS; the six buffers stay
-    alive together (work_metadata_ptrs holds raw addresses of work_indptr and work_info_set, and the kernel walks
-    the work list through those addresses). Calls must be ordered on one stream: the next call reuses the scratch.
+    Plans. Per shape (see _aiter_plan_key for the reuse rule) the Q quantizer (QQuantizer: the FP8 Q and its scale),
+    kv_indices, kv_last_page_lens and the six metadata buffers are allocated once and kept in _AITER_PLANS; the six
+    buffers stay alive together (work_metadata_ptrs holds raw addresses of work_indptr and work_info_set, and the
+    kernel walks the work list through those addresses). Calls must be ordered on one stream: the next call reuses
+    the scratch.
     """
     fns, fp8 = _aiter_api()
     _expect(kv.dtype == fp8, "kv_data['fp8'][0].dtype", f"aiter.dtypes.fp8 = {fp8} (this GPU's FP8)", kv.dtype)
