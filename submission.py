@@ -2213,6 +2213,9 @@ def custom_kernel(data):
     kv_format = select_kv_format()
     q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
     backend = select_backend(q.device, kv_format)
+    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # ctypes, Triton and aiter launch on the current device
+            return custom_kernel(data)
     if backend != "torch" and os.environ.get("MLA_VALIDATE") == "1":
         validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
     if backend == "aiter":

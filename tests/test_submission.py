@@ -235,3 +235,19 @@ def test_bad_kv_format_fails_clearly(monkeypatch):
     monkeypatch.setenv("MLA_KV_FORMAT", "int4")
     with pytest.raises(ValueError, match="MLA_KV_FORMAT"):
         S.custom_kernel(base())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+def test_gpu_inputs_on_another_gpu_than_the_current_one(monkeypatch, backend):
+    """Inputs on cuda:1 while cuda:0 is current: the launches (ctypes, Triton) follow the inputs' device, and the
+    output is the one computed with cuda:1 current."""
+    monkeypatch.setenv("MLA_BACKEND", backend)
+    data = R.generate_varlen_input([700, 3, 1, 2000], seed=11, device=torch.device("cuda:1"))
+    with torch.cuda.device(1):
+        want = S.custom_kernel(data)
+    with torch.cuda.device(0):
+        out = S.custom_kernel(data)
+    assert out.device == torch.device("cuda:1") and torch.equal(out, want)
+    assert R.check_implementation(data, out)[0]
