@@ -55,8 +55,8 @@ def repo_module_names() -> frozenset[str]:
     """Top-level names this repo could supply on sys.path (its flat modules and folders), except the two the
     leaderboard provides itself."""
     names = {p.stem for p in REPO.glob("*.py")}
-    names |= {p.name for p in REPO.iterdir() if p.is_dir() and p.name.isidentifier()}
-    return frozenset(names - {"submission", "task"} - ALLOWED_MODULES)
+    names |= {p.name for p in REPO.iterdir() if p.is_dir() and p.name.isidentifier() and p.name != "__pycache__"}
+    return frozenset(names - {"submission", "task"} - ALLOWED_MODULES - sys.stdlib_module_names)
 
 
 def check_utf8(raw: bytes) -> tuple[GateResult, str | None]:
@@ -75,7 +75,7 @@ def check_size(raw: bytes) -> GateResult:
 
 
 def check_no_stream(text: str) -> GateResult:
-    hits = [f"{n}:{m.start() + 1}: {line}" for n, line in enumerate(text.splitlines(), 1)
+    hits = [f"{n}:{m.start() + 1}: {line.rstrip()}" for n, line in enumerate(text.split("\n"), 1)
             for m in re.finditer("stream", line, re.IGNORECASE)]
     if hits:
         return GateResult("no-stream", False, f"{len(hits)} occurrence(s) of 'stream' (any case; the server refuses "
@@ -178,8 +178,9 @@ def check_runs_alone(path: Path, timeout: float = RUNS_ALONE_TIMEOUT_S) -> GateR
     with tempfile.TemporaryDirectory(prefix="presubmit-") as tmp:
         shutil.copyfile(path, Path(tmp, "submission.py"))
         shutil.copyfile(REPO / "task.py", Path(tmp, "task.py"))
-        # -I drops PYTHON* variables, the user site and the script's folder from sys.path; the driver then
-        # blocks this repo's module names (the editable install of this repo would otherwise supply them).
+        # -I ignores PYTHON* variables (removed too, for the processes the file may start), the user site and the
+        # script's folder; the driver then blocks this repo's module names (which the editable install of this
+        # repo would otherwise supply).
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "MLA_"))}
         env["MLA_BACKEND"] = "torch"
         cmd = [sys.executable, "-I", str(DRIVER), tmp, ",".join(sorted(repo_module_names()))]
@@ -211,7 +212,12 @@ def check_kernelguard(text: str) -> GateResult:
             ok = False
             details.append(f"{profile}: kernelguard exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
             continue
-        verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+        try:
+            verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            ok = False
+            details.append(f"{profile}: kernelguard printed no JSON verdict: {proc.stdout.strip()[-500:]!r}")
+            continue
         flagged = verdict["should_filter"]
         ok = ok and not flagged
         patterns = [f"{p['pattern']} ({p.get('severity')}: {p.get('evidence')})" for p in verdict["matched_patterns"]]
