@@ -30,7 +30,7 @@ DRIVER = Path(__file__).resolve().parent / "presubmit_driver.py"
 MAX_BYTES = 1_000_000
 POPCORN_LINES = ("#!POPCORN leaderboard amd-mixed-mla", "#!POPCORN gpu MI355X")
 # What the leaderboard's runner can import besides the standard library; "task" is the runner's own task.py.
-ALLOWED_MODULES = frozenset({"torch", "triton", "aiter", "task", "__future__"})
+ALLOWED_MODULES = frozenset({"torch", "triton", "aiter", "task"})
 # Handlers that catch ImportError (a bare `except:` too): an import under one of them degrades when absent.
 IMPORT_ERROR_CATCHERS = frozenset({"ImportError", "ModuleNotFoundError", "Exception", "BaseException"})
 KERNELGUARD_VERSION = "0.3.1"  # the version gpu-mode/kernelbot pins
