@@ -10,6 +10,7 @@ leaderboard mode a fresh input (new seed) every call, each call checked. With an
 part of a call (utils.FLUSH_TARGET_S) the two means agree; a flush too short lets leaderboard mode's slower host
 path on new tensors into its times. Prints per case both means and bests in µs and the ratio of the means
 (leaderboard / benchmark); the exit status is 1 when a mode fails or a ratio is off 1 by more than --tolerance.
+On the CPU the modes need not agree: there is no flush, and the whole call, host path included, is timed.
 """
 
 import argparse
