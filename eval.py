@@ -23,8 +23,9 @@ runs the tests, then the benchmarks, of task.yml (or of a cases file, whose case
 device and prints one table and the geometric mean of the benchmark means; exit code 1 when anything fails. On a
 CPU-only machine the shapes are scaled down unless --full is given (see scale_for_cpu).
 
-Timing: CUDA/HIP events around each call, with the L2 flushed before it (utils.clear_l2_cache); the wall clock
-(time.perf_counter_ns) on the CPU. Every check reads a copy of the inputs that the submission never received (it
+Timing: utils.Timer.call, the leaderboard's way: CUDA/HIP events around each call, with the L2 flushed before it
+(utils.clear_l2_cache, which also keeps the GPU busy long enough to hide the host's part of the call); the wall
+clock on the CPU. Every check reads a copy of the inputs that the submission never received (it
 gets the other copy), so writing into its inputs cannot change what its output is compared with.
 """
 
@@ -57,7 +58,7 @@ from reference import (
     ref_kernel,
     relative_l2,
 )
-from utils import clear_l2_cache, get_device, set_seed
+from utils import Timer, get_device, set_seed
 
 REPO_DIR = Path(__file__).resolve().parent
 TASK_YML = REPO_DIR / "task.yml"
@@ -230,44 +231,37 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _timed_call(custom_kernel, data) -> tuple[float, object]:
-    """(duration in ns, output) of one call: GPU events measure device time (no host launch jitter) on CUDA and
-    HIP; the CPU has only the wall clock."""
-    if torch.cuda.is_available():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        output = custom_kernel(data)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e6, output
-    start_ns = time.perf_counter_ns()
-    output = custom_kernel(data)
-    return float(time.perf_counter_ns() - start_ns), output
+def fresh_inputs(args: dict):
+    """Leaderboard mode's input for each timed call, endlessly: the case's shape from a new seed each time (+13 per
+    call), so that no call sees data an earlier call saw and a kernel cannot cache results. The caller drops its
+    last input before asking for the next (memory)."""
+    args = dict(args)
+    while True:
+        if "seed" in args:
+            args["seed"] += 13
+        yield generate_input(**args)
 
 
 def _time_calls(custom_kernel, args: dict, data, recheck: bool, rule: StopRule) -> Stats | str:
-    """Times repeated calls with a cold L2. With recheck (leaderboard mode) every call gets fresh data from a new
-    seed and its output is checked, so a kernel cannot cache results or pass only the first check; returns the
-    check's message on a failure."""
-    args = dict(args)
+    """Times repeated calls with a cold L2 (utils.Timer.call). With recheck (leaderboard mode) every call gets fresh
+    data (fresh_inputs) and its output is checked, so a kernel cannot cache results or pass only the first check;
+    returns the check's message on a failure."""
+    timer = Timer()
+    inputs = fresh_inputs(args) if recheck else None
     durations: list[float] = []
     started_ns = time.perf_counter_ns()
     for _ in range(rule.max_repeats):
         if recheck:
             data = reference_view = None  # free the last call's data before the next is generated (memory bound)
-            if "seed" in args:
-                args["seed"] += 13
-            data = generate_input(**args)
+            data = next(inputs)
             reference_view = clone_data(data)
-        _synchronize()
-        clear_l2_cache()
-        duration_ns, output = _timed_call(custom_kernel, data)
+        duration_us, output = timer.call(custom_kernel, data)
         if recheck:
             good, message = check_implementation(reference_view, output)
             if not good:
                 return message
         del output
-        durations.append(duration_ns)
+        durations.append(duration_us * 1e3)
         if _should_stop(rule, durations, started_ns):
             break
     return calculate_stats(durations)

@@ -9,12 +9,18 @@ GPU, clocks and software, so the ratios between them mean something.
 
 What it measures, per shape of task.yml's benchmarks (inputs from reference.generate_input, randn, the
 leaderboard's seeds) and per method (a row; one that cannot run here is printed as skipped, with the reason):
-  leaderboard latency  as the leaderboard's eval.py, for each call: synchronize, flush L2 (utils.clear_l2_cache),
-                       CUDA event, the whole call, event, synchronize; median (and mean) of --iters calls after
-                       one checked call and --warmup more. The flush keeps the GPU busy while the host enqueues
-                       the call, so host cost is mostly hidden, as on the leaderboard.
+  leaderboard latency  as the leaderboard's eval.py (utils.Timer.leaderboard), for each call: synchronize, flush
+                       L2 (utils.clear_l2_cache), CUDA event, the whole call, event, synchronize; median (and
+                       mean) of --iters calls after one checked call and --warmup more. The flush keeps the GPU
+                       busy (utils.FLUSH_TARGET_S) while the host enqueues the call, so host cost stays hidden, as
+                       on the leaderboard.
   back-to-back         --iters calls in a tight loop without a flush, synchronize at the end, wall time / calls:
                        what a serving loop sees; it exposes host overhead (Python, launches, syncs).
+  host, host fresh     the host's part of one call (utils.Timer.host): CPU wall time from before the call to its
+                       return, no synchronize after it, median; `host` over --iters calls on the same input,
+                       `host fresh` over --fresh-iters calls each on a new input of the same shape (a new seed),
+                       as leaderboard mode makes them (new tensors: no cached plan or pointer helps). The
+                       memory-only walks have no fresh figure (they are floors of the same bytes).
   KV GB/s, % ceiling   bytes of the KV format the method reads (BF16 1152 B/row, FP8 576, MXFP4 288 + 18 scale
                        bytes) / median time, against the HBM read ceiling measured first in the same run.
   floor µs             those bytes / the ceiling: no kernel reading that format can be faster.
@@ -38,6 +44,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -45,7 +52,6 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -62,7 +68,7 @@ import yaml  # noqa: E402
 
 import reference  # noqa: E402
 import submission  # noqa: E402
-from utils import clear_l2_cache, get_device  # noqa: E402
+from utils import Timer, get_device, l2_flush  # noqa: E402
 
 # KV bytes one decode must read per cache row, by format (the FP8 per-tensor scale is 4 bytes in all).
 BYTES_PER_ROW = {"bf16": 2 * reference.QK_HEAD_DIM, "fp8": reference.QK_HEAD_DIM,
@@ -90,9 +96,12 @@ class Shape:
 
 @dataclasses.dataclass
 class Prepared:
-    """A method made ready for one input: `fn` is the timed call; `check(output)` -> (ok, rel_l2 or None, msg)."""
+    """A method made ready for one input: `fn` is the timed call; `check(output)` -> (ok, rel_l2 or None, msg);
+    `fresh(data)`, where the method has it, makes the same call on another input (its set-up, such as a plan, done
+    there, outside the timing)."""
     fn: Callable[[], object]
     check: Callable[[object], tuple[bool, float | None, str]]
+    fresh: Callable[[tuple], Callable[[], object]] | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     note: str = ""
     extra: dict = dataclasses.field(default_factory=dict)  # method-specific details, kept in the JSON
@@ -123,6 +132,8 @@ class Row:
     mean_us: float | None = None
     min_us: float | None = None
     back_to_back_us: float | None = None
+    host_us: float | None = None
+    host_fresh_us: float | None = None
     kv_bytes: int = 0
     gbps: float | None = None
     pct_ceiling: float | None = None
@@ -147,52 +158,6 @@ def scoped_env(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Timing: the leaderboard's method and the back-to-back loop
-# ---------------------------------------------------------------------------------------------------------
-
-
-class Timer:
-    """CUDA events on a GPU (CUDA or ROCm); the host's wall clock on the CPU, where there is no L2 to flush."""
-
-    def __init__(self, device: torch.device):
-        self.gpu = device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.gpu:
-            torch.cuda.synchronize()
-
-    def leaderboard(self, fn: Callable[[], object], iters: int) -> list[float]:
-        """µs of each of `iters` calls as the leaderboard's eval.py times them: synchronize, flush L2, event, the
-        call, event, synchronize."""
-        times = []
-        for _ in range(iters):
-            if self.gpu:
-                torch.cuda.synchronize()
-                clear_l2_cache()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return times
-
-    def back_to_back(self, fn: Callable[[], object], iters: int) -> float:
-        """Mean µs per call of `iters` calls issued back to back, no flush, one synchronize at the end."""
-        self.sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        self.sync()
-        return (time.perf_counter() - t0) * 1e6 / iters
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -283,14 +248,19 @@ def _ours(backend: str, kv_format: str):
                 submission.select_backend(ctx.device)
             except RuntimeError as e:
                 raise Unavailable(str(e)) from e
-        return Prepared(fn=lambda: submission.custom_kernel(data), check=_check_attention(data, expected, kv_format),
-                        env=env)
+        def call(inputs: tuple) -> Callable[[], object]:
+            return lambda: submission.custom_kernel(inputs)
+
+        return Prepared(fn=call(data), check=_check_attention(data, expected, kv_format), env=env, fresh=call)
 
     return prepare
 
 
 def _torch_reference(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
-    return Prepared(fn=lambda: reference.ref_kernel(data), check=_check_attention(data, expected, "bf16"))
+    def call(inputs: tuple) -> Callable[[], object]:
+        return lambda: reference.ref_kernel(inputs)
+
+    return Prepared(fn=call(data), check=_check_attention(data, expected, "bf16"), fresh=call)
 
 
 def _flashinfer_pages(kv_indptr: torch.Tensor, total_kv: int, page: int):
@@ -309,37 +279,43 @@ def _flashinfer_pages(kv_indptr: torch.Tensor, total_kv: int, page: int):
     return page_indptr.int(), (first_page + offset_in_seq).int(), lens.int()
 
 
+def _flashinfer_call(ctx: Context, data: tuple, kv_format: str) -> tuple[Callable[[], object], str]:
+    """(the timed run() on data, a note): plan() done here, outside the timing."""
+    fi = ctx.flashinfer()
+    q, kv_data, qo_indptr, kv_indptr, config = data
+    if kv_format == "bf16":
+        kv, run_kwargs = kv_data["bf16"], {}
+    else:
+        kv, scale = kv_data["fp8"]
+        if kv.dtype != torch.float8_e4m3fn:
+            raise Unavailable(f"FlashInfer reads float8_e4m3fn KV; this device's FP8 cache is {kv.dtype}")
+        run_kwargs = {"ckv_scale": scale.item(), "kpe_scale": scale.item()}
+    total_kv = kv.shape[0]
+    page = ctx.args.fi_page_size
+    pages = _flashinfer_pages(kv_indptr, total_kv, page)
+    note = f"page {page}"
+    if pages is None:  # a layout that is not whole pages: page size 1 always fits
+        page, note = 1, f"page 1 (the cache is not in whole pages of {page})"
+        pages = _flashinfer_pages(kv_indptr, total_kv, page)
+    page_indptr, page_indices, kv_lens = pages
+    wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ctx.fi_workspace(), backend=ctx.args.fi_backend)
+    metadata = fi.mla.MLAPlanMetadata.csr(qo_indptr.cpu(), page_indptr, page_indices.to(ctx.device), kv_lens)
+    wrapper.plan(metadata=metadata, num_heads=reference.NUM_HEADS, head_dim_ckv=reference.KV_LORA_RANK,
+                 head_dim_kpe=reference.QK_ROPE_HEAD_DIM, page_size=page, causal=False,
+                 sm_scale=config["sm_scale"], q_data_type=q.dtype, kv_data_type=kv.dtype)
+    kv_pages = kv.view(total_kv // page, page, reference.QK_HEAD_DIM)
+    return (lambda: wrapper.run(query=q, kv_cache=kv_pages, **run_kwargs)), note
+
+
 def _flashinfer(kv_format: str):
-    """FlashInfer's MLA decode (PEERS.md's setup): plan() once here, outside timing; run() is the timed call.
+    """FlashInfer's MLA decode (PEERS.md's setup): plan() once per input, outside timing; run() is the timed call.
     Query packed (total_q, 16, 576); KV a paged view (pages, page, 576) of the same cache; FP8 with its
     per-tensor scale as ckv_scale = kpe_scale."""
 
     def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
-        fi = ctx.flashinfer()
-        q, kv_data, qo_indptr, kv_indptr, config = data
-        if kv_format == "bf16":
-            kv, run_kwargs = kv_data["bf16"], {}
-        else:
-            kv, scale = kv_data["fp8"]
-            if kv.dtype != torch.float8_e4m3fn:
-                raise Unavailable(f"FlashInfer reads float8_e4m3fn KV; this device's FP8 cache is {kv.dtype}")
-            run_kwargs = {"ckv_scale": scale.item(), "kpe_scale": scale.item()}
-        total_kv = kv.shape[0]
-        page = ctx.args.fi_page_size
-        pages = _flashinfer_pages(kv_indptr, total_kv, page)
-        note = f"page {page}"
-        if pages is None:  # a layout that is not whole pages: page size 1 always fits
-            page, note = 1, f"page 1 (the cache is not in whole pages of {page})"
-            pages = _flashinfer_pages(kv_indptr, total_kv, page)
-        page_indptr, page_indices, kv_lens = pages
-        wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ctx.fi_workspace(), backend=ctx.args.fi_backend)
-        metadata = fi.mla.MLAPlanMetadata.csr(qo_indptr.cpu(), page_indptr, page_indices.to(ctx.device), kv_lens)
-        wrapper.plan(metadata=metadata, num_heads=reference.NUM_HEADS, head_dim_ckv=reference.KV_LORA_RANK,
-                     head_dim_kpe=reference.QK_ROPE_HEAD_DIM, page_size=page, causal=False,
-                     sm_scale=config["sm_scale"], q_data_type=q.dtype, kv_data_type=kv.dtype)
-        kv_pages = kv.view(total_kv // page, page, reference.QK_HEAD_DIM)
-        return Prepared(fn=lambda: wrapper.run(query=q, kv_cache=kv_pages, **run_kwargs),
-                        check=_check_attention(data, expected, kv_format), note=note)
+        fn, note = _flashinfer_call(ctx, data, kv_format)
+        return Prepared(fn=fn, check=_check_attention(data, expected, kv_format), note=note,
+                        fresh=lambda inputs: _flashinfer_call(ctx, inputs, kv_format)[0])
 
     return prepare
 
@@ -481,6 +457,17 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
+def fresh_calls(shape: Shape, bind: Callable[[tuple], Callable[[], object]]) -> Callable[[], Callable[[], object]]:
+    """Makes, on each use, the call on a new input of the shape (the next seed, +13 each time, as leaderboard mode
+    does), so that no call finds its input already seen."""
+    seeds = itertools.count(shape.seed + 13, 13)
+    return lambda: bind(reference.generate_input(shape.batch, 1, shape.kv, next(seeds)))
+
+
+def _invoke(call: Callable[[], object]) -> object:
+    return call()
+
+
 def run_row(ctx: Context, method: Method, shape: Shape, data: tuple, expected: torch.Tensor) -> Row:
     kv_indptr = data[3]
     row = Row(shape=shape.name, batch=shape.batch, kv=shape.kv, method=method.name, kind=method.kind,
@@ -498,6 +485,10 @@ def run_row(ctx: Context, method: Method, shape: Shape, data: tuple, expected: t
                 prepared.fn()
             row.times_us = ctx.timer.leaderboard(prepared.fn, ctx.args.iters)
             row.back_to_back_us = ctx.timer.back_to_back(prepared.fn, ctx.args.iters)
+            row.host_us = ctx.timer.host(prepared.fn, ctx.args.iters)
+            if prepared.fresh is not None:
+                row.host_fresh_us = ctx.timer.host(_invoke, ctx.args.fresh_iters,
+                                                   setup=fresh_calls(shape, prepared.fresh))
     except (Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
         row.status, row.reason = "skipped", str(e) if isinstance(e, Unavailable) else _first_line(e)
         return row
@@ -549,6 +540,8 @@ def summarize(rows: list[Row], methods: list[Method], n_shapes: int) -> dict:
             "geomean_us": geomean([r.median_us for r in timed]),
             "geomean_mean_us": geomean([r.mean_us for r in timed]),
             "geomean_back_to_back_us": geomean([r.back_to_back_us for r in timed]),
+            "geomean_host_us": geomean([r.host_us for r in timed]),
+            "geomean_host_fresh_us": geomean([r.host_fresh_us for r in timed if r.host_fresh_us is not None]),
             "geomean_vs_best_peer": geomean([r.vs_best_peer for r in timed if r.vs_best_peer is not None]),
             "geomean_floor_us": geomean([r.floor_us for r in timed]),
         }
@@ -564,8 +557,8 @@ def _f(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
-DETAIL_HEADER = ("method", "status", "µs median", "µs mean", "b2b µs", "KV GB/s", "% ceil", "floor µs", "vs peer",
-                 "rel-L2", "note")
+DETAIL_HEADER = ("method", "status", "µs median", "µs mean", "b2b µs", "host µs", "host fresh µs", "KV GB/s",
+                 "% ceil", "floor µs", "vs peer", "rel-L2", "note")
 
 
 def detail_cells(r: Row) -> tuple[str, ...]:
@@ -573,8 +566,8 @@ def detail_cells(r: Row) -> tuple[str, ...]:
     if r.status == "FAIL":
         note = f"{r.check}; {note}" if note else r.check
     return (r.method, r.status, _f(r.median_us, ".1f"), _f(r.mean_us, ".1f"), _f(r.back_to_back_us, ".1f"),
-            _f(r.gbps, ".0f"), _f(r.pct_ceiling, ".0f"), _f(r.floor_us, ".1f"), _f(r.vs_best_peer, ".2f"),
-            _f(r.rel_l2, ".1e"), note)
+            _f(r.host_us, ".1f"), _f(r.host_fresh_us, ".1f"), _f(r.gbps, ".0f"), _f(r.pct_ceiling, ".0f"),
+            _f(r.floor_us, ".1f"), _f(r.vs_best_peer, ".2f"), _f(r.rel_l2, ".1e"), note)
 
 
 def compact_cell(r: Row) -> str:
@@ -587,8 +580,8 @@ def compact_cell(r: Row) -> str:
 
 def compact_table(rows: list[Row], summary: dict, shapes: list[Shape], methods: list[Method],
                   ceiling_gbps: float) -> list[list[str]]:
-    """Shapes down, methods across, median µs, and the FP8 floor; then the geometric means and their ratio to
-    the best peer."""
+    """Shapes down, methods across, median µs, and the FP8 floor; then the geometric means, their ratio to the
+    best peer, and the geometric means of the host time of one call (same input, fresh inputs)."""
     by_key = {(r.shape, r.method): r for r in rows}
     fp8_floor = {s.name: by_key[(s.name, methods[0].name)].kv_rows * BYTES_PER_ROW["fp8"] / ceiling_gbps / 1e3
                  for s in shapes}
@@ -597,14 +590,17 @@ def compact_table(rows: list[Row], summary: dict, shapes: list[Shape], methods: 
         table.append([s.name, *(compact_cell(by_key[(s.name, m.name)]) for m in methods), f"{fp8_floor[s.name]:.1f}"])
     gm = ["geomean"]
     ratio = ["vs best peer"]
+    host = ["host µs"]
+    host_fresh = ["host fresh µs"]
     for m in methods:
         sm = summary[m.name]
         partial = "" if sm["shapes_timed"] in (0, sm["shapes_total"]) else f" ({sm['shapes_timed']}/{len(shapes)})"
         gm.append(_f(sm["geomean_us"], ".1f") + ("!" if sm["failed"] else "") + partial)
         ratio.append(_f(sm["geomean_vs_best_peer"], ".2f"))
+        host.append(_f(sm["geomean_host_us"], ".1f"))
+        host_fresh.append(_f(sm["geomean_host_fresh_us"], ".1f"))
     gm.append(f"{geomean(list(fp8_floor.values())):.1f}")
-    ratio.append("")
-    return [*table, gm, ratio]
+    return [*table, gm, ratio + [""], host + [""], host_fresh + [""]]
 
 
 TEXT_COLUMNS = ("shape", "method", "status", "note")  # left-aligned; the numbers are right-aligned
@@ -655,6 +651,14 @@ def device_info(device: torch.device) -> dict:
             "l2_bytes": getattr(props, "L2_cache_size", None), "capability": list(torch.cuda.get_device_capability())}
 
 
+def flush_info(device: torch.device) -> dict | None:
+    """The L2 flush this run times with (utils.l2_flush, measured on first use); None on the CPU (no flush)."""
+    if device.type != "cuda":
+        return None
+    flush = l2_flush(torch.cuda.current_device())
+    return {"bytes": flush.buffer.numel(), "passes": flush.passes, "ms": flush.seconds * 1e3}
+
+
 def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: list[list[str]]) -> None:
     meta, anchors = result["meta"], result["anchors"]
     v = meta["versions"]
@@ -672,13 +676,16 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         "",
         f"- Command: `{meta['command']}`",
         f"- Versions: {version_text}; submission.py sha256 {meta['submission_sha256']}",
-        f"- Timing: {meta['timing']}",
+        f"- Timing: {meta['timing']}"
+        + (f"; L2 flush {meta['flush']['passes']} fills of {meta['flush']['bytes'] / 2**20:.0f} MiB, "
+           f"{meta['flush']['ms']:.2f} ms" if meta["flush"] else ""),
         f"- HBM read ceiling: **{anchors['read_ceiling']['gbps']:.0f} GB/s** ({anchors['read_ceiling']['kernel']}, "
         f"{meta['ceiling_gib']:g} GiB)",
         f"- Empty launch: {launch_text}",
         "",
         "Median µs per call (leaderboard timing); `!` = the row's output failed check_implementation; "
-        "`FP8 floor` = FP8 KV bytes / ceiling.",
+        "`FP8 floor` = FP8 KV bytes / ceiling; `host µs` / `host fresh µs`: geometric means of the host time of "
+        "one call (CPU time to return) on one input / on a fresh input each call.",
         "",
         render_markdown(compact),
         "",
@@ -731,6 +738,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", help=f"comma-separated subset of {', '.join(METHOD_BY_NAME)}")
     p.add_argument("--iters", type=int, help="timed calls per row (default 50; 3 with --dry-run)")
     p.add_argument("--warmup", type=int, help="untimed calls after the first (checked) call (default 5; 1 dry run)")
+    p.add_argument("--fresh-iters", type=int,
+                   help="calls for the host time on fresh inputs, each on a newly generated input (default 10; "
+                        "2 dry run)")
     p.add_argument("--ceiling-gib", type=float, help="buffer of the read-ceiling kernel (default 4; 1/1024 dry run)")
     p.add_argument("--fi-page-size", type=int, default=64, help="FlashInfer KV page size (64 measured faster than 1)")
     p.add_argument("--fi-backend", default="fa3", help="FlashInfer MLA backend (fa3: the Hopper template)")
@@ -741,10 +751,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.iters = 3 if args.dry_run else 50
     if args.warmup is None:
         args.warmup = 1 if args.dry_run else 5
+    if args.fresh_iters is None:
+        args.fresh_iters = 2 if args.dry_run else 10
     if args.ceiling_gib is None:
         args.ceiling_gib = 1 / 1024 if args.dry_run else 4.0
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.iters < 1 or args.fresh_iters < 1 or args.warmup < 0:
+        p.error("--iters and --fresh-iters must be >= 1, --warmup >= 0")
     return args
 
 
@@ -765,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = device_info(device)
     sizes = f", {dev['sms']} SMs, L2 {dev['l2_bytes'] / 2**20:.0f} MiB" if dev["sms"] else ""
     print(f"device: {dev['name']}{sizes}")
+    flush = flush_info(device)
+    if flush:
+        print(f"L2 flush: {flush['passes']} fills of {flush['bytes'] / 2**20:.0f} MiB, {flush['ms']:.2f} ms")
 
     read_ceiling = measure_read_ceiling(ctx)
     for c in read_ceiling["candidates"]:
@@ -789,7 +804,10 @@ def main(argv: list[str] | None = None) -> int:
         "timing": (f"leaderboard: L2 flush, events around the whole call, median of {args.iters} calls after "
                    f"1 checked + {args.warmup} warm-up calls; back-to-back: mean of {args.iters} calls, no flush"
                    if device.type == "cuda" else
-                   f"CPU wall clock, median of {args.iters} calls after 1 checked + {args.warmup} warm-up calls"),
+                   f"CPU wall clock, median of {args.iters} calls after 1 checked + {args.warmup} warm-up calls")
+                  + f"; host: median CPU time to return, {args.iters} calls on one input, {args.fresh_iters} on "
+                    f"fresh inputs",
+        "flush": flush,
     }
 
     def results(done: list[Shape], rows: list[Row]) -> dict:
@@ -811,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
             row = run_row(ctx, m, shape, data, expected)
             rows.append(row)
             print(f"  {shape.name:>9} {m.name:<16} {row.status:<7} "
-                  + (f"{row.median_us:9.1f} µs" if row.median_us is not None else row.reason), flush=True)
+                  + (f"{row.median_us:9.1f} µs, b2b {row.back_to_back_us:.1f}, host {row.host_us:.1f}, host fresh "
+                     f"{_f(row.host_fresh_us, '.1f')}" if row.median_us is not None else row.reason), flush=True)
         del data, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()

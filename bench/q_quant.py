@@ -1,8 +1,9 @@
 """The aiter path's Q quantization (submission.QQuantizer) on one GPU: its Triton form (two kernels) against its torch
-form (three), each checked bit for bit against reference.quantize_fp8, then timed the leaderboard's way (bench.py's
-Timer: L2 flushed, events around the one call; median of --iters, best of 3 interleaved rounds) and for host time
-(calls back to back without a synchronize). Needs no aiter: the quantizer alone, in e4m3fn (gfx950's FP8), so an
-NVIDIA GPU stands in for the MI355X here; the numbers are that GPU's.
+form (three), each checked bit for bit against reference.quantize_fp8, then timed the leaderboard's way
+(utils.Timer: L2 flushed, events around the one call; median of --iters, best of 3 interleaved rounds) and for host
+time (utils.Timer.host: the median CPU time of one call to return, without a synchronize after it). Needs no aiter:
+the quantizer alone, in e4m3fn (gfx950's FP8), so an NVIDIA GPU stands in for the MI355X here; the numbers are that
+GPU's.
 
     python3 bench/q_quant.py [--batches 4,32,64,256] [--iters 60]
 
@@ -13,16 +14,15 @@ interpreter's fp32 -> fp8 rounding, without which the Triton form's casts are wr
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import bench  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from utils import Timer  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -36,23 +36,13 @@ def forms(batch: int, device: torch.device) -> dict[str, S.QQuantizer]:
     return {"triton, 2 kernels": triton_form, "torch, 3 kernels": torch_form}
 
 
-def host_us(timer: bench.Timer, fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    timer.sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="4,32,64,256")
     parser.add_argument("--iters", type=int, default=60)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    timer = bench.Timer(device)
+    timer = Timer(device)
     print("| batch | form | µs median (L2 flushed) | host µs per call | bit for bit reference.quantize_fp8 |")
     print("|---|---|---|---|---|")
     for batch in map(int, args.batches.split(",")):
@@ -70,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, quant in quantizers.items():
                 times[name].append(statistics.median(timer.leaderboard(lambda quant=quant, q=q: quant(q), args.iters)))
         for name, quant in quantizers.items():
-            host = host_us(timer, lambda quant=quant, q=q: quant(q), 20 * args.iters)
+            host = timer.host(lambda quant=quant, q=q: quant(q), 20 * args.iters)
             print(f"| {batch} | {name} | {min(times[name]):.2f} | {host:.1f} | {'yes' if exact[name] else 'NO'} |",
                   flush=True)
         if not all(exact.values()):

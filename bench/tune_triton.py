@@ -6,10 +6,11 @@
 
 For every leaderboard shape (batch x kv), KV format, launch config (block_n:num_warps:num_stages) and split
 count: checks the output against fp32 attention over what the kernel reads (tests/test_triton.py; rel-L2, no
-NaN) and times it the leaderboard's way (L2 flushed before each call, CUDA events around the one call, median).
-Then, for the default plan (submission.triton_plan): check_implementation against the BF16 truth, the flushed
-time, the back-to-back time without a flush (events around a loop of calls) and the host time per call (CPU wall
-time of a loop of calls). Writes every record to DIR/tune.jsonl and prints a short table last.
+NaN) and times it the leaderboard's way (utils.Timer.leaderboard: L2 flushed before each call, CUDA events around
+the one call; median). Then, for the default plan (submission.triton_plan): check_implementation against the BF16
+truth, the flushed time, the back-to-back time without a flush (utils.Timer.back_to_back: wall time of a loop of
+calls and one synchronize, per call) and the host time of one call (utils.Timer.host: median CPU time to return).
+Writes every record to DIR/tune.jsonl and prints a short table last.
 """
 
 import argparse
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
-from utils import clear_l2_cache  # noqa: E402
+from utils import Timer  # noqa: E402
 
 # MLA_TUNE_MODULE=path/x.py times a variant of submission.py (an experiment kept out of the repository)
 if os.environ.get("MLA_TUNE_MODULE"):
@@ -50,33 +51,6 @@ _spec = importlib.util.spec_from_file_location("test_triton", Path(__file__).res
 _tests = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_tests)
 kernel_reference = _tests.kernel_reference
-
-
-def time_flushed(fn, reps: int) -> float:
-    """Leaderboard method: flush L2, events around one call; median in microseconds."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        clear_l2_cache()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) * 1e3
-
-
-def time_back_to_back(fn, reps: int) -> tuple[float, float]:
-    """No flush: (GPU microseconds per call from events around `reps` calls, host microseconds per call)."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    host = (time.perf_counter() - t0) / reps * 1e6
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3, host
 
 
 def _compile_worker(jobs: list) -> int:
@@ -128,6 +102,7 @@ def main() -> None:
     configs = [tuple(map(int, c.split(":"))) for c in args.configs.split(",")]
     split_list = [int(s) for s in args.splits.split(",")]
     summary = []
+    timer = Timer(torch.device("cuda"))
     variants = {(fmt, (sp, *c)) for fmt in args.formats.split(",") for c in configs for sp in split_list}
     if args.jobs > 1:
         precompile(sorted(variants), args.jobs)
@@ -157,7 +132,7 @@ def main() -> None:
                     first_s = time.perf_counter() - t0
                     rel = R.relative_l2(out, ref32)
                     nan = bool(out.isnan().any())
-                    us = time_flushed(fn, args.reps)
+                    us = statistics.median(timer.leaderboard(fn, args.reps))
                     rec = dict(shape=[batch, kv_len], fmt=fmt, plan=plan, us=us, rel_l2_deq=rel, nan=nan,
                                first_call_s=first_s)
                     log.write(json.dumps(rec) + "\n")
@@ -174,8 +149,8 @@ def main() -> None:
             out = fn_default()
             ok, msg = R.check_implementation(data, out)
             plan = S._triton_launch(q, kv, scale, kvp, cfg, fmt, None).plan
-            us = time_flushed(fn_default, args.reps)
-            b2b, host = time_back_to_back(fn_default, 200)
+            us = statistics.median(timer.leaderboard(fn_default, args.reps))
+            b2b, host = timer.back_to_back(fn_default, 200), timer.host(fn_default, 200)
             rec = dict(shape=[batch, kv_len], fmt=fmt, default_plan=plan, us=us, b2b_us=b2b, host_us=host,
                        check=ok, check_msg=msg, rel_l2_deq=R.relative_l2(out, ref32), best_us=best[0],
                        best_plan=best[1])

@@ -49,6 +49,7 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     for s in shapes:
         ours = rows[(s, "torch-fp8")]
         assert ours["median_us"] > 0 and ours["back_to_back_us"] > 0 and len(ours["times_us"]) == 3
+        assert ours["host_us"] > 0 and ours["host_fresh_us"] > 0
         assert 0 < ours["rel_l2"] < R.REL_L2_BOUND["fp8"]
         assert ours["vs_best_peer"] == pytest.approx(ours["median_us"] / rows[(s, "torch-ref")]["median_us"])
         assert ours["kv_bytes"] == ours["kv_rows"] * 576 and ours["kv_rows"] == ours["batch"] * ours["kv"]
@@ -59,15 +60,22 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     ceiling = result["anchors"]["read_ceiling"]
     assert ceiling["gbps"] > 0 and ceiling["kernel"] == "torch int32 sum"
     assert result["methods"]["torch-fp8"]["geomean_us"] > 0 and result["methods"]["torch-fp8"]["shapes_timed"] == 2
+    assert result["methods"]["torch-fp8"]["geomean_host_fresh_us"] > 0
     assert result["meta"]["dry_run"] and result["meta"]["complete"]
     assert result["meta"]["versions"]["torch"] == torch.__version__
 
-    tail = proc.stdout.strip().splitlines()[-6:]  # header, rule, one line per shape, geomean, ratio
+    tail = proc.stdout.strip().splitlines()[-8:]  # header, rule, one line per shape, geomean, ratio, host times
     assert tail[0].split()[:3] == ["shape", "cuda-fp8", "cuda-mxfp4"] and tail[0].split()[-2:] == ["FP8", "floor"]
     assert [line.split()[0] for line in tail[2:4]] == shapes
     assert tail[4].startswith("geomean") and tail[5].startswith("vs best peer")
+    assert tail[6].startswith("host µs") and tail[7].startswith("host fresh µs")
+    per_row = [line for line in proc.stdout.splitlines() if line.split()[:2] == ["2x64", "torch-fp8"]]
+    assert len(per_row) == 1 and ", host " in per_row[0] and ", host fresh " in per_row[0]
+    detail_header = next(line for line in proc.stdout.splitlines() if line.startswith("method"))
+    assert "b2b µs  host µs  host fresh µs" in detail_header
     assert markdown.startswith("### ") and "| geomean |" in markdown
     assert "| shape | cuda-fp8 | cuda-mxfp4 | triton-fp8 |" in markdown
+    assert "| host µs |" in markdown and "| host fresh µs |" in markdown
     assert "- `flashinfer-fp8` skipped or failed: FlashInfer needs an NVIDIA GPU" in markdown
 
 
@@ -82,6 +90,7 @@ def test_memory_walks_and_read_ceiling_in_the_interpreter(tmp_path):
     for name, row_bytes in (("memwalk-fp8", 576), ("memwalk-mxfp4", 306)):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["check"].startswith("checksum") and rows[name]["kv_bytes"] == 3 * 37 * row_bytes
+        assert rows[name]["host_us"] > 0 and rows[name]["host_fresh_us"] is None  # a floor: no fresh figure
 
 
 # Run in a fresh interpreter: TRITON_INTERPRET must be set before triton is first imported, which this test
@@ -111,6 +120,17 @@ def test_memwalk_checksum_covers_exactly_the_rows_of_kv_indptr():
     proc = subprocess.run([sys.executable, "-c", MEMWALK_VARLEN, str(ROOT)], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "memwalk ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_fresh_calls_bind_a_new_input_each_time():
+    """The host time on fresh inputs must see a different input on every call, of the same shape."""
+    bench = load_bench()
+    make = bench.fresh_calls(bench.Shape(2, 16, 5), lambda data: data)  # binds nothing: returns the input itself
+    inputs = [make() for _ in range(3)]
+    assert all(data[0].shape == inputs[0][0].shape and data[3].tolist() == [0, 16, 32] for data in inputs)
+    digests = {hash(data[0].float().numpy().tobytes()) for data in inputs}
+    assert len(digests) == 3
+    assert not torch.equal(inputs[0][1]["bf16"], inputs[1][1]["bf16"])
 
 
 def test_flashinfer_page_table_over_the_contiguous_cache():
