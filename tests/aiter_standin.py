@@ -405,6 +405,7 @@ class StandinAiter:
             if num_kv_splits is None or num_kv_splits_indptr is None:
                 raise NotImplementedError("stand-in: get_meta_param's split heuristic is not modelled: pass "
                                           "num_kv_splits and num_kv_splits_indptr")
+            self._kernel(q.dtype, kv_buffer.dtype, False, max_seqlen_q)  # stage 1 would fail its lookup first
             if not (num_kv_splits == 1 and q.dtype == self.fp8):
                 raise NotImplementedError("stand-in: non-persistent mode is modelled for FP8 Q with one split only "
                                           "(stage 1 alone writes o; otherwise a Triton stage 2 follows)")
