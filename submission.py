@@ -588,7 +588,7 @@ class _AiterPlan:
     The six metadata buffers (persistent calls) live and die together here: work_metadata_ptrs holds the raw
     device addresses of work_indptr and work_info_set."""
 
-    __slots__ = ("variant", "call", "fns", "q_dtype", "fast_mode", "refill", "filled", "metadata", "splits_indptr",
+    __slots__ = ("variant", "call", "fns", "q_dtype", "fast_mode", "refill", "filled", "metadata", "decode_kwargs",
                  "partials", "kv_indices", "kv_last_page_lens", "q_quant", "kv_lens", "empty_rows", "kv_indptr_safe",
                  "cummax_index", "indptr_changed", "invalid")
 
@@ -596,16 +596,15 @@ class _AiterPlan:
                  uniform_len: int | None):
         spec = AITER_VARIANT_SPECS[variant]
         self.variant = variant
-        self.fns = _aiter_call_form(fns, spec.call)  # the functions the call form uses
-        self.call = spec.call if self.fns is not None else "decode_fwd"
-        if self.fns is None:
-            self.fns = fns[:1]
+        form = _aiter_call_form(fns, spec.call)  # the functions the call form uses, or None: it does not fit
+        self.call, self.fns = (spec.call, form) if form is not None else ("decode_fwd", fns[:1])
         self.q_dtype = fp8 if spec.q == "fp8" else torch.bfloat16
         self.q_quant = QQuantizer(batch, fp8, device) if spec.q == "fp8" else None
         self.fast_mode = spec.fast_mode is not False
-        self.metadata = self.splits_indptr = self.partials = None
-        if self.call == "single":
-            self.splits_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)  # one split a sequence
+        self.metadata = self.partials = None
+        if self.call == "single":  # one split per sequence
+            self.decode_kwargs = {"num_kv_splits": 1, "num_kv_splits_indptr": torch.arange(
+                batch + 1, dtype=torch.int32, device=device)}
         else:
             info = fns[1](batch, 1, NUM_HEADS, self.q_dtype, fp8, is_sparse=False, fast_mode=self.fast_mode,
                           intra_batch_mode=False)
@@ -613,6 +612,8 @@ class _AiterPlan:
                 raise RuntimeError(f"aiter.get_mla_metadata_info_v1 returned {len(info)} buffer specs, expected 6")
             # (work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map)
             self.metadata = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in info)
+            self.decode_kwargs = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
+                                           "reduce_final_map", "reduce_partial_map"), self.metadata, strict=True))
         if self.call == "direct":  # stage 1's fp32 partial outputs and LSEs, one row per reduce_partial_map slot
             slots = self.metadata[5].shape[0]
             self.partials = (torch.empty((slots, 1, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=device),
@@ -751,18 +752,10 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
                work_metadata_ptrs, work_indptr, work_info_set, 1, 1, NUM_KV_HEADS, sm_scale, *plan.partials, o,
                q_scale, scale)
         reduce(*plan.partials, reduce_indptr, reduce_final_map, reduce_partial_map, 1, o, None)
-    elif plan.call == "single":
+    else:  # mla_decode_fwd: persistent ("decode_fwd") or one split per sequence ("single")
         plan.fns[0](q_in, kv_pages, o, qo_indptr, plan.kv_indptr_safe, plan.kv_indices, plan.kv_last_page_lens, 1,
-                    page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, num_kv_splits=1,
-                    num_kv_splits_indptr=plan.splits_indptr, q_scale=q_scale, kv_scale=scale, intra_batch_mode=False)
-    else:
-        work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = \
-            plan.metadata
-        plan.fns[0](q_in, kv_pages, o, qo_indptr, plan.kv_indptr_safe, plan.kv_indices, plan.kv_last_page_lens, 1,
-                    page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale,
-                    work_meta_data=work_metadata_ptrs, work_indptr=work_indptr, work_info_set=work_info_set,
-                    reduce_indptr=reduce_indptr, reduce_final_map=reduce_final_map,
-                    reduce_partial_map=reduce_partial_map, q_scale=q_scale, kv_scale=scale, intra_batch_mode=False)
+                    page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, q_scale=q_scale, kv_scale=scale,
+                    intra_batch_mode=False, **plan.decode_kwargs)
     if plan.refill:
         # Lengths unknown on the host: a sequence with no KV rows gives zeros whatever the kernel wrote for it.
         torch.sub(plan.kv_indptr_safe[1:], plan.kv_indptr_safe[:-1], out=plan.kv_lens)

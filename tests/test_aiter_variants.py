@@ -253,6 +253,7 @@ def test_single_split_variant_gives_every_sequence_one_split(standin, monkeypatc
     data = make([5, 300, 1], seed=6)
     assert_right(data, S.custom_kernel(data), "fp8_nps")
     (call,) = aiter.calls_to("mla_decode_fwd")
+    assert call.n_positional == 8 and set(call.keywords) == set(S._AITER_SINGLE_ARGS[1])  # what the guard checks
     d = call.arguments
     assert d["num_kv_splits"] == 1 and torch.equal(d["num_kv_splits_indptr"].value, torch.arange(4, dtype=torch.int32))
     assert d["work_meta_data"] is None and torch.equal(d["kv_last_page_lens"].value, torch.ones(3, dtype=torch.int32))
