@@ -413,7 +413,8 @@ class AiterVariant(NamedTuple):
                  adds a fill of its split counts); one workgroup per sequence, so few workgroups at small batch.
                  FP8 Q only: there is no non-persistent a16w8 kernel.
       fast_mode: get_mla_metadata_v1's fast_mode for the persistent calls (True: the v1.2 split, today's; False:
-                 v1.1, with work and partial buffers of batch x CUs rows); None for "single" (no metadata).
+                 v1.1, with work and partial buffers of batch x CUs rows: fp32 partials of 2.1 GB at batch 256 on
+                 an MI355X, held by a "direct" plan, allocated per call by mla_decode_fwd); None for "single".
     """
 
     q: str
