@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 import torch
 
@@ -315,6 +316,20 @@ _AITER_METADATA_ARGS = (
      "reduce_partial_map"),
     ("page_size", "kv_granularity", "max_seqlen_qo", "uni_seqlen_qo", "fast_mode", "max_split_per_batch",
      "intra_batch_mode", "dtype_q", "dtype_kv"))
+# The other call forms of the variants below, checked the same way when a plan first needs one (see
+# _aiter_call_form): mla_decode_fwd non-persistent (one split per sequence, no work buffers), and stage 1 and the
+# reduce called directly, every argument by position as aiter/mla.py calls them at the runner's commit.
+_AITER_SINGLE_ARGS = (
+    _AITER_DECODE_ARGS[0],
+    ("page_size", "nhead_kv", "sm_scale", "num_kv_splits", "num_kv_splits_indptr", "q_scale", "kv_scale",
+     "intra_batch_mode"))
+_AITER_STAGE1_ARGS = (
+    ("Q", "KV", "qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_lens", "num_kv_splits_indptr",
+     "work_meta_data", "work_indptr", "work_info_set", "max_seqlen_q", "page_size", "nhead_kv", "softmax_scale",
+     "splitData", "splitLse", "output", "q_scale", "kv_scale"), ())
+_AITER_REDUCE_ARGS = (
+    ("partial_output", "partial_lse", "reduce_indptr", "reduce_final_map", "reduce_partial_map", "max_seqlen_q",
+     "final_output", "final_lse"), ())
 AITER_VERSION_NEEDED = ("ROCm/aiter main from 2026-02-02 (commit 739c63177e) or newer, built from source (the "
                         "leaderboard's runner pins f3be04a12a, 2026-03-04); the PyPI wheel amd-aiter 0.1.7.post2.dev18 "
                         "(2025-11) is too old, and so is main between 2026-07-13 (fede90f463) and 2026-07-14 "
@@ -380,6 +395,105 @@ def _aiter_api() -> tuple[tuple, torch.dtype]:
     return fns, fp8
 
 
+class AiterVariant(NamedTuple):
+    """One way to run the aiter path. Every variant reads every KV row at page size 1, scales Q dynamically where
+    it is FP8, and computes the same attention; they differ in kernels, launches and host work.
+
+      q:         "fp8": Q quantized per tensor on the device (QQuantizer: 2 launches), the a8w8 kernels;
+                 "bf16": Q passed as given to the a16w8 persistent kernel, mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps
+                 (a 4-row Q tile: the C++ pads max_seqlen_q 1 to 4 to pick it; Q itself is not padded, as in
+                 aiter's own op_tests/test_mla_persistent.py, which runs it with (batch, 16, 576) Q at qlen 1)
+      call:      "decode_fwd": aiter.mla.mla_decode_fwd, persistent: stage 1 + mla_reduce_v1 (2 launches); aiter
+                 allocates the fp32 partials (up to 16.7 MB) on every call;
+                 "direct": aiter.mla_decode_stage1_asm_fwd + aiter.mla_reduce_v1 called here (2 launches) with
+                 the partials allocated once per plan; an aiter whose signatures do not take the runner's call
+                 (NEWEST: stage 1 gained `lse`, the reduce `num_kv_splits`) runs "decode_fwd" instead, warned once;
+                 "single": mla_decode_fwd non-persistent with one split per sequence (num_kv_splits=1): with FP8 Q
+                 it returns after stage 1, mla_a8w8_qh16_qseqlen1_gqaratio16, which writes o (1 launch; NEWEST
+                 adds a fill of its split counts); one workgroup per sequence, so few workgroups at small batch.
+                 FP8 Q only: there is no non-persistent a16w8 kernel.
+      fast_mode: get_mla_metadata_v1's fast_mode for the persistent calls (True: the v1.2 split, today's; False:
+                 v1.1, with work and partial buffers of batch x CUs rows: fp32 partials of 2.1 GB at batch 256 on
+                 an MI355X, held by a "direct" plan, allocated per call by mla_decode_fwd); None for "single".
+    """
+
+    q: str
+    call: str
+    fast_mode: bool | None
+
+    @property
+    def launches(self) -> int:
+        """Kernels per call on the runner's aiter, for a plan whose lengths are proven (every leaderboard input)."""
+        return (2 if self.q == "fp8" else 0) + (1 if self.call == "single" else 2)
+
+
+# name -> variant; launches per call (AiterVariant.launches) in the comments
+AITER_VARIANT_SPECS = {
+    "fp8_ps": AiterVariant("fp8", "decode_fwd", True),  # 4: today's path
+    "fp8_ps_nofast": AiterVariant("fp8", "decode_fwd", False),  # 4
+    "fp8_direct": AiterVariant("fp8", "direct", True),  # 4, no per-call allocation of the partials
+    "fp8_direct_nofast": AiterVariant("fp8", "direct", False),  # 4
+    "fp8_nps": AiterVariant("fp8", "single", None),  # 3
+    "a16w8_ps": AiterVariant("bf16", "decode_fwd", True),  # 2: no Q quantization
+    "a16w8_ps_nofast": AiterVariant("bf16", "decode_fwd", False),  # 2
+    "a16w8_direct": AiterVariant("bf16", "direct", True),  # 2
+    "a16w8_direct_nofast": AiterVariant("bf16", "direct", False),  # 2
+}
+AITER_DEFAULT_VARIANT = "fp8_ps"  # shapes not in AITER_VARIANTS (a batch of other lengths, kv_seq_len None)
+_NOT_MEASURED = "default: today's path; no MI355X measurement of the variants exists (bench/aiter_sweep.py makes one)"
+# The choice per leaderboard shape, (batch, kv_seq_len) -> (variant, where the choice came from). Edit it before
+# submitting (bench/aiter_sweep.py prints a replacement); MLA_AITER_VARIANT=<name> overrides it for local runs.
+AITER_VARIANTS = {
+    (4, 1024): ("fp8_ps", _NOT_MEASURED),
+    (4, 8192): ("fp8_ps", _NOT_MEASURED),
+    (32, 1024): ("fp8_ps", _NOT_MEASURED),
+    (32, 8192): ("fp8_ps", _NOT_MEASURED),
+    (64, 1024): ("fp8_ps", _NOT_MEASURED),
+    (64, 8192): ("fp8_ps", _NOT_MEASURED),
+    (256, 1024): ("fp8_ps", _NOT_MEASURED),
+    (256, 8192): ("fp8_ps", _NOT_MEASURED),
+}
+
+
+def aiter_variant(batch: int, kv_seq_len: int | None) -> str:
+    """The variant for this shape: MLA_AITER_VARIANT if set, else AITER_VARIANTS[(batch, kv_seq_len)], else
+    AITER_DEFAULT_VARIANT. A name that is not in AITER_VARIANT_SPECS is an error naming where it came from."""
+    forced = os.environ.get("MLA_AITER_VARIANT")
+    if forced:
+        field, name = "MLA_AITER_VARIANT", forced
+    else:
+        field, (name, *_) = f"AITER_VARIANTS[{(batch, kv_seq_len)}]", AITER_VARIANTS.get(
+            (batch, kv_seq_len), (AITER_DEFAULT_VARIANT,))
+    if name not in AITER_VARIANT_SPECS:  # not _expect: its message would be formatted on every call
+        raise ValueError(f"{field}: expected one of {tuple(AITER_VARIANT_SPECS)}, got {name!r}")
+    return name
+
+
+def _aiter_call_form(fns: tuple, call: str) -> tuple | None:
+    """The aiter functions call form `call` uses, or None where the installed aiter's signatures do not take it
+    (the problems logged once per set of functions; the plan then runs "decode_fwd", which _aiter_api checked)."""
+    import aiter
+
+    if call == "decode_fwd":
+        return fns[:1]
+    if call == "single":
+        targets = ((fns[0], "aiter.mla.mla_decode_fwd", _AITER_SINGLE_ARGS),)
+    else:
+        targets = ((getattr(aiter, "mla_decode_stage1_asm_fwd", None), "aiter.mla_decode_stage1_asm_fwd",
+                    _AITER_STAGE1_ARGS),
+                   (getattr(aiter, "mla_reduce_v1", None), "aiter.mla_reduce_v1", _AITER_REDUCE_ARGS))
+    key = (call,) + tuple(fn for fn, _, _ in targets)
+    problems = _AITER_VERDICTS.get(key)
+    if problems is None:
+        problems = _AITER_VERDICTS[key] = tuple(
+            problem for fn, name, args in targets
+            for problem in (_aiter_signature_problems(fn, name, args) if fn is not None else [f"no {name}"]))
+        if problems:
+            log.warning("MLA decode: the installed aiter cannot take the %r call form (%s); running "
+                        "mla_decode_fwd persistent instead", call, "; ".join(problems))
+    return None if problems else key[1:]
+
+
 # Q's dynamic per-tensor FP8 quantization for the aiter path, bit for bit reference.quantize_fp8: scale =
 # max(amax|q|, 1e-12) / fp8 max in fp32, q_fp8 = q / scale rounded to nearest even (|q / scale| <= fp8 max x (1 +
 # 2^-23) rounds to fp8 max, so the reference's clamp before the cast changes nothing). With triton (a GPU, or the
@@ -432,6 +546,11 @@ class QQuantizer:
         else:
             self._use_torch()
 
+    @property
+    def launches(self) -> int:
+        """Kernels per call: the triton form's two, or the torch form's three."""
+        return 2 if self.blocks else 3
+
     def _use_torch(self) -> None:
         device = self.q_fp8.device
         self.blocks = 0
@@ -466,27 +585,47 @@ class QQuantizer:
 
 
 class _AiterPlan:
-    """What one shape of call needs besides its inputs, allocated once. The six metadata buffers live and die
-    together here: work_metadata_ptrs holds the raw device addresses of work_indptr and work_info_set."""
+    """What one shape of call needs besides its inputs, allocated once, for one variant (AITER_VARIANT_SPECS).
+    The six metadata buffers (persistent calls) live and die together here: work_metadata_ptrs holds the raw
+    device addresses of work_indptr and work_info_set."""
 
-    __slots__ = ("refill", "filled", "metadata", "kv_indices", "kv_last_page_lens", "q_quant", "kv_lens", "empty_rows",
-                 "kv_indptr_safe", "cummax_index", "indptr_changed", "invalid")
+    __slots__ = ("variant", "call", "fns", "q_dtype", "fast_mode", "refill", "filled", "metadata", "decode_kwargs",
+                 "partials", "kv_indices", "kv_last_page_lens", "q_quant", "kv_lens", "empty_rows", "kv_indptr_safe",
+                 "cummax_index", "indptr_changed", "invalid")
 
-    def __init__(self, info_fn, fp8: torch.dtype, batch: int, total_kv: int, device: torch.device,
+    def __init__(self, fns: tuple, fp8: torch.dtype, variant: str, batch: int, total_kv: int, device: torch.device,
                  uniform_len: int | None):
-        info = info_fn(batch, 1, NUM_HEADS, fp8, fp8, is_sparse=False, fast_mode=True, intra_batch_mode=False)
-        if len(info) != 6:
-            raise RuntimeError(f"aiter.get_mla_metadata_info_v1 returned {len(info)} buffer specs, expected 6")
-        # (work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map)
-        self.metadata = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in info)
+        spec = AITER_VARIANT_SPECS[variant]
+        self.variant = variant
+        form = _aiter_call_form(fns, spec.call)  # the functions the call form uses, or None: it does not fit
+        self.call, self.fns = (spec.call, form) if form is not None else ("decode_fwd", fns[:1])
+        self.q_dtype = fp8 if spec.q == "fp8" else torch.bfloat16
+        self.q_quant = QQuantizer(batch, fp8, device) if spec.q == "fp8" else None
+        self.fast_mode = spec.fast_mode is not False
+        self.metadata = self.partials = None
+        if self.call == "single":  # one split per sequence
+            self.decode_kwargs = {"num_kv_splits": 1, "num_kv_splits_indptr": torch.arange(
+                batch + 1, dtype=torch.int32, device=device)}
+        else:
+            info = fns[1](batch, 1, NUM_HEADS, self.q_dtype, fp8, is_sparse=False, fast_mode=self.fast_mode,
+                          intra_batch_mode=False)
+            if len(info) != 6:
+                raise RuntimeError(f"aiter.get_mla_metadata_info_v1 returned {len(info)} buffer specs, expected 6")
+            # (work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map)
+            self.metadata = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in info)
+            self.decode_kwargs = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
+                                           "reduce_final_map", "reduce_partial_map"), self.metadata, strict=True))
+        if self.call == "direct":  # stage 1's fp32 partial outputs and LSEs, one row per reduce_partial_map slot
+            slots = self.metadata[5].shape[0]
+            self.partials = (torch.empty((slots, 1, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=device),
+                             torch.empty((slots, 1, NUM_HEADS, 1), dtype=torch.float32, device=device))
         # True: the lengths are not proven by the key, run get_mla_metadata_v1 on every call
         self.refill = refill = uniform_len is None
         self.filled = False
-        # Page size 1: page b of the cache is token b; the persistent kernels never read the last-page lengths, ones
-        # are the honest value (the non-persistent kernel would read them).
+        # Page size 1: page b of the cache is token b; the persistent kernels never read the last-page lengths, the
+        # non-persistent one does: ones are the honest value.
         self.kv_indices = torch.arange(total_kv, dtype=torch.int32, device=device)  # (total_kv,)
         self.kv_last_page_lens = torch.ones(batch, dtype=torch.int32, device=device)  # (batch,)
-        self.q_quant = QQuantizer(batch, fp8, device)
         self.kv_lens = torch.empty(batch, dtype=torch.int32, device=device) if refill else None
         self.empty_rows = torch.empty(batch, dtype=torch.bool, device=device) if refill else None
         # The kv_indptr aiter sees: for a uniform plan the one its key proves, arange(batch + 1) * L, so the plan never
@@ -498,8 +637,8 @@ class _AiterPlan:
 
 
 def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, config: dict) -> tuple:
-    """The whole key of a plan: the aiter functions, the device, every shape and dtype the plan depends on, and the
-    sequence-length facts.
+    """The whole key of a plan: the aiter functions, the device, every shape and dtype the plan depends on, the
+    variant (aiter_variant) and the sequence-length facts.
 
     The rule. A plan's metadata (the work split) is computed by get_mla_metadata_v1 from the sequence lengths in
     kv_indptr. It may be reused WITHOUT reading kv_indptr only when the key proves the lengths are those it was built
@@ -514,7 +653,8 @@ def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Ten
     batch, total_kv, kv_seq_len = q.shape[0], kv.shape[0], config["kv_seq_len"]
     uniform = kv_seq_len is not None and kv_seq_len > 0 and batch * kv_seq_len == total_kv
     lengths = ("uniform", kv_seq_len) if uniform else ("lengths read on device",)
-    return (fns, fp8, q.device, q.dtype, tuple(q.shape), kv.dtype, tuple(kv.shape), batch, total_kv, lengths)
+    return (fns, fp8, q.device, q.dtype, tuple(q.shape), kv.dtype, tuple(kv.shape), batch, total_kv,
+            aiter_variant(batch, kv_seq_len), lengths)
 
 
 def _aiter_plan(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, config: dict) -> _AiterPlan:
@@ -523,37 +663,40 @@ def _aiter_plan(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor,
     if plan is None:
         if len(_AITER_PLANS) >= AITER_PLAN_LIMIT:
             del _AITER_PLANS[next(iter(_AITER_PLANS))]
-        lengths = key[-1]
-        plan = _AITER_PLANS[key] = _AiterPlan(fns[1], fp8, q.shape[0], kv.shape[0], q.device,
+        variant, lengths = key[-2:]
+        plan = _AITER_PLANS[key] = _AiterPlan(fns, fp8, variant, q.shape[0], kv.shape[0], q.device,
                                               uniform_len=lengths[1] if lengths[0] == "uniform" else None)
     return plan
 
 
-def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                         fp8: torch.dtype, total_kv: int) -> None:
-    """get_mla_metadata_v1 reads the lengths from the device indptrs and writes the six buffers in place (the v1.2
-    persistent split, fast_mode=True); kv_indptr counts pages, which are tokens at page size 1.
-
-    aiter trusts kv_indptr: a range past total_kv or a decreasing one would send its kernel outside kv_indices. A
+def _aiter_safe_indptr(plan: _AiterPlan, kv_indptr: torch.Tensor, total_kv: int) -> None:
+    """aiter trusts kv_indptr: a range past total_kv or a decreasing one would send its kernel outside kv_indices. A
     uniform plan uses the kv_indptr its key proves (set at creation). A refilled one gets the caller's clamped into
     [0, total_kv] and made non-decreasing on the device (equal to it whenever it is valid), and plan.invalid records
     on the device whether they differ: the whole output is then NaN (one invalid range can move the others), never
     garbage and never a read outside the cache."""
-    if plan.refill:
-        torch.clamp(kv_indptr, 0, total_kv, out=plan.kv_indptr_safe)
-        torch.cummax(plan.kv_indptr_safe, 0, out=(plan.kv_indptr_safe, plan.cummax_index))
-        torch.ne(kv_indptr, plan.kv_indptr_safe, out=plan.indptr_changed)
-        torch.any(plan.indptr_changed, out=plan.invalid)
+    torch.clamp(kv_indptr, 0, total_kv, out=plan.kv_indptr_safe)
+    torch.cummax(plan.kv_indptr_safe, 0, out=(plan.kv_indptr_safe, plan.cummax_index))
+    torch.ne(kv_indptr, plan.kv_indptr_safe, out=plan.indptr_changed)
+    torch.any(plan.indptr_changed, out=plan.invalid)
+
+
+def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor, fp8: torch.dtype) -> None:
+    """get_mla_metadata_v1 reads the lengths from plan.kv_indptr_safe on the device and writes the six buffers in
+    place (the plan's fast_mode: True the v1.2 persistent split, False v1.1); kv_indptr counts pages, which are
+    tokens at page size 1."""
     work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = plan.metadata
     metadata_fn(qo_indptr, plan.kv_indptr_safe, plan.kv_last_page_lens, NUM_HEADS // NUM_KV_HEADS, NUM_KV_HEADS, True,
                 work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map, reduce_partial_map,
-                page_size=1, kv_granularity=AITER_KV_GRANULARITY, max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True,
-                max_split_per_batch=-1, intra_batch_mode=False, dtype_q=fp8, dtype_kv=fp8)
+                page_size=1, kv_granularity=AITER_KV_GRANULARITY, max_seqlen_qo=1, uni_seqlen_qo=1,
+                fast_mode=plan.fast_mode, max_split_per_batch=-1, intra_batch_mode=False, dtype_q=plan.q_dtype,
+                dtype_kv=fp8)
     plan.filled = True
 
 
 def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
-    """FP8 Q x FP8 KV through aiter's persistent MLA decode: one aiter.mla.mla_decode_fwd call writing `o`.
+    """Q x FP8 KV through aiter's MLA decode, by the variant aiter_variant picks for the shape (AITER_VARIANT_SPECS
+    says what each launches; today's, "fp8_ps", is FP8 Q into one persistent aiter.mla.mla_decode_fwd call).
 
     Inputs (validated by the dispatcher, all on one device, any device: the real aiter refuses a non-ROCm one, a
     stand-in in the tests does not):
@@ -563,7 +706,7 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
       qo_indptr: (batch + 1,) int32 = [0, 1, ..., batch]; kv_indptr: (batch + 1,) int32, token offsets
       config:    sm_scale (a Python float is passed), kv_seq_len (None, or the length of every sequence / the max)
     Output: o (batch, 16, 512) bfloat16, contiguous, allocated here (the only per-call allocation besides aiter's
-    own split scratch); mla_decode_fwd's return value is that scratch, not the result.
+    own scratch in mla_decode_fwd); mla_decode_fwd's return value is that scratch, not the result.
 
     Page size 1, on purpose. The KV is viewed (total_kv, 1, 1, 576) with kv_indptr in tokens, kv_indices =
     arange(total_kv) and kv_last_page_lens = ones. On gfx950 every dispatched MLA decode kernel ignores the page
@@ -575,15 +718,15 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     strict gate catches it: tests/test_aiter_backend.py); its apparent speed-up is reading half the data. The extra
     index traffic of page size 1 is 4 B per 576 B token.
 
-    FP8 Q. The fp8 x fp8 persistent kernel (qh16, qseqlen1) is the one the official reference runs; fp8 Q needs both
-    scales as float32 device tensors. Q gets a dynamic per-tensor scale, amax / fp8 max computed on the device (no
-    .item(), no host sync), so any finite bf16 q quantizes without NaN or saturation (|q| > 448 included).
+    FP8 Q (the "fp8_*" variants). The fp8 x fp8 kernels need both scales as float32 device tensors. Q gets a
+    dynamic per-tensor scale, amax / fp8 max computed on the device (no .item(), no host sync), so any finite bf16 q
+    quantizes without NaN or saturation (|q| > 448 included). The "a16w8_*" variants pass the bf16 Q as it is.
 
-    Plans. Per shape (see _aiter_plan_key for the reuse rule) the Q quantizer (QQuantizer: the FP8 Q and its scale),
-    kv_indices, kv_last_page_lens and the six metadata buffers are allocated once and kept in _AITER_PLANS; the six
-    buffers stay alive together (work_metadata_ptrs holds raw addresses of work_indptr and work_info_set, and the
-    kernel walks the work list through those addresses). Calls must be ordered on one stream: the next call reuses
-    the scratch.
+    Plans. Per shape and variant (see _aiter_plan_key for the reuse rule) the Q quantizer (QQuantizer: the FP8 Q
+    and its scale), kv_indices, kv_last_page_lens, the six metadata buffers and, for "direct", the fp32 partials
+    are allocated once and kept in _AITER_PLANS; the six buffers stay alive together (work_metadata_ptrs holds raw
+    addresses of work_indptr and work_info_set, and the kernel walks the work list through those addresses). Calls
+    must run on the device in the order they are issued: the next call reuses the scratch.
     """
     fns, fp8 = _aiter_api()
     _expect(kv.dtype == fp8, "kv_data['fp8'][0].dtype", f"aiter.dtypes.fp8 = {fp8} (this GPU's FP8)", kv.dtype)
@@ -591,17 +734,29 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     if total_kv == 0:  # no sequence has a KV row
         return torch.zeros((batch, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     plan = _aiter_plan(fns, fp8, q, kv, config)
-    if plan.refill or not plan.filled:
-        _aiter_fill_metadata(fns[2], plan, qo_indptr, kv_indptr, fp8, total_kv)
-    q_fp8 = plan.q_quant(q)  # (batch, 16, 576) fp8, scale plan.q_quant.scale (1,) float32
+    if plan.refill:
+        _aiter_safe_indptr(plan, kv_indptr, total_kv)
+    if plan.metadata is not None and (plan.refill or not plan.filled):
+        _aiter_fill_metadata(fns[2], plan, qo_indptr, fp8)
+    if plan.q_quant is None:
+        q_in, q_scale = q, None
+    else:
+        q_in, q_scale = plan.q_quant(q), plan.q_quant.scale  # (batch, 16, 576) fp8, (1,) float32
     o = q.new_empty((batch, NUM_HEADS, V_HEAD_DIM))  # q is bf16
-    work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = plan.metadata
-    fns[0](q_fp8, kv.view(total_kv, 1, NUM_KV_HEADS, QK_HEAD_DIM), o, qo_indptr, plan.kv_indptr_safe, plan.kv_indices,
-           plan.kv_last_page_lens, 1,
-           page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=float(config["sm_scale"]),
-           work_meta_data=work_metadata_ptrs, work_indptr=work_indptr, work_info_set=work_info_set,
-           reduce_indptr=reduce_indptr, reduce_final_map=reduce_final_map, reduce_partial_map=reduce_partial_map,
-           q_scale=plan.q_quant.scale, kv_scale=scale, intra_batch_mode=False)
+    kv_pages = kv.view(total_kv, 1, NUM_KV_HEADS, QK_HEAD_DIM)
+    sm_scale = float(config["sm_scale"])
+    if plan.call == "direct":
+        stage1, reduce = plan.fns
+        work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = \
+            plan.metadata
+        stage1(q_in, kv_pages, qo_indptr, plan.kv_indptr_safe, plan.kv_indices, plan.kv_last_page_lens, None,
+               work_metadata_ptrs, work_indptr, work_info_set, 1, 1, NUM_KV_HEADS, sm_scale, *plan.partials, o,
+               q_scale, scale)
+        reduce(*plan.partials, reduce_indptr, reduce_final_map, reduce_partial_map, 1, o, None)
+    else:  # mla_decode_fwd: persistent ("decode_fwd") or one split per sequence ("single")
+        plan.fns[0](q_in, kv_pages, o, qo_indptr, plan.kv_indptr_safe, plan.kv_indices, plan.kv_last_page_lens, 1,
+                    page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, q_scale=q_scale, kv_scale=scale,
+                    intra_batch_mode=False, **plan.decode_kwargs)
     if plan.refill:
         # Lengths unknown on the host: a sequence with no KV rows gives zeros whatever the kernel wrote for it.
         torch.sub(plan.kv_indptr_safe[1:], plan.kv_indptr_safe[:-1], out=plan.kv_lens)

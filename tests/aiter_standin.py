@@ -11,19 +11,29 @@ signatures.json; SPEC.md there has the semantics). For a recorded version it cre
 - enforce the checks SPEC.md section 6 (and sections 3-4) lists: dtypes (the arch's FP8 flavour only), contiguity
   and unit strides, head counts, float32 scales, a 4-D kv_buffer and a 3-D o (the unpacking ValueError), Python
   int/float scalars, powers of two, the six buffers' shapes and dtypes from the info function;
-- model get_mla_metadata_v1's persistent split (v1.2, fast_mode=True): the kv indptr counts pages, sequences are cut
-  into work items over CU_COUNT compute units, long ones into partials merged by a reduce; work_metadata_ptrs
-  receives the "device addresses" (data_ptr) of work_indptr and work_info_set;
-- model the dispatched gfx950 kernel, mla_a8w8_qh16_qseqlen1_gqaratio16_ps, as PAGE-SIZE-1-ONLY: each kv_indices
-  entry is one KV row at page_id x page stride, whatever page_size says (SPEC.md section 1). It walks the work list
-  through the addresses in work_meta_data, as the kernel does, so buffers that were freed or come from different
-  metadata fills fail. It computes the attention in fp32 from exactly what it is given: raw FP8 values, the softmax
-  scale times q_scale * kv_scale, the output times kv_scale, unsplit work written into `o` as bf16, split work into
-  the fp32 scratch and merged by log-sum-exp. A work item with no KV rows produces NaN (0/0), the pessimistic
+- model get_mla_metadata_v1's persistent split (v1.2 with fast_mode=True; fast_mode=False, v1.1, gets the same
+  split in buffers sized as the info function says for it: the stand-in does not know v1.1's cut): the kv indptr
+  counts pages, sequences are cut into work items over CU_COUNT compute units, long ones into partials merged by a
+  reduce; work_metadata_ptrs receives the "device addresses" (data_ptr) of work_indptr and work_info_set;
+- model mla_decode_fwd as aiter/mla.py writes it, on top of the two public ops it launches, each also callable
+  directly: mla_decode_stage1_asm_fwd (the C++ checks of csrc/py_itfs_cu/asm_mla.cu, the kernel lookup of
+  hsa/gfx950/mla/mla_asm.csv for 16 heads, GFX950_QH16_KERNELS, then the kernel) and mla_reduce_v1. Persistent mode
+  runs stage 1 then the reduce; non-persistent mode with FP8 Q and one split per sequence runs stage 1 alone, which
+  writes o (NEWEST first fills its split counts: one more launch). bf16 Q with FP8 KV exists in persistent mode
+  only (the a16w8 kernel, looked up with max_seqlen_q padded to 4; Q is not padded). Every kernel run is appended
+  to `launches`, by name, so tests count launches per call;
+- model the dispatched gfx950 kernels as PAGE-SIZE-1-ONLY: each kv_indices entry is one KV row at page_id x page
+  stride, whatever page_size says (SPEC.md section 1). The persistent kernel walks the work list through the
+  addresses in work_meta_data, as the kernel does, so buffers that were freed or come from different metadata
+  fills fail; the reduce faults on partial slots stage 1 did not write into the buffers it is given, or maps of
+  another fill. The non-persistent kernel reads kv_last_page_lens (only ones are modelled). Attention is computed
+  in fp32 from exactly what the kernel is given: raw FP8 (or bf16) values, the softmax scale times q_scale *
+  kv_scale (q_scale only for FP8 Q), the output times kv_scale, unsplit work written into `o` as bf16, split work
+  into the fp32 partials and merged by log-sum-exp. A work item with no KV rows produces NaN (0/0), the pessimistic
   assumption for an empty sequence.
 
-Only the path the backend takes is modelled (16 heads, one query per sequence, fp8 or bf16 Q, persistent mode);
-anything else raises NotImplementedError rather than guess. The WHEEL's functions have its signatures but no
+Only the paths the backend's variants take are modelled (16 heads, one query per sequence); anything else raises
+NotImplementedError rather than guess. The WHEEL's functions have its signatures but no
 behaviour: the backend must refuse that version before calling anything. `aiter.utility` is deliberately absent,
 so reference.py keeps its own MXFP4 quantizer while the stand-in is installed.
 """
@@ -55,6 +65,15 @@ MODELLED = ("RUNNER", "MAR15", "NEWEST")
 FP8_BY_ARCH = {"gfx950": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
 CU_COUNT = 16  # the stand-in GPU's compute units (S); an MI355X has 256, fewer keeps the CPU model fast
 NUM_HEADS, QK_HEAD_DIM, V_HEAD_DIM = 16, 576, 512
+# get_heuristic_kernel_mla's table for 16 query heads per KV head (hsa/gfx950/mla/mla_asm.csv at RUNNER):
+# (Q type, KV type, persistent, max_seqlen_q as looked up) -> kernel; anything else: "cannot get heuristic kernel"
+GFX950_QH16_KERNELS = {
+    ("fp8", "fp8", 1, 1): "mla_a8w8_qh16_qseqlen1_gqaratio16_ps",
+    ("fp8", "fp8", 0, 1): "mla_a8w8_qh16_qseqlen1_gqaratio16",
+    ("bf16", "fp8", 1, 4): "mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps",
+    ("bf16", "bf16", 1, 4): "mla_a16w16_qh16_m16x4_n16x1_coex0_mask1_ps",
+    ("bf16", "bf16", 0, 1): "mla_dec_stage1_bf16_a16w16_subQ16_mqa16",
+}
 WORK_ROW = 8  # int32 per work item: batch, partial slot (-1: straight to o), q_start, q_end, kv_start, kv_end,
 #               kv_offset, pad
 
@@ -172,6 +191,9 @@ class StandinAiter:
         self.round_p_to_fp8 = round_p_to_fp8  # aiter's own torch model rounds the unnormalised P to fp8
         self.calls: list[Call] = []
         self.stats = {"work_direct": 0, "work_split": 0, "work_empty": 0, "metadata_fills": 0}
+        self.launches: list[str] = []  # every kernel the stand-in GPU ran, by name, in order
+        self._walked_fill = None  # the metadata fill whose work list the last persistent stage 1 walked
+        self._partials_written = None  # (splitData address, splitLse address, slots written, fill) of that stage 1
         self._buffers: dict[int, tuple[weakref.ref, str, int]] = {}  # address -> (tensor, role, fill id)
         self._fill_id = 0
         self.modules = self._build_modules()
@@ -200,7 +222,8 @@ class StandinAiter:
         dtypes.fp8, dtypes.bf16, dtypes.fp16, dtypes.fp32 = self.fp8, torch.bfloat16, torch.float16, torch.float32
         dtypes.i32, dtypes.u8 = torch.int32, torch.uint8
         impls = {"mla_decode_fwd": self._mla_decode_fwd, "get_mla_metadata_info_v1": self._metadata_info,
-                 "get_mla_metadata_v1": self._metadata}
+                 "get_mla_metadata_v1": self._metadata, "mla_decode_stage1_asm_fwd": self._stage1,
+                 "mla_reduce_v1": self._reduce}
         for name, record in self.functions.items():
             impl = impls.get(name) if self.modelled else None
             fn = self._recorded_function(name, record, impl)
@@ -277,10 +300,12 @@ class StandinAiter:
                 assert dt is None or dt in known, f"Unsupported dtype {dt}"
             else:
                 _expect(dt is None or isinstance(dt, torch.dtype), TypeError, f"{name} must be a torch dtype")
-        if not (fast_mode and num_heads_k == 1 and num_heads_per_head_k == NUM_HEADS and max_seqlen_qo in (1, -1)
-                and uni_seqlen_qo in (1, -1) and topk < 0 and not newer.get("is_cp_round_robin", False)):
-            raise NotImplementedError("stand-in: only the v1.2 split (fast_mode=True) of a 16-head, one-query-per-"
-                                      "sequence decode is modelled")
+        if not ((fast_mode or not intra_batch_mode) and num_heads_k == 1 and num_heads_per_head_k == NUM_HEADS
+                and max_seqlen_qo in (1, -1) and uni_seqlen_qo in (1, -1) and topk < 0
+                and not newer.get("is_cp_round_robin", False)):
+            raise NotImplementedError("stand-in: only the v1.2 (fast_mode=True) and v1.1 (fast_mode=False, "
+                                      "intra_batch_mode=False) splits of a 16-head, one-query-per-sequence decode "
+                                      "are modelled")
         buffers = {"work_metadata_ptrs": work_metadata_ptrs, "work_indptr": work_indptr,
                    "work_info_set": work_info_set, "reduce_indptr": reduce_indptr,
                    "reduce_final_map": reduce_final_map, "reduce_partial_map": reduce_partial_map}
@@ -322,6 +347,7 @@ class StandinAiter:
         work_metadata_ptrs.view(torch.int64).copy_(
             torch.tensor([work_indptr.data_ptr(), work_info_set.data_ptr()], dtype=torch.int64))
         self.stats["metadata_fills"] += 1
+        self._launch("get_mla_metadata_v1")
 
     def _split(self, pages: list[int], granularity: int, max_work: int, max_partials: int):
         """Work items (batch, start page, end page, partial slot or -1) over the CUs, and each split batch's
@@ -342,7 +368,10 @@ class StandinAiter:
                 return items, slots
             budget *= 2
 
-    # --- mla_decode_fwd ----------------------------------------------------------------------------------------
+    # --- mla_decode_fwd, and the stage 1 kernel and reduce it launches ----------------------------------------
+
+    def _launch(self, kernel: str) -> None:
+        self.launches.append(kernel)
 
     def _deref(self, address: int, role: str):
         entry = self._buffers.get(address)
@@ -366,38 +395,82 @@ class StandinAiter:
         if sm_scale is None:
             sm_scale = 1.0 / (qk_head_dim**0.5)
         total_s, nhead, v_head_dim = o.shape  # ValueError unless 3-D
-        if work_meta_data is None:
-            raise NotImplementedError("stand-in: only the persistent path (work_meta_data given) is modelled")
         if nhead != NUM_HEADS or max_seqlen_q != 1:
-            raise NotImplementedError("stand-in: only 16 heads with max_seqlen_q 1 (qh16 qseqlen1 ps) is modelled")
+            raise NotImplementedError("stand-in: only 16 heads with max_seqlen_q 1 is modelled")
+        for name, value in (("cp_world_size", 1), ("g_kv_indptr", None)):
+            _expect(newer.get(name, value) == value, NotImplementedError, f"stand-in: {name} is not modelled")
+        device = q.device
+        stage1_args = (q, kv_buffer, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, num_kv_splits_indptr)
+        if work_meta_data is None:  # non-persistent
+            if num_kv_splits is None or num_kv_splits_indptr is None:
+                raise NotImplementedError("stand-in: get_meta_param's split heuristic is not modelled: pass "
+                                          "num_kv_splits and num_kv_splits_indptr")
+            self._kernel(q.dtype, kv_buffer.dtype, False, max_seqlen_q)  # stage 1 would fail its lookup first
+            if not (num_kv_splits == 1 and q.dtype == self.fp8):
+                raise NotImplementedError("stand-in: non-persistent mode is modelled for FP8 Q with one split only "
+                                          "(stage 1 alone writes o; otherwise a Triton stage 2 follows)")
+            logits = o.view((total_s, num_kv_splits, nhead, v_head_dim))  # bf16: stage 1 writes o itself
+            attn_lse = torch.empty((total_s, num_kv_splits, nhead, 1), dtype=torch.float32, device=device)
+            if self.newest:
+                self._launch("fill valid_split_count")  # torch.full((bs,), num_kv_splits) before stage 1
+            self._stage1(*stage1_args, None, None, None, max_seqlen_q, page_size, nhead_kv, sm_scale, logits,
+                         attn_lse, o, q_scale=q_scale, kv_scale=kv_scale)
+            return logits.view(total_s, nhead, v_head_dim), attn_lse
         partials = reduce_partial_map.size(0)  # AttributeError when None, as in aiter
         if num_kv_splits_indptr is not None:
             raise NotImplementedError("stand-in: num_kv_splits_indptr with work_meta_data makes the C++ run the "
-                                      "non-persistent kernel, which is not modelled")
+                                      "non-persistent kernel over persistent buffers, which is not modelled")
+        logits = torch.empty((partials * max_seqlen_q, 1, nhead, v_head_dim), dtype=torch.float32, device=device)
+        attn_lse = torch.empty((partials * max_seqlen_q, 1, nhead, 1), dtype=torch.float32, device=device)
+        final_lse = torch.empty((total_s, nhead), dtype=torch.float32, device=device) if return_lse else None
+        self._stage1(*stage1_args, work_meta_data, work_indptr, work_info_set, max_seqlen_q, page_size, nhead_kv,
+                     sm_scale, logits, attn_lse, o, q_scale=q_scale, kv_scale=kv_scale)
+        self._reduce(logits, attn_lse, reduce_indptr, reduce_final_map, reduce_partial_map, max_seqlen_q, o,
+                     final_lse, num_kv_splits=num_kv_splits)
+        return logits, final_lse
+
+    def _kernel(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, persistent: bool, max_seqlen_q: int) -> str:
+        """get_heuristic_kernel_mla for 16 heads (csrc/py_itfs_cu/asm_mla.cu, RUNNER): bf16 Q in persistent mode
+        pads max_seqlen_q 1-4 to 4 for the lookup only (the kernel still gets max_seqlen_q, so Q is not padded)."""
+        names = {torch.bfloat16: "bf16", self.fp8: "fp8"}
+        q_type, kv_type = names.get(q_dtype), names.get(kv_dtype)
+        _expect(q_type is not None, TypeError, f"Q dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {q_dtype}")
+        _expect(kv_type is not None, TypeError,
+                f"KV dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {kv_dtype}")
+        looked_up = 4 if q_type == "bf16" and persistent and max_seqlen_q <= 4 else max_seqlen_q
+        kernel = GFX950_QH16_KERNELS.get((q_type, kv_type, int(persistent), looked_up))
+        _expect(kernel is not None, RuntimeError, f"get_heuristic_kernel_mla: cannot get heuristic kernel! q_type:"
+                f"{q_type} kv_type:{kv_type} gqa:16 ps:{int(persistent)} qseqlen:{looked_up}")
+        return kernel
+
+    def _stage1(self, Q, KV, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_lens, num_kv_splits_indptr,
+                work_meta_data, work_indptr, work_info_set, max_seqlen_q, page_size, nhead_kv, softmax_scale,
+                splitData, splitLse, output, lse=None, q_scale=None, kv_scale=None, **newer):
+        """mla_decode_stage1_asm_fwd: the C++ checks, the kernel lookup, then the kernel. Persistent (no
+        num_kv_splits_indptr): walks the work list through the addresses in work_meta_data; unsplit work goes to
+        `output` as bf16, split work to splitData/splitLse (fp32) at its partial slot. Non-persistent with one
+        split: one workgroup per sequence writes `output`, reading kv_last_page_lens."""
+        _expect(lse is None, NotImplementedError, "stand-in: stage 1's lse output is not modelled")
         for name, value in (("cp_world_size", 1), ("g_kv_indptr", None)):
             _expect(newer.get(name, value) == value, NotImplementedError, f"stand-in: {name} is not modelled")
-
-        # C++ checks (csrc/py_itfs_cu/asm_mla.cu) and the first-call type checks of the compiled op
         for name, value in (("max_seqlen_q", max_seqlen_q), ("page_size", page_size), ("nhead_kv", nhead_kv)):
             _expect(_is_int(value), TypeError, f"mla_decode_stage1_asm_fwd: {name} must be a Python int, "
                                                f"got {type(value).__name__}")
-        sm_ok = isinstance(sm_scale, float) or (self.newest and isinstance(sm_scale, int))
-        _expect(sm_ok and not isinstance(sm_scale, bool), TypeError,
-                f"mla_decode_stage1_asm_fwd: softmax_scale must be a Python float, got {type(sm_scale).__name__}")
+        sm_ok = isinstance(softmax_scale, float) or (self.newest and isinstance(softmax_scale, int))
+        _expect(sm_ok and not isinstance(softmax_scale, bool), TypeError,
+                f"mla_decode_stage1_asm_fwd: softmax_scale must be a Python float, got {type(softmax_scale).__name__}")
         _expect(_power_of_two(page_size), RuntimeError, "page_size must be a power of 2")
-        _expect(q.is_contiguous(), RuntimeError, "Q must be contiguous")
-        _expect(q.dim() == 3 and q.shape[0] == total_s and q.shape[1] == nhead, RuntimeError,
-                f"Q must be (total_q, nhead, dim) like o, got {tuple(q.shape)}")
-        _expect(q.dtype in (torch.bfloat16, self.fp8), TypeError,
-                f"Q dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {q.dtype}")
-        _expect(kv_buffer.dtype in (torch.bfloat16, self.fp8), TypeError,
-                f"KV dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {kv_buffer.dtype}")
-        _expect(q.dtype != self.fp8 or kv_buffer.dtype == self.fp8, RuntimeError, "cannot get heuristic kernel")
-        _expect(nhead_kv == 1 and kv_buffer.shape[2] == 1, RuntimeError, "nhead_kv must be 1")
-        _expect(q.shape[2] == qk_head_dim == QK_HEAD_DIM and v_head_dim == V_HEAD_DIM, RuntimeError,
+        _expect(Q.is_contiguous(), RuntimeError, "Q must be contiguous")
+        total_s, nhead, v_head_dim = output.shape
+        _expect(Q.dim() == 3 and Q.shape[0] == total_s and Q.shape[1] == nhead, RuntimeError,
+                f"Q must be (total_q, nhead, dim) like o, got {tuple(Q.shape)}")
+        persistent = num_kv_splits_indptr is None
+        kernel = self._kernel(Q.dtype, KV.dtype, persistent, max_seqlen_q)
+        _expect(nhead_kv == 1 and KV.dim() == 4 and KV.shape[2] == 1, RuntimeError, "nhead_kv must be 1")
+        _expect(Q.shape[2] == KV.shape[3] == QK_HEAD_DIM and v_head_dim == V_HEAD_DIM, RuntimeError,
                 "Q.size(2) must equal KV.size(3) = 576 and o's last dim 512")
-        _expect(o.dtype == torch.bfloat16 and o.is_contiguous(), RuntimeError, "o must be contiguous bf16")
-        if q.dtype == self.fp8:
+        _expect(output.dtype == torch.bfloat16 and output.is_contiguous(), RuntimeError, "o must be contiguous bf16")
+        if Q.dtype == self.fp8:
             _expect(q_scale is not None and kv_scale is not None, RuntimeError,
                     "fp8 Q requires q_scale and kv_scale (RUNNER: a no-op assert, then a null pointer read)")
         for name, s in (("q_scale", q_scale), ("kv_scale", kv_scale)):
@@ -407,10 +480,47 @@ class StandinAiter:
         batch = qo_indptr.shape[0] - 1
         _check_index(qo_indptr, "qo_indptr")
         _check_index(kv_indptr, "kv_indptr", batch + 1)
-        _check_index(kv_indices, "kv_indices")
+        _check_index(kv_page_indices, "kv_indices")
         _check_index(kv_last_page_lens, "kv_last_page_lens", batch)
+        _expect(splitData.dim() == 4 and splitLse.dim() == 4, RuntimeError, "splitData and splitLse must be 4-D")
 
-        # The kernel walks the work list through the addresses in work_meta_data.
+        q_mult = float(q_scale.reshape(-1)[0]) if Q.dtype == self.fp8 else 1.0  # only element 0 is read
+        kv_mult = float(kv_scale.reshape(-1)[0]) if (kv_scale is not None and KV.dtype == self.fp8) else 1.0
+        scale = softmax_scale * q_mult * kv_mult
+        qf = Q.float()
+        if persistent:
+            _expect(splitData.dtype == splitLse.dtype == torch.float32, RuntimeError,
+                    "the persistent kernel writes fp32 partials: splitData and splitLse must be float32")
+            rows = self._work_list(work_meta_data, work_indptr, work_info_set)
+        else:
+            _expect(splitData.shape[1] == 1, NotImplementedError, "stand-in: one split per sequence only")
+            splits = num_kv_splits_indptr.tolist()
+            _expect(splits == list(range(batch + 1)), NotImplementedError,
+                    "stand-in: num_kv_splits_indptr must give every sequence one split")
+            kvp, last, qo = kv_indptr.tolist(), kv_last_page_lens.tolist(), qo_indptr.tolist()
+            _expect(all(n == 1 for n in last), NotImplementedError,
+                    "stand-in: the non-persistent kernel reads kv_last_page_lens; only ones (page size 1) modelled")
+            rows = [(b, -1, qo[b], qo[b + 1], kvp[b], kvp[b + 1]) for b in range(batch)]
+        self._launch(kernel)
+        written = set()
+        for _batch, slot, q0, q1, k0, k1 in rows:
+            out, part_lse = self._attend(qf[q0:q1], KV, kv_page_indices, k0, k1, scale, kv_mult, v_head_dim)
+            if slot < 0:
+                output[q0:q1] = out.to(output.dtype)
+                self.stats["work_direct"] += 1
+            else:
+                r0, r1 = slot * max_seqlen_q, (slot + 1) * max_seqlen_q
+                _expect(r1 <= splitData.shape[0] and r1 <= splitLse.shape[0], RuntimeError,
+                        f"memory fault: partial slot {slot} lies past splitData ({splitData.shape[0]} rows)")
+                splitData[r0:r1, 0] = out
+                splitLse[r0:r1, 0] = part_lse
+                written.add(slot)
+                self.stats["work_split"] += 1
+        if persistent:
+            self._partials_written = (splitData.data_ptr(), splitLse.data_ptr(), written, self._walked_fill)
+
+    def _work_list(self, work_meta_data, work_indptr, work_info_set) -> list[tuple]:
+        """The persistent kernel's work list, read through the addresses in work_meta_data, as the kernel does."""
         _expect(work_meta_data.dtype == torch.uint64 and work_meta_data.numel() == 2, RuntimeError,
                 "work_meta_data must be the (2,) uint64 buffer")
         addr_indptr, addr_info = work_meta_data.view(torch.int64).tolist()
@@ -420,64 +530,63 @@ class StandinAiter:
                 work_info_set.data_ptr() or fill_info != fill:
             raise RuntimeError("mixed metadata: work_meta_data points at a work list other than the work_indptr / "
                                "work_info_set passed")
+        self._walked_fill = fill
+        bounds = work_indptr_seen.tolist()
+        return [tuple(r[:6]) for r in work_info_seen[:bounds[-1]].tolist()]
+
+    def _attend(self, qf, kv_buffer, indices, k0, k1, scale, kv_mult, v_head_dim):
+        """fp32 attention of the query rows qf over KV rows kv_indices[k0:k1] -> (out, lse). Page size 1 only: each
+        index is the row at page_id x page stride, no in-page offset whatever page_size says. No rows: NaN."""
+        _expect(0 <= k0 <= k1 <= indices.shape[0], RuntimeError,
+                f"memory fault: a work item reads kv_indices[{k0}:{k1}] of {indices.shape[0]}")
+        page_ids = indices[k0:k1].long()
+        _expect(bool(((page_ids >= 0) & (page_ids < kv_buffer.shape[0])).all()), RuntimeError,
+                "memory fault: a kv_indices entry lies outside kv_buffer")
+        keys = kv_buffer[page_ids, 0, 0].float()  # (n, 576) raw FP8 (or bf16) values
+        if keys.shape[0] == 0:
+            self.stats["work_empty"] += 1
+            return (torch.full((qf.shape[0], NUM_HEADS, v_head_dim), torch.nan),
+                    torch.full((qf.shape[0], NUM_HEADS, 1), torch.nan))
+        s = torch.einsum("qhd,nd->qhn", qf, keys) * scale
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        if self.round_p_to_fp8:
+            p = p.to(self.fp8).float()
+        return torch.einsum("qhn,nd->qhd", p, keys[:, :v_head_dim]) / denom * kv_mult, m + torch.log(denom)
+
+    def _reduce(self, partial_output, partial_lse, reduce_indptr, reduce_final_map, reduce_partial_map,
+                max_seqlen_q, final_output, final_lse=None, num_kv_splits=None):
+        """mla_reduce_v1: merges each tile's partials into final_output by log-sum-exp. It reads only the slots
+        the preceding stage 1 wrote into these very buffers, with the work list of the same metadata fill (the
+        stand-in faults otherwise: stale or foreign partials would be merged silently on a GPU)."""
+        _expect(_is_int(max_seqlen_q), TypeError, "mla_reduce_v1: max_seqlen_q must be a Python int")
+        _expect(num_kv_splits is None or _is_int(num_kv_splits), TypeError,
+                "mla_reduce_v1: num_kv_splits must be a Python int")
+        _expect(partial_output.dtype == partial_lse.dtype == torch.float32, RuntimeError,
+                "mla_reduce_v1: the partials must be float32")
+        _expect(final_output.dtype in (torch.bfloat16, torch.float16) and final_output.is_contiguous(), RuntimeError,
+                "mla_reduce_v1: the output must be contiguous bf16 or fp16")
         for role, t in (("reduce_indptr", reduce_indptr), ("reduce_final_map", reduce_final_map),
                         ("reduce_partial_map", reduce_partial_map)):
+            _expect(t.dtype == torch.int32 and t.is_contiguous(), RuntimeError, f"{role} must be contiguous int32")
             entry = self._buffers.get(t.data_ptr())
-            if entry is None or entry[0]() is None or entry[1] != role or entry[2] != fill:
-                raise RuntimeError(f"mixed metadata: {role} was not filled together with work_meta_data")
-
-        device = q.device
-        logits = torch.empty((partials * max_seqlen_q, 1, nhead, v_head_dim), dtype=torch.float32, device=device)
-        attn_lse = torch.empty((partials * max_seqlen_q, 1, nhead, 1), dtype=torch.float32, device=device)
-        final_lse = torch.empty((total_s, nhead), dtype=torch.float32, device=device) if return_lse else None
-
-        q_mult = float(q_scale.reshape(-1)[0]) if q.dtype == self.fp8 else 1.0  # only element 0 is read
-        kv_mult = float(kv_scale.reshape(-1)[0]) if (kv_scale is not None and kv_buffer.dtype == self.fp8) else 1.0
-        scale = sm_scale * q_mult * kv_mult
-        qf = q.float()
-        indices = kv_indices.long()
-        num_pages = kv_buffer.shape[0]
-        bounds = work_indptr_seen.tolist()
-        rows = work_info_seen[:bounds[-1]].tolist()
-        for _batch, slot, q0, q1, k0, k1, _kv_offset, _pad in rows:
-            _expect(0 <= k0 <= k1 <= indices.shape[0], RuntimeError,
-                    f"memory fault: a work item reads kv_indices[{k0}:{k1}] of {indices.shape[0]}")
-            page_ids = indices[k0:k1]
-            _expect(bool(((page_ids >= 0) & (page_ids < num_pages)).all()), RuntimeError,
-                    "memory fault: a kv_indices entry lies outside kv_buffer")
-            # Page size 1 only: the row at page_id x page stride, no in-page offset whatever page_size says.
-            keys = kv_buffer[page_ids, 0, 0].float()  # (n, 576) raw FP8 values
-            if keys.shape[0] == 0:
-                out = torch.full((q1 - q0, nhead, v_head_dim), torch.nan)
-                lse = torch.full((q1 - q0, nhead, 1), torch.nan)
-                self.stats["work_empty"] += 1
-            else:
-                s = torch.einsum("qhd,nd->qhn", qf[q0:q1], keys) * scale
-                m = s.amax(dim=-1, keepdim=True)
-                p = torch.exp(s - m)
-                denom = p.sum(dim=-1, keepdim=True)
-                if self.round_p_to_fp8:
-                    p = p.to(self.fp8).float()
-                out = torch.einsum("qhn,nd->qhd", p, keys[:, :v_head_dim]) / denom * kv_mult
-                lse = m + torch.log(denom)
-            if slot < 0:
-                o[q0:q1] = out.to(o.dtype)
-                self.stats["work_direct"] += 1
-            else:
-                logits[slot * max_seqlen_q:(slot + 1) * max_seqlen_q, 0] = out
-                attn_lse[slot * max_seqlen_q:(slot + 1) * max_seqlen_q, 0] = lse
-                self.stats["work_split"] += 1
-        # mla_reduce_v1: merge each tile's partials into o by log-sum-exp.
+            written = self._partials_written
+            if entry is None or entry[0]() is None or entry[1] != role or written is None or entry[2] != written[3]:
+                raise RuntimeError(f"mixed metadata: {role} was not filled together with the work list stage 1 "
+                                   "walked")
+        self._launch("mla_reduce_v1")
         ri, rfm, rpm = reduce_indptr.tolist(), reduce_final_map.tolist(), reduce_partial_map.tolist()
         for t in range(len(ri) - 1):
             locs = rpm[ri[t]:ri[t + 1]]
             if not locs:
                 continue
+            _expect(written[:2] == (partial_output.data_ptr(), partial_lse.data_ptr()) and set(locs) <= written[2],
+                    RuntimeError, f"mla_reduce_v1 reads partial slots {locs} that stage 1 did not write there")
             q0, q1 = rfm[t]
-            parts = torch.stack([logits[loc:loc + (q1 - q0), 0] for loc in locs])  # (k, q, h, 512)
-            lses = torch.stack([attn_lse[loc:loc + (q1 - q0), 0] for loc in locs])  # (k, q, h, 1)
+            parts = torch.stack([partial_output[loc:loc + (q1 - q0), 0] for loc in locs])  # (k, q, h, 512)
+            lses = torch.stack([partial_lse[loc:loc + (q1 - q0), 0] for loc in locs])  # (k, q, h, 1)
             weights = torch.softmax(lses, dim=0)
-            o[q0:q1] = (weights * parts).sum(dim=0).to(o.dtype)
+            final_output[q0:q1] = (weights * parts).sum(dim=0).to(final_output.dtype)
             if final_lse is not None:
                 final_lse[q0:q1] = torch.logsumexp(lses, dim=0)[..., 0]
-        return logits, final_lse

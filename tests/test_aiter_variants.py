@@ -1,0 +1,487 @@
+"""The aiter path's variants (submission.py: AITER_VARIANT_SPECS, AITER_VARIANTS, aiter_variant) on the CPU, against
+the stand-in aiter of tests/aiter_standin.py at the recorded commits: numerics of every variant against both
+references, the kernels each one launches per call, the plan cache across shapes and variants, the selection
+(table and MLA_AITER_VARIANT), and the version guard with the direct call's fallback.
+
+Two references, as in test_aiter_backend.py: the BF16 truth through reference.check_implementation (the
+leaderboard's rule and the strict per-sequence gate), and fp32 attention over exactly the inputs the kernel is given
+(FP8 Q quantized as reference.quantize_fp8 does, or the bf16 Q itself for a16w8; the FP8 KV), where only the bf16
+rounding of the output remains: TIGHT.
+"""
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from aiter_standin import VERSIONS, StandinAiter, inside_standin, load_signatures
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import reference as R
+import submission as S
+
+CPU = torch.device("cpu")
+E4M3FN = torch.float8_e4m3fn
+TIGHT = 4e-3  # worst-row relative L2 vs fp32 attention over the same inputs: bf16 output rounding only
+VARIANTS = sorted(S.AITER_VARIANT_SPECS)
+LENGTHS = {
+    "uniform": [64] * 4,  # one metadata fill, reused
+    "uniform_split": [1000] * 2,  # longer than a CU's share: partials merged by the reduce
+    "varlen_with_empty": [1, 7, 0, 33, 129, 1, 2],  # refilled every call; the empty sequence must give zeros
+}
+STAGE1 = {  # the kernel each variant's stage 1 runs (GFX950_QH16_KERNELS)
+    "fp8": "mla_a8w8_qh16_qseqlen1_gqaratio16_ps",
+    "bf16": "mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps",
+    "single": "mla_a8w8_qh16_qseqlen1_gqaratio16",
+}
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """install(version, **kwargs) puts a stand-in aiter in sys.modules for this test; the backend's caches start
+    empty, MLA_BACKEND=aiter and no MLA_AITER_VARIANT."""
+    monkeypatch.setenv("MLA_BACKEND", "aiter")
+    for name in ("MLA_KV_FORMAT", "MLA_VALIDATE", "MLA_AITER_VARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(S, "_AITER_PLANS", {})
+    monkeypatch.setattr(S, "_AITER_VERDICTS", {})
+    S._aiter_importable.cache_clear()  # the import probe is cached per process; each test installs its own aiter
+
+    def install(version="RUNNER", **kwargs) -> StandinAiter:
+        return StandinAiter(version, **kwargs).install(monkeypatch)
+
+    return install
+
+
+def make(lengths, seed, kv_seq_len="as generated"):
+    q, kv_data, qo_indptr, kv_indptr, config = R.generate_varlen_input(lengths, seed, device=CPU)
+    if kv_seq_len != "as generated":
+        config = dict(config, kv_seq_len=kv_seq_len)
+    return q, kv_data, qo_indptr, kv_indptr, config
+
+
+def tight_error(data, out, variant: str) -> float:
+    """Worst-row relative L2 of `out` against fp32 attention over the Q and KV the variant's kernel is given."""
+    q, kv_data, qo_indptr, kv_indptr, config = data
+    kv, kv_scale = kv_data["fp8"]
+    if S.AITER_VARIANT_SPECS[variant].q == "fp8":
+        q8, q_scale = R.quantize_fp8(q, E4M3FN)
+        q_in = q8.float() * q_scale
+    else:
+        q_in = q.float()
+    expected = R.attention_reference(q_in, kv.float() * kv_scale, qo_indptr, kv_indptr, config["sm_scale"])
+    return R.worst_row_relative_l2(out, expected)
+
+
+def assert_right(data, out, variant: str) -> None:
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (data[0].shape[0], 16, 512) and out.is_contiguous()
+    assert tight_error(data, out, variant) < TIGHT
+    ok, msg = R.check_implementation(data, out)
+    assert ok, msg
+
+
+def expected_kernels(variant: str, version: str) -> list[str]:
+    """The aiter kernels one call of `variant` runs at `version` (a plan whose lengths are proven)."""
+    spec = S.AITER_VARIANT_SPECS[variant]
+    if spec.call == "single":
+        return (["fill valid_split_count"] if version == "NEWEST" else []) + [STAGE1["single"]]
+    return [STAGE1[spec.q], "mla_reduce_v1"]
+
+
+# --- numerics: every variant, both recorded commits, against both references ---------------------------------
+
+
+@pytest.mark.parametrize("version", ("RUNNER", "NEWEST"))
+@pytest.mark.parametrize("case", sorted(LENGTHS))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_matches_both_references(standin, monkeypatch, variant, case, version):
+    aiter = standin(version)
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    lengths = LENGTHS[case]
+    for call in range(2):  # the second call reuses the plan (same shapes, new values)
+        data = make(lengths, seed=100 * call + len(case))
+        assert_right(data, S.custom_kernel(data), variant)
+    spec = S.AITER_VARIANT_SPECS[variant]
+    persistent = spec.call != "single"
+    assert len(aiter.calls_to("get_mla_metadata_info_v1")) == int(persistent)  # one plan
+    uniform = len(set(lengths)) == 1
+    assert aiter.stats["metadata_fills"] == (int(persistent) if uniform else 2 * persistent)
+    if persistent and case == "uniform_split":
+        assert aiter.stats["work_split"] > 0  # the reduce merged partials
+    if case == "varlen_with_empty":
+        assert aiter.stats["work_empty"] > 0  # the stand-in wrote NaN there; the backend must have zeroed it
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_q_beyond_the_fp8_range_gives_no_nan(standin, monkeypatch, variant):
+    """|q| up to ~4500 (10x the e4m3fn maximum 448): the FP8 variants' dynamic scale keeps it finite."""
+    standin("RUNNER")
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    q, kv_data, qo_indptr, kv_indptr, config = make([40, 17, 3], seed=5)
+    q = (q.float() * 1000).to(torch.bfloat16)
+    kv_bf16 = (kv_data["bf16"].float() / 1000).to(torch.bfloat16)
+    data = (q, {"bf16": kv_bf16, "fp8": R.quantize_fp8(kv_bf16, E4M3FN)}, qo_indptr, kv_indptr, config)
+    out = S.custom_kernel(data)
+    assert torch.isfinite(out).all()
+    assert_right(data, out, variant)
+
+
+# --- launches per call, and nothing else on the device -------------------------------------------------------
+
+
+class DeviceWork(TorchDispatchMode):
+    """The aten ops the backend itself runs (outside the stand-in), split into fresh allocations and compute (each
+    a kernel on a GPU); views and metadata-only ops are neither. Host reads (a device sync on a GPU) fail."""
+
+    HOST_READS = {"aten._local_scalar_dense.default", "aten.item.default"}
+    ALLOCATIONS = {"aten.empty.memory_format", "aten.new_empty.default", "aten.empty_like.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.allocations, self.compute = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if inside_standin():
+            return out
+        name = str(func)
+        assert name not in self.HOST_READS, f"host read (a device sync on a GPU): {name}"
+        if name in self.ALLOCATIONS:
+            self.allocations.append(name)
+        elif not any(r.alias_info is not None for r in func._schema.returns) and func._schema.returns:
+            self.compute.append(name)
+        elif any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            self.compute.append(name)  # in-place or out=
+        return out
+
+
+class NoHostReads(TorchFunctionMode):
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS and not inside_standin():
+            raise AssertionError(f"host read (a device sync on a GPU): {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("version", ("RUNNER", "NEWEST"))
+@pytest.mark.parametrize("lengths", ([64] * 4, [1000] * 2), ids=("direct work", "split work"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_launches_per_call_are_as_declared(standin, monkeypatch, variant, lengths, version):
+    """One steady-state call of a leaderboard-like (uniform) shape: the aiter kernels the stand-in ran, plus the
+    backend's own device ops (the Q quantization's, in its torch form here: QQuantizer.launches), total
+    AiterVariant.launches with the two-kernel triton form of the GPU; o is the only allocation; no host read."""
+    aiter = standin(version)
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    spec = S.AITER_VARIANT_SPECS[variant]
+    S.custom_kernel(make(lengths, seed=1))  # builds the plan, fills the metadata
+    inputs = S.validate(make(lengths, seed=2), "fp8")
+    before, work = len(aiter.launches), DeviceWork()
+    with NoHostReads(), work:
+        out = S._aiter_forward(*inputs)
+    kernels = aiter.launches[before:]
+    (plan,) = S._AITER_PLANS.values()
+    assert kernels == expected_kernels(variant, version)
+    assert work.allocations == ["aten.new_empty.default"]  # o
+    quant_launches = plan.q_quant.launches if spec.q == "fp8" else 0
+    assert len(work.compute) == quant_launches, work.compute
+    newest_fill = int(version == "NEWEST" and spec.call == "single")
+    assert len(kernels) - newest_fill + (quant_launches and 2) == spec.launches
+    assert tight_error(make(lengths, seed=2), out, variant) < TIGHT
+
+
+def test_direct_variant_passes_the_plans_partials_and_no_other_buffers(standin, monkeypatch):
+    """fp8_direct: stage 1 and the reduce get the plan's fp32 partials, the same tensors on every call, sized by
+    reduce_partial_map; mla_decode_fwd (which would allocate them per call) is never called."""
+    aiter = standin("RUNNER")
+    monkeypatch.setenv("MLA_AITER_VARIANT", "fp8_direct")
+    for seed in range(2):
+        assert_right(data := make([1000] * 2, seed), S.custom_kernel(data), "fp8_direct")
+    (plan,) = S._AITER_PLANS.values()
+    slots = plan.metadata[5].shape[0]
+    assert plan.partials[0].shape == (slots, 1, 16, 512) and plan.partials[1].shape == (slots, 1, 16, 1)
+    stage1, reduce = aiter.calls_to("mla_decode_stage1_asm_fwd"), aiter.calls_to("mla_reduce_v1")
+    assert len(stage1) == len(reduce) == 2 and aiter.calls_to("mla_decode_fwd") == []
+    for s1, red in zip(stage1, reduce, strict=True):
+        assert s1.n_positional == 19 and red.n_positional == 8  # by position, as aiter/mla.py calls them
+        assert s1.arguments["splitData"].data_ptr == red.arguments["partial_output"].data_ptr \
+            == plan.partials[0].data_ptr()
+        assert s1.arguments["num_kv_splits_indptr"] is None and type(s1.arguments["softmax_scale"]) is float
+        assert red.arguments["final_lse"] is None and red.arguments["max_seqlen_q"] == 1
+
+
+def test_a16w8_passes_q_unpadded_and_unquantized(standin, monkeypatch):
+    """a16w8: the caller's bf16 q itself goes to stage 1 (no copy, no padding to the kernel's 4-row tile: the C++
+    pads max_seqlen_q only for the kernel lookup), with max_seqlen_q 1, no q_scale, the KV scale, and metadata for a
+    bf16 Q."""
+    aiter = standin("RUNNER")
+    monkeypatch.setenv("MLA_AITER_VARIANT", "a16w8_ps")
+    data = make([33, 2, 90], seed=3)
+    assert_right(data, S.custom_kernel(data), "a16w8_ps")
+    (call,) = aiter.calls_to("mla_decode_fwd")
+    d = call.arguments
+    assert d["q"].data_ptr == data[0].data_ptr() and d["q"].shape == (3, 16, 576) and d["q"].dtype == torch.bfloat16
+    assert d["max_seqlen_q"] == 1 and d["q_scale"] is None and d["kv_scale"].dtype == torch.float32
+    (meta,) = aiter.calls_to("get_mla_metadata_v1")
+    assert meta.arguments["dtype_q"] == torch.bfloat16 and meta.arguments["dtype_kv"] == E4M3FN
+    (info,) = aiter.calls_to("get_mla_metadata_info_v1")
+    assert info.arguments["q_dtype"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("fast_mode", (True, False))
+def test_fast_mode_reaches_both_metadata_calls(standin, monkeypatch, fast_mode):
+    aiter = standin("RUNNER")
+    variant = "fp8_direct" if fast_mode else "fp8_direct_nofast"
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    assert_right(data := make([1000] * 2, seed=4), S.custom_kernel(data), variant)
+    (info,) = aiter.calls_to("get_mla_metadata_info_v1")
+    (meta,) = aiter.calls_to("get_mla_metadata_v1")
+    assert info.arguments["fast_mode"] is meta.arguments["fast_mode"] is fast_mode
+    (plan,) = S._AITER_PLANS.values()
+    # fast_mode=False sizes the partials for batch x CUs slots (info's rule), fast mode for batch + CUs - 1
+    assert plan.partials[0].shape[0] == (2 * aiter.cu_count if not fast_mode else min(2 + aiter.cu_count - 1,
+                                                                                     2 * (aiter.cu_count - 1)))
+
+
+def test_single_split_variant_gives_every_sequence_one_split(standin, monkeypatch):
+    aiter = standin("RUNNER")
+    monkeypatch.setenv("MLA_AITER_VARIANT", "fp8_nps")
+    data = make([5, 300, 1], seed=6)
+    assert_right(data, S.custom_kernel(data), "fp8_nps")
+    (call,) = aiter.calls_to("mla_decode_fwd")
+    assert call.n_positional == 8 and set(call.keywords) == set(S._AITER_SINGLE_ARGS[1])  # what the guard checks
+    d = call.arguments
+    assert d["num_kv_splits"] == 1 and torch.equal(d["num_kv_splits_indptr"].value, torch.arange(4, dtype=torch.int32))
+    assert d["work_meta_data"] is None and torch.equal(d["kv_last_page_lens"].value, torch.ones(3, dtype=torch.int32))
+    assert aiter.calls_to("get_mla_metadata_info_v1") == [] and aiter.stats["work_split"] == 0
+
+
+# --- the plan cache across shapes and variants -------------------------------------------------------------------
+
+
+def test_plans_are_reused_across_shapes_and_variants(standin, monkeypatch):
+    """Two shapes with a variant each from the table, called in turn: one plan (one info call, one metadata fill)
+    per shape, each reused, each call right."""
+    aiter = standin("RUNNER")
+    monkeypatch.setattr(S, "AITER_VARIANTS", {(4, 64): ("a16w8_direct", "test"), (2, 1000): ("fp8_direct", "test")})
+    for seed in range(3):
+        for lengths, variant in (([64] * 4, "a16w8_direct"), ([1000] * 2, "fp8_direct"), ([64] * 3, "fp8_ps")):
+            assert_right(data := make(lengths, seed), S.custom_kernel(data), variant)
+    assert sorted(key[9] for key in S._AITER_PLANS) == ["a16w8_direct", "fp8_direct", "fp8_ps"]
+    assert len(aiter.calls_to("get_mla_metadata_info_v1")) == 3 and aiter.stats["metadata_fills"] == 3
+    assert len(aiter.calls_to("mla_decode_stage1_asm_fwd")) == 6 and len(aiter.calls_to("mla_decode_fwd")) == 3
+
+
+def test_the_same_shape_under_another_variant_gets_its_own_plan(standin, monkeypatch):
+    standin("RUNNER")
+    data = make([64] * 4, seed=0)
+    for variant in ("fp8_ps", "a16w8_ps", "fp8_ps"):
+        monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+        assert_right(data, S.custom_kernel(data), variant)
+    assert [key[9] for key in S._AITER_PLANS] == ["fp8_ps", "a16w8_ps"]
+
+
+# --- selection -----------------------------------------------------------------------------------------------
+
+
+def test_default_table_is_todays_path_for_every_leaderboard_shape():
+    task = yaml.safe_load((Path(__file__).resolve().parent.parent / "task.yml").read_text())
+    shapes = {(t["batchsize"], t["kvseqlen"]) for t in task["benchmarks"]}
+    assert shapes == set(S.AITER_VARIANTS) and len(shapes) == 8
+    for variant, source in S.AITER_VARIANTS.values():
+        assert variant == S.AITER_DEFAULT_VARIANT == "fp8_ps" and "no MI355X measurement" in source
+
+
+def test_table_then_environment_pick_the_variant(standin, monkeypatch):
+    aiter = standin("RUNNER")
+    monkeypatch.setattr(S, "AITER_VARIANTS", {(4, 64): ("fp8_nps", "test")})
+    assert_right(data := make([64] * 4, seed=1), S.custom_kernel(data), "fp8_nps")
+    assert aiter.launches[-1] == STAGE1["single"]
+    monkeypatch.setenv("MLA_AITER_VARIANT", "a16w8_ps")
+    assert_right(data, S.custom_kernel(data), "a16w8_ps")
+    assert aiter.launches[-2:] == [STAGE1["bf16"], "mla_reduce_v1"]
+    assert S.aiter_variant(4, 64) == "a16w8_ps" and S.aiter_variant(7, None) == "a16w8_ps"
+    monkeypatch.delenv("MLA_AITER_VARIANT")
+    assert S.aiter_variant(4, 64) == "fp8_nps" and S.aiter_variant(7, None) == S.AITER_DEFAULT_VARIANT
+
+
+def test_unknown_variant_names_are_errors_naming_their_source(standin, monkeypatch):
+    aiter = standin("RUNNER")
+    monkeypatch.setenv("MLA_AITER_VARIANT", "fp8_fastest")
+    with pytest.raises(ValueError, match=r"MLA_AITER_VARIANT: expected one of .*'fp8_ps'.*got 'fp8_fastest'"):
+        S.custom_kernel(make([64] * 4, seed=1))
+    monkeypatch.delenv("MLA_AITER_VARIANT")
+    monkeypatch.setattr(S, "AITER_VARIANTS", {(4, 64): ("fp8-ps", "typo")})
+    with pytest.raises(ValueError, match=r"AITER_VARIANTS\[\(4, 64\)\]: expected one of .*got 'fp8-ps'"):
+        S.custom_kernel(make([64] * 4, seed=1))
+    assert aiter.launches == []
+
+
+# --- the version guard per variant ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wheel_is_refused_before_any_call_for_every_variant(standin, monkeypatch, variant):
+    aiter = standin("WHEEL")
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    with pytest.raises(RuntimeError, match="2026-02-02"):
+        S.custom_kernel(make([5, 9], seed=1))
+    assert aiter.calls == []
+
+
+@pytest.mark.parametrize("variant", ("fp8_direct", "a16w8_direct_nofast"))
+def test_newest_signatures_send_the_direct_call_through_mla_decode_fwd(standin, monkeypatch, caplog, variant):
+    """NEWEST's stage 1 takes `lse` where the runner's takes q_scale, its reduce a required num_kv_splits: the
+    direct call does not fit, so the plan runs mla_decode_fwd (same Q, same fast_mode), warned once."""
+    aiter = standin("NEWEST")
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    with caplog.at_level(logging.WARNING, logger="mla_decode"):
+        for seed in range(2):
+            assert_right(data := make([1000] * 2, seed), S.custom_kernel(data), variant)
+    assert caplog.text.count("cannot take the 'direct' call form") == 1
+    assert "aiter.mla_decode_stage1_asm_fwd takes (" in caplog.text and "aiter.mla_reduce_v1 takes (" in caplog.text
+    assert len(aiter.calls_to("mla_decode_fwd")) == 2
+    assert aiter.calls_to("mla_decode_stage1_asm_fwd") == aiter.calls_to("mla_reduce_v1") == []  # not directly
+    spec = S.AITER_VARIANT_SPECS[variant]
+    (info,) = aiter.calls_to("get_mla_metadata_info_v1")
+    assert info.arguments["fast_mode"] is spec.fast_mode
+    assert aiter.calls_to("mla_decode_fwd")[0].arguments["q"].dtype == (E4M3FN if spec.q == "fp8" else torch.bfloat16)
+
+
+def modified(version, function, edit):
+    functions = copy.deepcopy(load_signatures()[VERSIONS[version]]["functions"])
+    edit(functions[function]["params"])
+    return functions
+
+
+def drop(*names):
+    return lambda params: params.__setitem__(slice(None), [p for p in params if p["name"] not in names])
+
+
+@pytest.mark.parametrize("variant, function, dropped", [
+    ("fp8_direct", "mla_reduce_v1", "final_lse"),
+    ("fp8_direct", "mla_decode_stage1_asm_fwd", "kv_scale"),
+    ("fp8_nps", "mla_decode_fwd", "num_kv_splits_indptr"),
+])
+def test_a_call_form_that_does_not_fit_falls_back_to_the_checked_one(standin, monkeypatch, caplog, variant,
+                                                                     function, dropped):
+    aiter = standin("RUNNER", functions=modified("RUNNER", function, drop(dropped)))
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    with caplog.at_level(logging.WARNING, logger="mla_decode"):
+        assert_right(data := make([40, 3], seed=2), S.custom_kernel(data), variant)
+    assert "cannot take the" in caplog.text and dropped in caplog.text
+    assert aiter.launches[-2:] == [STAGE1["fp8"], "mla_reduce_v1"]  # persistent mla_decode_fwd
+
+
+def test_a_missing_direct_function_falls_back(standin, monkeypatch, caplog):
+    standin("RUNNER")
+    import aiter
+
+    monkeypatch.delattr(aiter, "mla_reduce_v1")
+    monkeypatch.setenv("MLA_AITER_VARIANT", "a16w8_direct")
+    with caplog.at_level(logging.WARNING, logger="mla_decode"):
+        assert_right(data := make([40, 3], seed=2), S.custom_kernel(data), "a16w8_direct")
+    assert "no aiter.mla_reduce_v1" in caplog.text
+
+
+# --- the stand-in enforces what the variants rely on (so the tests above mean something) ------------------------
+
+
+def filled_metadata(aiter, data) -> list[torch.Tensor]:
+    """The six buffers for FP8 Q, filled by get_mla_metadata_v1 (fast mode) for `data`'s lengths."""
+    q, _, qo_indptr, kv_indptr, _ = data
+    info = aiter.get_mla_metadata_info_v1(q.shape[0], 1, 16, E4M3FN, E4M3FN, is_sparse=False, fast_mode=True,
+                                          intra_batch_mode=False)
+    b = [torch.empty(shape, dtype=dtype) for shape, dtype in info]
+    aiter.get_mla_metadata_v1(qo_indptr, kv_indptr, torch.ones(q.shape[0], dtype=torch.int32), 16, 1, True, b[0],
+                              b[2], b[1], b[3], b[4], b[5], page_size=1, fast_mode=True, dtype_q=E4M3FN,
+                              dtype_kv=E4M3FN)
+    return b
+
+
+def direct_stage1(aiter, data, slots=None, split_dtype=torch.float32):
+    """Metadata and stage 1 by hand against the stand-in, FP8 Q: returns (o, the partials, the six buffers)."""
+    q, kv_data, qo_indptr, kv_indptr, config = data
+    kv, kv_scale = kv_data["fp8"]
+    batch, total_kv = q.shape[0], kv.shape[0]
+    q8, q_scale = R.quantize_fp8(q, E4M3FN)
+    b = filled_metadata(aiter, data)
+    slots = b[5].shape[0] if slots is None else slots
+    partial = torch.empty((slots, 1, 16, 512), dtype=split_dtype), torch.empty((slots, 1, 16, 1), dtype=split_dtype)
+    o = torch.empty((batch, 16, 512), dtype=torch.bfloat16)
+    aiter.mla_decode_stage1_asm_fwd(q8, kv.view(total_kv, 1, 1, 576), qo_indptr, kv_indptr,
+                                    torch.arange(total_kv, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
+                                    None, b[0], b[1], b[2], 1, 1, 1, config["sm_scale"], *partial, o, q_scale,
+                                    kv_scale)
+    return o, partial, b
+
+
+def test_standin_direct_calls_are_checked(standin):
+    aiter = standin("RUNNER").modules["aiter"]
+    data = make([1000] * 2, seed=8)
+    o, partial, b = direct_stage1(aiter, data)
+    aiter.mla_reduce_v1(*partial, b[3], b[4], b[5], 1, o, None)
+    assert tight_error(data, o, "fp8_direct") < TIGHT  # the control
+    with pytest.raises(RuntimeError, match="did not write there"):  # partials other than stage 1 wrote
+        aiter.mla_reduce_v1(*(torch.zeros_like(t) for t in partial), b[3], b[4], b[5], 1, o, None)
+    with pytest.raises(RuntimeError, match="past splitData"):  # partials smaller than reduce_partial_map says
+        direct_stage1(aiter, data, slots=1)
+    with pytest.raises(RuntimeError, match="float32"):
+        direct_stage1(aiter, data, split_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="mixed metadata"):  # reduce maps of another fill
+        other = filled_metadata(aiter, make([1000] * 2, seed=9))
+        aiter.mla_reduce_v1(*partial, other[3], other[4], other[5], 1, o, None)
+
+
+def test_standin_has_no_non_persistent_a16w8_kernel(standin):
+    aiter = standin("RUNNER").modules["aiter"]
+    q, kv_data, qo_indptr, kv_indptr, config = make([30, 2], seed=1)
+    kv, kv_scale = kv_data["fp8"]
+    o = torch.empty((2, 16, 512), dtype=torch.bfloat16)
+    args = (q, kv.view(-1, 1, 1, 576), o, qo_indptr, kv_indptr, torch.arange(32, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32), 1)
+    with pytest.raises(RuntimeError, match="cannot get heuristic kernel"):
+        aiter.mla.mla_decode_fwd(*args, sm_scale=config["sm_scale"], num_kv_splits=1,
+                                 num_kv_splits_indptr=torch.arange(3, dtype=torch.int32), kv_scale=kv_scale)
+    with pytest.raises(NotImplementedError, match="kv_last_page_lens"):  # the non-persistent kernel reads them
+        q8, q_scale = R.quantize_fp8(q, E4M3FN)
+        aiter.mla.mla_decode_fwd(q8, *args[1:6], torch.zeros(2, dtype=torch.int32), 1, sm_scale=config["sm_scale"],
+                                 num_kv_splits=1, num_kv_splits_indptr=torch.arange(3, dtype=torch.int32),
+                                 q_scale=q_scale, kv_scale=kv_scale)
+
+
+# --- on a ROCm GPU with the real aiter (skipped elsewhere, the H200 included) ------------------------------------
+
+
+def real_aiter_on_rocm() -> bool:
+    if not torch.cuda.is_available() or torch.version.hip is None:
+        return False
+    try:
+        import aiter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not real_aiter_on_rocm(), reason="needs a ROCm GPU with aiter")
+@pytest.mark.parametrize("lengths", ([1024] * 4, [8192] * 4, [8192] * 64, [1, 7, 0, 33, 129, 1, 2], [3001]),
+                         ids=("4x1024", "4x8192", "64x8192", "varlen_with_empty", "single_long"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_every_variant_on_the_real_aiter(monkeypatch, variant, lengths):
+    """The real kernels behind every call form (the stand-in's model of them is what the CPU tests check): both
+    references, two calls per plan."""
+    monkeypatch.setenv("MLA_BACKEND", "aiter")
+    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    for seed in range(2):
+        data = R.generate_varlen_input(lengths, seed, device=torch.device("cuda"))
+        out = S.custom_kernel(data)
+        # 0.04: the FP8 kernels round the softmax weights to FP8 before P x V (aiter's own torch model does), which
+        # the stand-in with round_p_to_fp8 puts at up to 0.019 on these shapes; a wrong result is above 0.3
+        assert tight_error(data, out, variant) < 0.04
+        ok, msg = R.check_implementation(data, out)
+        assert ok, msg
