@@ -16,14 +16,16 @@ Contract (the leaderboard's input_t, see task.py):
              batch * kv_seq_len == total_kv every sequence has exactly kv_seq_len rows), sm_scale
 Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros.
 
-Backends (MLA_BACKEND=auto|aiter|cuda|triton|torch, default auto; a forced one that is unavailable fails):
+Backends (MLA_BACKEND=auto|aiter|cuda|triton|torch, default DEFAULT_BACKEND below; a forced one that is
+unavailable fails):
   aiter   AMD GPU with aiter importable (auto picks it on ROCm): FP8 Q + FP8 KV, persistent mla_decode_fwd
   cuda    NVIDIA GPU with nvcc and this repo's mla_decode_cuda package installed (auto picks it where it reads the
           format: FP8 anywhere, MXFP4 on Hopper): our CUDA kernels (wgmma on Hopper, mma.sync elsewhere), built at
           the first call; this file alone runs the triton backend on NVIDIA
   triton  any GPU with triton (auto: NVIDIA where the cuda backend cannot run, AMD without aiter): our split-KV kernel
   torch   anywhere: fp32 math over the dequantized cache in bounded chunks
-KV format (MLA_KV_FORMAT=fp8|mxfp4, default fp8) selects which cache the cuda, triton and torch backends read.
+KV format (MLA_KV_FORMAT=fp8|mxfp4, default DEFAULT_KV_FORMAT below) selects which cache the cuda, triton and
+torch backends read.
 MLA_VALIDATE=1 adds the host-side check of the indptr contents (a device sync) on every backend; the torch
 backend always does it. GPU kernels never read outside the cache whatever the indptr holds: a sequence whose
 range is invalid gets NaN rows.
@@ -57,6 +59,11 @@ BACKENDS = ("aiter", "cuda", "triton", "torch")
 KV_FORMATS = ("fp8", "mxfp4")
 CONFIG_KEYS = ("batch_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "q_seq_len", "kv_seq_len",
                "sm_scale")
+
+# What runs when MLA_BACKEND / MLA_KV_FORMAT are unset, as on the leaderboard (it sets no environment variables):
+# edit these to submit another backend ("triton", "torch") or the MXFP4 cache ("mxfp4").
+DEFAULT_BACKEND = "auto"
+DEFAULT_KV_FORMAT = "fp8"
 
 log = logging.getLogger("mla_decode")
 
@@ -245,9 +252,10 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
     """MLA_BACKEND if set (and usable here), else the best backend available on `device` for `kv_format` (default:
     select_kv_format()); logged once."""
     kv_format = kv_format or select_kv_format()
-    forced = os.environ.get("MLA_BACKEND", "auto")
+    forced = os.environ.get("MLA_BACKEND", DEFAULT_BACKEND)
     if forced not in BACKENDS + ("auto",):
-        raise ValueError(f"MLA_BACKEND: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
+        source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
+        raise ValueError(f"{source}: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
     if forced == "aiter" and not _aiter_importable():
         raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
     if forced == "triton" and not _triton_usable(device):
@@ -310,9 +318,10 @@ def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | 
 
 
 def select_kv_format() -> str:
-    fmt = os.environ.get("MLA_KV_FORMAT", "fp8")
+    fmt = os.environ.get("MLA_KV_FORMAT", DEFAULT_KV_FORMAT)
     if fmt not in KV_FORMATS:  # not _expect: its message would be formatted on every call
-        raise ValueError(f"MLA_KV_FORMAT: expected one of {KV_FORMATS}, got {fmt!r}")
+        source = "MLA_KV_FORMAT" if "MLA_KV_FORMAT" in os.environ else "DEFAULT_KV_FORMAT"
+        raise ValueError(f"{source}: expected one of {KV_FORMATS}, got {fmt!r}")
     return fmt
 
 
