@@ -16,27 +16,25 @@ Contract (the leaderboard's input_t, see task.py):
              batch * kv_seq_len == total_kv every sequence has exactly kv_seq_len rows), sm_scale
 Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros.
 
-Backends (MLA_BACKEND=auto|aiter|cuda|triton|torch, default auto; a forced one that is unavailable fails):
+Backends (MLA_BACKEND=auto|aiter|cuda|triton|torch, default DEFAULT_BACKEND below; a forced one that is
+unavailable fails):
   aiter   AMD GPU with aiter importable (auto picks it on ROCm): FP8 Q + FP8 KV, persistent mla_decode_fwd
-  cuda    NVIDIA GPU with nvcc (auto picks it where it reads the format: FP8 anywhere, MXFP4 on Hopper): our
-          CUDA kernels (wgmma on Hopper, mma.sync elsewhere), built at the first call
+  cuda    NVIDIA GPU with nvcc and this repo's mla_decode_cuda package installed (auto picks it where it reads the
+          format: FP8 anywhere, MXFP4 on Hopper): our CUDA kernels (wgmma on Hopper, mma.sync elsewhere), built at
+          the first call; this file alone runs the triton backend on NVIDIA
   triton  any GPU with triton (auto: NVIDIA where the cuda backend cannot run, AMD without aiter): our split-KV kernel
   torch   anywhere: fp32 math over the dequantized cache in bounded chunks
-KV format (MLA_KV_FORMAT=fp8|mxfp4, default fp8) selects which cache the cuda, triton and torch backends read.
+KV format (MLA_KV_FORMAT=fp8|mxfp4, default DEFAULT_KV_FORMAT below) selects which cache the cuda, triton and
+torch backends read.
 MLA_VALIDATE=1 adds the host-side check of the indptr contents (a device sync) on every backend; the torch
 backend always does it. GPU kernels never read outside the cache whatever the indptr holds: a sequence whose
 range is invalid gets NaN rows.
 """
 
-import ctypes
 import functools
-import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
-import tempfile
 from typing import NamedTuple
 
 import torch
@@ -62,6 +60,11 @@ BACKENDS = ("aiter", "cuda", "triton", "torch")
 KV_FORMATS = ("fp8", "mxfp4")
 CONFIG_KEYS = ("batch_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "q_seq_len", "kv_seq_len",
                "sm_scale")
+
+# What runs when MLA_BACKEND / MLA_KV_FORMAT are unset, as on the leaderboard (it sets no environment variables):
+# edit these to submit another backend ("triton", "torch") or the MXFP4 cache ("mxfp4").
+DEFAULT_BACKEND = "auto"
+DEFAULT_KV_FORMAT = "fp8"
 
 log = logging.getLogger("mla_decode")
 
@@ -250,9 +253,10 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
     """MLA_BACKEND if set (and usable here), else the best backend available on `device` for `kv_format` (default:
     select_kv_format()); logged once."""
     kv_format = kv_format or select_kv_format()
-    forced = os.environ.get("MLA_BACKEND", "auto")
+    forced = os.environ.get("MLA_BACKEND", DEFAULT_BACKEND)
     if forced not in BACKENDS + ("auto",):
-        raise ValueError(f"MLA_BACKEND: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
+        source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
+        raise ValueError(f"{source}: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
     if forced == "aiter" and not _aiter_importable():
         raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
     if forced == "triton" and not _triton_usable(device):
@@ -279,19 +283,46 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
 
 @functools.cache
 def _cuda_auto_usable(device: torch.device, kv_format: str) -> bool:
-    """For auto: the cuda backend where it builds and reads `kv_format`; where it does not build (no nvcc, an nvcc
-    too old for this GPU), the triton backend, with the reason logged as a warning (once per format). MLA_BACKEND=cuda
-    raises the reason instead. Cached: called on every decode."""
+    """For auto: the cuda backend where it builds and reads `kv_format`; where it does not (the mla_decode_cuda
+    package not installed, no nvcc, an nvcc too old for this GPU), the triton backend, with the reason logged as a
+    warning (once per format). MLA_BACKEND=cuda raises the reason instead. Cached: called on every decode."""
     reason = cuda_unusable_reason(device)
     if reason is not None and device.type == "cuda" and torch.version.hip is None:
         log.warning("MLA decode: using the triton backend, not cuda: %s", reason)
     return reason is None and cuda_unusable_reason(device, kv_format) is None
 
 
+CUDA_PACKAGE_MISSING = ("cuda backend: the mla_decode_cuda package is not installed: install the repo "
+                        "(pip install -e .) for the CUDA kernels")
+
+
+@functools.cache
+def _cuda_package():
+    """(the mla_decode_cuda module, None), or (None, why it cannot be imported): the cuda backend lives in that
+    package of this repo, imported the first time the backend is considered. A copy of this file alone (the
+    leaderboard's upload) has no such package: NVIDIA GPUs then get the triton backend."""
+    try:
+        import mla_decode_cuda
+    except ImportError as e:
+        if e.name == "mla_decode_cuda":
+            return None, CUDA_PACKAGE_MISSING
+        return None, f"cuda backend: the mla_decode_cuda package failed to import: {e}"
+    return mla_decode_cuda, None
+
+
+def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | None:
+    """None when the cuda backend reads `kv_format` on `device` (mla_decode_cuda.unusable_reason: an NVIDIA GPU of
+    capability >= 8.0 whose kernels build with the machine's nvcc; MXFP4 only on Hopper), else why not (the package's
+    absence included)."""
+    package, missing = _cuda_package()
+    return missing if package is None else package.unusable_reason(device, kv_format)
+
+
 def select_kv_format() -> str:
-    fmt = os.environ.get("MLA_KV_FORMAT", "fp8")
+    fmt = os.environ.get("MLA_KV_FORMAT", DEFAULT_KV_FORMAT)
     if fmt not in KV_FORMATS:  # not _expect: its message would be formatted on every call
-        raise ValueError(f"MLA_KV_FORMAT: expected one of {KV_FORMATS}, got {fmt!r}")
+        source = "MLA_KV_FORMAT" if "MLA_KV_FORMAT" in os.environ else "DEFAULT_KV_FORMAT"
+        raise ValueError(f"{source}: expected one of {KV_FORMATS}, got {fmt!r}")
     return fmt
 
 
@@ -528,7 +559,7 @@ if triton is not None:
 
 class QQuantizer:
     """q (batch, 16, 576) bf16, contiguous -> self.q_fp8 (same shape, `fp8`) and self.scale (1,) float32, on the
-    device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be ordered on one stream. The Triton form
+    device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be issued in order on one queue. The Triton form
     where it can run (allow_triton=False: the torch form; self.blocks == 0 tells which)."""
 
     def __init__(self, batch: int, fp8: torch.dtype, device: torch.device, allow_triton: bool = True):
@@ -1021,7 +1052,7 @@ def triton_plan(batch: int, seq_len: int, num_sms: int, kv_format: str) -> tuple
 
 
 _TRITON_LAUNCH: dict = {}
-LAUNCH_CACHE_LIMIT = 64  # launch plans kept per backend (cleared when full); the leaderboard uses 8 shapes
+LAUNCH_CACHE_LIMIT = 64  # Triton launch plans kept (cleared when full); the leaderboard uses 8 shapes
 
 
 class _TritonLaunch:
@@ -1029,7 +1060,7 @@ class _TritonLaunch:
     and (after the first call on a GPU) the compiled kernels, launched directly: Triton's JIT dispatch costs
     host time on every call that the leaderboard's L2 flush does not always hide. Under the interpreter the
     JIT returns no kernel and every call takes the JIT path. Calls of the same shapes share the partials'
-    workspace: calls on concurrent streams must be serialized by the caller (the leaderboard's are)."""
+    workspace: calls on concurrent queues must be serialized by the caller (the leaderboard's are)."""
 
     def __init__(self, plan, part_o, part_lse, split_grid, split_consts, split_meta, combine_grid, combine_consts,
                  combine_meta):
@@ -1103,1192 +1134,6 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
         kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
     out = torch.empty((q.shape[0], NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     launch.launch(q, kv, scale, kv_indptr, out, float(config["sm_scale"]) * LOG2E)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# cuda backend (NVIDIA; FP8 KV, and MXFP4 on Hopper): CUDA kernels built at first use with the machine's nvcc,
-# called through ctypes
-#
-# Why beside the Triton kernel: Triton 3.6 feeds the transposed V operand of the FP8 kernel with one-byte shared
-# loads (256 LDS.U8 per thread per tile in its SASS) and runs at the 255-register limit with spills, so each SM
-# holds 2 programs that spend ~4 us per 64-row tile. Here the layouts are ours. One source, two split kernels:
-# - Hopper (sm_90a, built with MLA_WGMMA): one warpgroup per CTA, two CTAs per SM, two 64-row cp.async stages each
-#   (a grid of one CTA per SM: three stages).
-#   S^T = K Q^T by warpgroup MMAs with both FP8 operands in shared memory (the tile as the 64-row M side, Q quantized
-#   to e4m3 per head in the CTA as the 16-wide N side); P = 2^8 * softmax numerators in e4m3; O^T = V^T P^T with
-#   V^T as register fragments (ldmatrix.trans of the FP8 rows plus byte permutes, no conversion) and P^T from shared
-#   memory. The tile sits in the 128-/64-byte swizzled K-major layouts wgmma reads: a layout with 16-byte pieces
-#   1 KB apart halved the cp.async copy rate (562 vs 305 us for the copies alone at 256x8192).
-#   MXFP4 (same kernel, MX = true): the codes are copied as they lie, each tile is dequantized once into one e5m2
-#   tile (E2M1 x 2^k is exact in e5m2 for |k| <= 13; a table lookup by byte permutes), and the products read it as
-#   e5m2 x e4m3. Measured (H200, 2026-11-30, bench.py --methods cuda-fp8,cuda-mxfp4,triton-mxfp4): geomean 44.9 us
-#   against 42.7 for FP8 in the same run and 82.5 for the Triton MXFP4 kernel; 369 vs 327 us at 256x8192: half the
-#   bytes buy nothing here, the kernel is bound by its instructions (the dequantization adds ~1 per value).
-# - Other GPUs (sm_80+): mma.sync m16n8k16 in fp16, one CTA of 8 warps per SM, 4, 3 or 2 stages as the GPU's shared
-#   memory allows (the launcher picks); ldmatrix reads the FP8 tile for both products (e4m3 -> fp16 by the hardware
-#   cvt from sm_89); Q in fp16 registers. On Hopper mma.sync has no FP8 form (ptxas emulates it with conversions),
-#   hence the wgmma kernel there.
-# Splits: one launch. With more than one split per sequence the grid is launched cooperatively and its CTAs merge
-# their own partials behind a per-sequence barrier (a second combine kernel, even overlapped by PDL, cost ~1 us more
-# at batch 4). Measured on the H200 (2026-11-30 14:01 UTC, `bash bench/run_h200.sh`, BENCHMARKS.md): wgmma 4x1024
-# 10.1, 4x8192 16.5, 32x1024 16.4, 32x8192 52.3, 64x1024 21.5, 64x8192 87.0, 256x1024 50.9, 256x8192 286.3 us
-# (geomean 37.4; the mma.sync kernel 56.4-56.8 in earlier runs, before the changes of that day). Accuracy: FP8
-# Q and P cost worst-sequence rel-L2 ~0.03-0.037 against fp32 attention over the FP8 cache (the fp16 mma.sync kernel
-# 1.7e-3); against the BF16 truth 0.032-0.044, inside the 0.08 bound.
-# ---------------------------------------------------------------------------------------------------------
-
-CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
-CUDA_WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
-CUDA_BLOCK_N = 64  # KV rows per tile (BN in the source)
-CUDA_MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
-_CUDA_SRC = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
-
-// Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
-// mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX>: grid (num_splits, batch) of CTAs of NTHREADS threads; q (batch, 16, 576) bf16; kv
-// (total_kv, 576) e4m3; kv_scale (1,) fp32; kv_indptr (batch + 1,) int32; out (batch, 16, 512) bf16.
-// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
-// its normalised partial output, and part_lse (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
-// sequence meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
-// each merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
-// resident and the wait cannot hang.
-namespace mla {
-
-constexpr int H = 16;                  // query heads
-constexpr int D = 576;                 // key width = bytes per FP8 row
-constexpr int DV = 512;                // value width
-constexpr int BN = 64;                 // KV rows per tile
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-// v rounded to bf16, stored as 4 consecutive values (8-byte aligned dst).
-__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  *reinterpret_cast<uint2*>(dst) =
-      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-}
-
-// The rows [lo, hi) of the cache that split `split` of sequence b attends to: splits of whole 64-row tiles,
-// ntiles of them. An invalid kv_indptr range reads nothing (valid = false; its output rows become NaN).
-struct SplitRange {
-  int lo, hi, ntiles;
-  bool valid;
-};
-
-__device__ __forceinline__ SplitRange split_range(const int* kv_indptr, int b, int split, int num_splits,
-                                                  int total_kv) {
-  int start = kv_indptr[b], end = kv_indptr[b + 1];
-  const bool valid = start >= 0 && end >= start && end <= total_kv;
-  if (!valid) start = end = 0;
-  const int per_split = ((end - start + num_splits - 1) / num_splits + BN - 1) / BN * BN;
-  const int lo = start + split * per_split;
-  const int hi = min(lo + per_split, end);
-  return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, valid};
-}
-
-// The per-sequence barrier of the splits: sync[b] counts the arrivals of sequence b's CTAs over every launch (it
-// only grows, wrapping at 2^32, a multiple of every power-of-two split count). A launch of S splits starts from a
-// multiple of S (every earlier launch on this workspace had S splits and completed) and its CTAs wait until the
-// count reaches the next one. Each CTA reads the count when it starts (arrival_base: off the barrier's path; its
-// own arrival has not happened, so the count is below the next multiple), then thread 0 adds its arrival with
-// release semantics after the CTA's barrier (publishing the CTA's partial stores) and polls with acquire loads (so
-// the other CTAs' partials are visible after the closing barrier). The last arrival is itself what the others
-// wait for: against a count that the last arrival reset before advancing a generation word (two more round trips
-// on the barrier's path), 4x1024 10.7 -> 10.1 us, 4x8192 17.0 -> 16.3, 32x1024 17.3 -> 16.5 (H200, A/B twice).
-__device__ __forceinline__ unsigned arrival_base(const unsigned* sync, int b, int num_splits) {
-  unsigned count = 0;
-  if (num_splits > 1 && threadIdx.x == 0)
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(count) : "l"(sync + b) : "memory");
-  return count & ~static_cast<unsigned>(num_splits - 1);
-}
-
-__device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_splits, unsigned base) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned target = base + static_cast<unsigned>(num_splits);
-    unsigned now;
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync + b) : "memory");
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(sync + b) : "memory");
-    } while (static_cast<int>(now - target) < 0);
-  }
-  __syncthreads();
-}
-
-// The merge of one sequence's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Split
-// `split` of S merges its 2048 / S of the sequence's 2048 quads (4 columns of one head) with 128 threads, and every
-// thread issues all its 16 loads (8-byte quads of the bf16 partials, L2 only: other SMs wrote them) before using any:
-// one round trip. The partials are bf16 because the merge is a convex combination (its error stays at the bf16
-// output's) and half the bytes shorten the handoff: fp32 partials took 0.3-0.7 us more at the split shapes (H200).
-// S < 16: a thread merges W = 16 / S neighbouring quads over all S splits. S >= 16: W = 1, and the S / 16 threads
-// of a quad (neighbouring lanes) take 16 splits each, then combine their (max, sum, acc) by shuffles. S must be a
-// power of two (every thread then has exactly its G = 16 / W splits; merge_splits dispatches on W).
-constexpr int MERGE_THREADS = 128;
-constexpr int MERGE_LOADS = 16;
-constexpr int MAX_SPLITS = 512;        // a quad's threads stay within one warp (S / 16 <= 32)
-template <int W>
-__device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
-                                            int num_splits, int split, bool valid) {
-  constexpr int G = MERGE_LOADS / W;  // splits per thread
-  const int log_splits = __ffs(num_splits) - 1;
-  const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
-  const int per_quad = 1 << log_per_quad;
-  const int quad = (split << (11 - log_splits)) + (threadIdx.x >> log_per_quad) * W;  // 2048 quads per sequence
-  const int h = quad / (DV / 4), col = quad % (DV / 4) * 4, s0 = (threadIdx.x & (per_quad - 1)) * G;
-  const float* lse_s0 = lse + s0 * H + h;  // split s0 + j at j * H
-  const uint2* po_s0 = reinterpret_cast<const uint2*>(po + (static_cast<size_t>(s0) * H + h) * DV + col);
-  float l[G];
-  uint2 o[G][W];  // 4 bf16
-#pragma unroll
-  for (int j = 0; j < G; ++j) {  // G splits from s0, all present: num_splits is G x per_quad
-    l[j] = __ldcg(lse_s0 + j * H);
-#pragma unroll
-    for (int w = 0; w < W; ++w) o[j][w] = __ldcg(po_s0 + j * (H * DV / 4) + w);
-  }
-  float mx = -INFINITY, wsum = 0.f;
-  float4 acc[W];
-#pragma unroll
-  for (int j = 0; j < G; ++j) mx = fmaxf(mx, l[j]);
-#pragma unroll
-  for (int w = 0; w < W; ++w) acc[w] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (mx != -INFINITY) {  // else only empty splits (their partials hold zeros)
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const float wt = exp2f(l[j] - mx);
-      wsum += wt;
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o[j][w].x));
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o[j][w].y));
-        acc[w].x += wt * lo.x;
-        acc[w].y += wt * lo.y;
-        acc[w].z += wt * hi.x;
-        acc[w].w += wt * hi.y;
-      }
-    }
-  }
-  for (int lane = 1; lane < per_quad; lane <<= 1) {
-    const float omx = __shfl_xor_sync(0xffffffffu, mx, lane), ows = __shfl_xor_sync(0xffffffffu, wsum, lane);
-    const float nm = fmaxf(mx, omx);
-    const float a = nm == -INFINITY ? 0.f : exp2f(mx - nm), c = nm == -INFINITY ? 0.f : exp2f(omx - nm);
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      acc[w].x = acc[w].x * a + __shfl_xor_sync(0xffffffffu, acc[w].x, lane) * c;
-      acc[w].y = acc[w].y * a + __shfl_xor_sync(0xffffffffu, acc[w].y, lane) * c;
-      acc[w].z = acc[w].z * a + __shfl_xor_sync(0xffffffffu, acc[w].z, lane) * c;
-      acc[w].w = acc[w].w * a + __shfl_xor_sync(0xffffffffu, acc[w].w, lane) * c;
-    }
-    wsum = wsum * a + ows * c;
-    mx = nm;
-  }
-  if (threadIdx.x & (per_quad - 1)) return;
-  const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (valid ? 1.f : NAN);  // every split empty: zeros
-#pragma unroll
-  for (int w = 0; w < W; ++w)
-    store_bf16x4(out + h * DV + col + 4 * w,
-                 make_float4(acc[w].x * scale, acc[w].y * scale, acc[w].z * scale, acc[w].w * scale));
-}
-
-// When the splits of sequence b have all written their partials, split `split` merges its share (num_splits: a
-// power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on b's range (false: NaN rows).
-__device__ __forceinline__ void merge_splits(unsigned* sync, unsigned base, int b, int split, int num_splits,
-                                             bool valid, __nv_bfloat16* out, const __nv_bfloat16* part_o,
-                                             const float* part_lse) {
-  wait_for_splits(sync, b, num_splits, base);
-  if (threadIdx.x >= MERGE_THREADS) return;
-  const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H;
-  const __nv_bfloat16* po = part_o + static_cast<size_t>(b) * num_splits * H * DV;
-  __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV;
-  switch (num_splits) {
-    case 2: merge_quads<8>(lse, po, o, num_splits, split, valid); break;
-    case 4: merge_quads<4>(lse, po, o, num_splits, split, valid); break;
-    case 8: merge_quads<2>(lse, po, o, num_splits, split, valid); break;
-    default: merge_quads<1>(lse, po, o, num_splits, split, valid);
-  }
-}
-
-#if MLA_WGMMA
-constexpr int NTHREADS = 128;          // one warpgroup
-constexpr int NWARPS = 4;              // per warpgroup
-constexpr int CTAS_PER_SM = 2;
-// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 3 when the grid leaves each CTA an SM of its own.
-// A split's first STAGES - 1 tiles are requested before the loop and the next when one lands: more at once delays
-// the first (DRAM interleaves every request in flight), so with 4 stages (3 tiles requested at once) 4x8192 and
-// 32x1024 took 18.7 and 18.9 us against 17.5 and 17.7 with 3 (H200; requesting all 4 at once: 20.0 and 20.1).
-constexpr int STAGES_SHARED = 2;
-constexpr int STAGES_ALONE = 3;
-// MXFP4: stages of codes (18 KB) beside the one dequantized tile, 3 whether alone or not (5 alone: 19.6 us at
-// 4x8192 and 19.7 at 32x1024, against 18.5 and 18.8 with 3).
-constexpr int MX_STAGES = 3;
-// Tile layout, wgmma's K-major swizzled layouts: dims 0..511 as four 8 KB blocks of [64 rows][128 bytes] with the
-// 16-byte units of row r permuted by u ^ (r % 8) (128-byte swizzle), dims 512..575 as [64 rows][64 bytes] with
-// u ^ ((r / 2) % 4) (64-byte swizzle). Each 128-byte line of a row lands in one 128-byte line of shared memory
-// (a layout with 16-byte pieces 1 KB apart halved the copy rate), and ldmatrix on 8 rows of a unit is conflict-free.
-constexpr int SW128_BLOCK = BN * 128;
-constexpr int ROPE_OFFSET = 4 * SW128_BLOCK;
-constexpr int TILE = BN * D;
-constexpr int QCHUNK = H * 16;         // Q and P: [chunk][16 heads][16 bytes]
-constexpr int SMEM_Q = H * D;
-constexpr int SMEM_P = H * BN;
-constexpr int SMEM_RED = NWARPS * H * 4;
-// MXFP4 (MX = true): the stages hold a tile's E2M1 codes as they lie in memory ([64 rows][288 bytes]); each tile
-// is dequantized once into one FP8 tile (e5m2, exact) at offset 0, which the products read as above.
-constexpr bool SUPPORTS_MXFP4 = true;
-constexpr int MX_ROW = D / 2;          // bytes of codes per row, two values per byte, low nibble first
-constexpr int MX_STAGE = BN * MX_ROW;
-constexpr int MX_BLOCKS = D / 32;      // E8M0 scales per row
-template <int STAGES, bool MX>
-constexpr int smem_bytes() {
-  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + SMEM_P + SMEM_RED + H * 4;
-}
-constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
-
-// Byte offset of the 16-byte unit `ch` (dims 16*ch..16*ch+15) of row r in a tile.
-__device__ __forceinline__ int tile_offset(int r, int ch) {
-  return ch < 32 ? (ch >> 3) * SW128_BLOCK + r * 128 + (((ch & 7) ^ (r & 7)) << 4)
-                 : ROPE_OFFSET + r * 64 + ((((ch - 32) ^ (r >> 1)) & 3) << 4);
-}
-
-// Shared-memory matrix descriptor: start address, leading / stride byte offsets, layout (0 none, 1 128-byte swizzle,
-// 2 64-byte swizzle). Adding (bytes >> 4) moves the start address (addresses stay below 256 KB: no carry out).
-__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint64_t layout) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (layout << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_acc(float* d) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// D (64 x 16, fp32) (+)= A (64 x 32 e4m3, or e5m2 with A_E5M2, shared, K-major) * B (32 x 16 e4m3, shared, K-major).
-template <bool A_E5M2>
-__device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int accumulate) {
-#define MLA_WGMMA_SS(ATYPE)                                                                                         \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                         \
-               "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE                                                  \
-               ".e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"                                              \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
-               : "l"(da), "l"(db), "r"(accumulate))
-  if constexpr (A_E5M2) MLA_WGMMA_SS("e5m2"); else MLA_WGMMA_SS("e4m3");
-#undef MLA_WGMMA_SS
-}
-
-// D (64 x 16, fp32) += A (64 x 32 e4m3 or e5m2, registers) * B (32 x 16 e4m3, shared, K-major).
-template <bool A_E5M2>
-__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t db) {
-#define MLA_WGMMA_RS(ATYPE)                                                                                         \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE                                                  \
-               ".e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1;\n"                                    \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-  if constexpr (A_E5M2) MLA_WGMMA_RS("e5m2"); else MLA_WGMMA_RS("e4m3");
-#undef MLA_WGMMA_RS
-}
-
-__device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t b, uint32_t sel) {  // prmt with sign replication
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// One MXFP4 block (32 values: 16 bytes of E2M1 codes, low nibble first, and its E8M0 scale byte) -> 32 e5m2 bytes,
-// exactly: E2M1 x 2^k is an e5m2 value for |k| <= 13. A table of the 8 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6, with
-// k added to the nonzero exponents) indexed by byte permutes; the sign bits are spread by a permute in sign-
-// replication mode. Scales below 2^-13 flush the block to zero (|values| < 2^-12), above 2^13 are clamped.
-__device__ __forceinline__ void dequant_block(uint4 codes, uint32_t scale, uint4& lo, uint4& hi) {
-  const int k = static_cast<int>(scale) - 127;
-  const uint32_t step = static_cast<uint32_t>(min(k, 13) * 4);  // k in the e5m2 exponent field (bits 2..6)
-  uint32_t lut0 = 0x3E3C3800u + step * 0x01010100u, lut1 = 0x46444240u + step * 0x01010101u;
-  if (k < -13) lut0 = lut1 = 0u;
-  const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
-  uint32_t o[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // values 8i..8i+7: nibble j of w[i] is value 8i + j, its bit 3 the sign
-    const uint32_t t = w[i] << 4;  // byte j of t holds the sign of value 2j as its top bit, byte j of w value 2j+1's
-    o[2 * i] = __byte_perm(lut0, lut1, w[i] & 0x7777u) | (prmt_sign(t, w[i], 0xD9C8u) & 0x80808080u);
-    o[2 * i + 1] = __byte_perm(lut0, lut1, (w[i] >> 16) & 0x7777u) | (prmt_sign(t, w[i], 0xFBEAu) & 0x80808080u);
-  }
-  lo = make_uint4(o[0], o[1], o[2], o[3]);
-  hi = make_uint4(o[4], o[5], o[6], o[7]);
-}
-
-__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint16_t to_e4m3x2(float lo, float hi) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-}
-
-__device__ __forceinline__ uint8_t to_e4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
-
-// Position of tile row r in the k order of the value product: its A fragments (ldmatrix.trans + byte permutes)
-// hold, at k = 4*t4 + j of each 16-row half, row 8*(j >> 1) + 2*t4 + (j & 1).
-__device__ __forceinline__ int p_position(int r) {
-  const int q = r & 15;
-  return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
-}
-
-// Reduces v[e] (head heads[e]) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then over the 4
-// warps through `red` ([16 heads][4 warps]); every thread gets the results for its heads. op: max or sum.
-template <typename Op>
-__device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, float* red, int warp, int g, Op op) {
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) v[e] = op(v[e], __shfl_xor_sync(0xffffffffu, v[e], o));
-  if (g == 0) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = v[e];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
-    v[e] = op(op(r.x, r.y), op(r.z, r.w));
-  }
-}
-
-template <int STAGES, bool MX>
-__global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
-split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
-             const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
-             const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ part_o,
-             float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
-             float qk_scale) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  uint8_t* ks = MX ? smem + TILE : smem;  // the stages (MX: after the dequantized tile)
-  uint8_t* qs = MX ? smem + TILE + STAGES * MX_STAGE : smem + STAGES * TILE;
-  uint8_t* ps = qs + SMEM_Q;
-  float* red = reinterpret_cast<float*>(ps + SMEM_P);
-  float* qscale = red + NWARPS * H;
-
-  const int split = blockIdx.x, b = blockIdx.y;
-  const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
-  const unsigned base = arrival_base(sync, b, num_splits);
-  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
-  const bool valid = range.valid;
-
-  // Copy plan: thread tid copies units c = tid + NTHREADS * it of a tile, row c / 36, unit c % 36: its global
-  // bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
-  // the same for every tile. Rows past hi are zero-filled, never read. The copies ask L2 for whole 128-byte lines
-  // (.L2::128B): 256x8192 took 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
-  // MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
-  constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NTHREADS;
-  constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
-  const uint32_t ks_addr = smem_u32(ks);
-  uint32_t soff[COPIES];
-#pragma unroll
-  for (int it = 0; it < COPIES; ++it) {
-    const int c = tid + NTHREADS * it;
-    soff[it] = MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
-  }
-  auto load_tile = [&](int i) {
-    const uint32_t dst = ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE);
-    const int n0 = lo + i * BN;
-    const uint8_t* src = kv + static_cast<size_t>(n0) * (MX ? MX_ROW : D) + tid * 16;
-    const int rows = hi - n0;
-    if (rows >= BN) {
-#pragma unroll
-      for (int it = 0; it < COPIES; ++it)
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff[it]),
-                     "l"(src + it * NTHREADS * 16));
-    } else {
-#pragma unroll
-      for (int it = 0; it < COPIES; ++it) {
-        const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
-                     "l"(in ? src + it * NTHREADS * 16 : kv), "r"(in ? 16 : 0));
-      }
-    }
-  };
-  // Q -> e4m3 with one scale per head (its amax maps to 448), in the [chunk][head][16] layout of the score
-  // product's B operand; the head's scale, sm_scale * log2(e) and the KV scale multiply the scores. Q's loads are
-  // issued before the first tiles' copies so they do not queue behind them.
-  constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
-  __nv_bfloat162 qv[H / NWARPS][QPAIRS];
-#pragma unroll
-  for (int j = 0; j < H / NWARPS; ++j) {
-    const __nv_bfloat162* src =
-        reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + warp + j * NWARPS) * D);
-#pragma unroll
-    for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
-  }
-  // One cp.async group per tile (empty past the last).
-  auto load_group = [&](int i) {
-    if (i < ntiles) load_tile(i);
-    asm volatile("cp.async.commit_group;\n");
-  };
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) load_group(i);
-  const float kv_scale = MX ? 1.f : *kv_scale_ptr;
-  // MXFP4: this thread dequantizes blocks c = tid + 128 j (j < 9) of each tile, row c / 18, block c % 18; their
-  // E8M0 scales are loaded one tile ahead, into registers (rows past hi: 127, a scale of 1 over zero codes).
-  constexpr int MX_JOBS = MX ? BN * MX_BLOCKS / NTHREADS : 1;
-  uint32_t next_scales[MX_JOBS];
-  auto load_scales = [&](int i) {
-#pragma unroll
-    for (int j = 0; j < MX_JOBS; ++j) {
-      const int c = tid + NTHREADS * j, n = lo + i * BN + c / MX_BLOCKS;
-      next_scales[j] = i < ntiles && n < hi ? kv_block_scales[static_cast<size_t>(n) * scale_stride + c % MX_BLOCKS]
-                                            : 127u;
-    }
-  };
-  if constexpr (MX) load_scales(0);
-#pragma unroll
-  for (int j = 0; j < H / NWARPS; ++j) {
-    const int h = warp + j * NWARPS;
-    float2 v[QPAIRS];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < QPAIRS; ++i) {
-      v[i] = __bfloat1622float2(qv[j][i]);
-      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float inv = amax > 0.f ? 448.f / amax : 1.f;
-#pragma unroll
-    for (int i = 0; i < QPAIRS; ++i) {
-      const int d = 2 * (lane + 32 * i);
-      *reinterpret_cast<uint16_t*>(qs + (d >> 4) * QCHUNK + h * 16 + (d & 15)) = to_e4m3x2(v[i].x * inv, v[i].y * inv);
-    }
-    if (lane == 0) qscale[h] = (amax > 0.f ? amax / 448.f : 1.f) * qk_scale * kv_scale;
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
-  // This thread's score columns (heads) are 2*t4, 2*t4 + 1, 8 + 2*t4, 9 + 2*t4 (accumulator pairs 0/1 and 4/5 for
-  // row g of the warp's 16 rows, 2/3 and 6/7 for row g + 8).
-  const int heads[4] = {2 * t4, 2 * t4 + 1, 8 + 2 * t4, 9 + 2 * t4};
-  const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
-  const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
-  // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start.
-  const int k0 = p_position(warp * 16 + g), k1 = p_position(warp * 16 + g + 8);
-  uint8_t* const p0dst = ps + (k0 >> 4) * QCHUNK + (k0 & 15);
-  uint8_t* const p1dst = ps + (k1 >> 4) * QCHUNK + (k1 & 15);
-  const uint32_t voff[2] = {lane * 128u + ((warp ^ (lane & 7)) << 4), lane * 128u + (((4 + warp) ^ (lane & 7)) << 4)};
-  float qsc[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) qsc[e] = qscale[heads[e]];
-
-  float m[4], l[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) m[e] = -INFINITY, l[e] = 0.f;
-  float acc[8][8];  // O^T: [64-dim block][accumulator]: dims 64*mb + 16*warp + 2g (+1 for rows g + 8)
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[mb][e] = 0.f;
-
-  for (int i = 0; i < ntiles; ++i) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1
-    load_group(i + STAGES - 1);
-    uint32_t kt = ks_addr + (i % STAGES) * TILE;
-    if constexpr (MX) {  // codes + scales -> the e5m2 tile at offset 0 (free: every warp is done with tile i - 1)
-      uint32_t scales[MX_JOBS];
-#pragma unroll
-      for (int j = 0; j < MX_JOBS; ++j) scales[j] = next_scales[j];
-      load_scales(i + 1);
-      const uint8_t* codes = ks + (i % STAGES) * MX_STAGE;
-#pragma unroll
-      for (int j = 0; j < MX_JOBS; ++j) {
-        const int c = tid + NTHREADS * j, r = c / MX_BLOCKS, blk = c % MX_BLOCKS;
-        uint4 lo16, hi16;
-        dequant_block(*reinterpret_cast<const uint4*>(codes + c * 16), scales[j], lo16, hi16);
-        *reinterpret_cast<uint4*>(smem + tile_offset(r, 2 * blk)) = lo16;
-        *reinterpret_cast<uint4*>(smem + tile_offset(r, 2 * blk + 1)) = hi16;
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads();
-      kt = smem_u32(smem);
-    }
-    const int n0 = lo + i * BN;
-
-    // S^T (64 rows x 16 heads) = K (64 x 576) Q^T: 18 k32 steps, both operands from shared memory.
-    float s[8];
-    wg_fence();
-    const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
-#pragma unroll
-    for (int st = 0; st < D / 32; ++st) {
-      const uint64_t da =
-          st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
-      wgmma_ss<MX>(s, da, qdesc + ((2 * st * QCHUNK) >> 4), st);
-    }
-    wg_commit();
-    wg_wait0();
-    fence_acc(s);
-
-    // Online softmax over the tile, log2 domain; rows past hi are masked.
-    const int r0 = warp * 16 + g;
-    const bool in0 = n0 + r0 < hi, in1 = n0 + r0 + 8 < hi;
-    float mx[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int a = (e & 1) + (e >> 1) * 4;  // accumulator of head e at row g; a + 2 at row g + 8
-      s[a] = in0 ? s[a] * qsc[e] : -INFINITY;
-      s[a + 2] = in1 ? s[a + 2] * qsc[e] : -INFINITY;
-      mx[e] = fmaxf(s[a], s[a + 2]);
-    }
-    reduce_rows(mx, heads, red, warp, g, [](float x, float y) { return fmaxf(x, y); });
-    float alpha[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float mn = fmaxf(m[e], mx[e]);
-      const float base = mn == -INFINITY ? 0.f : mn;
-      alpha[e] = ex2(m[e] - base);
-      m[e] = mn;
-      const int a = (e & 1) + (e >> 1) * 4;
-      const float p0 = ex2(s[a] - (base - P_BIAS)), p1 = ex2(s[a + 2] - (base - P_BIAS));
-      l[e] = l[e] * alpha[e] + (p0 + p1);  // this thread's share; summed across the CTA at the end
-      p0dst[heads[e] * 16] = to_e4m3(p0);
-      p1dst[heads[e] * 16] = to_e4m3(p1);
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    // Rescale only when a running max moved somewhere in the warp (rare after the first tiles).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f || alpha[2] != 1.f || alpha[3] != 1.f)) {
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int a = (e & 1) + (e >> 1) * 4;
-          acc[mb][a] *= alpha[e];
-          acc[mb][a + 2] *= alpha[e];
-        }
-      }
-    }
-    __syncthreads();  // P is complete
-
-    // O^T (512 dims x 16 heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
-    // as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1], V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of
-    // block r; byte permutes of blocks r and r + 8 give the fragment of A row g (dim 2g) and row g + 8 (dim 2g+1).
-#pragma unroll
-    for (int kk = 0; kk < BN / 32; ++kk) {
-      uint32_t a[8][4];
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-        uint32_t vb[4];
-        ldsm_x4_trans(vb, kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
-        a[mb][0] = __byte_perm(vb[0], vb[1], 0x6420);
-        a[mb][1] = __byte_perm(vb[0], vb[1], 0x7531);
-        a[mb][2] = __byte_perm(vb[2], vb[3], 0x6420);
-        a[mb][3] = __byte_perm(vb[2], vb[3], 0x7531);
-      }
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);
-      wg_fence();
-      const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) wgmma_rs<MX>(acc[mb], a[mb], db);
-    }
-    wg_commit();
-    wg_wait0();
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);
-  }
-  asm volatile("cp.async.wait_group 0;\n");
-
-  // Row sums across the warp's rows and the warps (every warp holds the same m).
-  __syncthreads();  // every warp has read red in its last tile
-  reduce_rows(l, heads, red, warp, g, [](float x, float y) { return x + y; });
-  float scale[4];  // kv_scale / the sum (no rows: zeros)
-#pragma unroll
-  for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
-  const size_t part = static_cast<size_t>(b) * num_splits + split;
-  if (num_splits > 1 && tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      part_lse[part * H + heads[e]] = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
-  }
-  // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
-  // that each warp store writes whole 128-byte lines; from the fragments, each store wrote four 64-byte pieces and
-  // the 32 stores took ~1500 cycles per CTA. Rows padded by 4 floats: the fragments' float2 writes take 2 wavefronts.
-  constexpr int OUT_ROW = DV + 4;
-  static_assert(H * OUT_ROW * 4 <= TILE, "the staged output fits the first tile's bytes");
-  float* staged = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb) {
-    const int dim = 64 * mb + 16 * warp + 2 * g;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int a = (e & 1) + (e >> 1) * 4;
-      *reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim) =
-          make_float2(acc[mb][a] * scale[e], acc[mb][a + 2] * scale[e]);
-    }
-  }
-  __syncthreads();
-  const int col = 4 * tid;
-#pragma unroll 4
-  for (int h = 0; h < H; ++h) {
-    float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
-    if (num_splits == 1 && !valid) v = make_float4(NAN, NAN, NAN, NAN);
-    store_bf16x4((num_splits == 1 ? out + static_cast<size_t>(b) * H * DV : part_o + part * H * DV) + h * DV + col, v);
-  }
-  if (num_splits > 1) merge_splits(sync, base, b, split, num_splits, valid, out, part_o, part_lse);
-}
-
-#else  // mma.sync, fp16
-
-constexpr int NWARPS = 8;
-constexpr int NTHREADS = NWARPS * 32;
-constexpr int CTAS_PER_SM = 1;
-constexpr bool SUPPORTS_MXFP4 = false;
-constexpr int TOKW = BN / NWARPS;      // score columns (tile rows) per warp: one m16n8 tile
-constexpr int VCOLS = DV / NWARPS;     // output columns per warp
-constexpr int KROW = D + 16;           // smem bytes per tile row: 8 consecutive rows hit distinct banks (ldmatrix)
-constexpr int QROW = D + 8;            // halves per row of the fp16 Q staging
-constexpr int PROW = BN + 8;           // halves per P row
-constexpr int KSTEPS = D / 16;         // k16 steps of the score product
-constexpr int SMEM_Q = H * QROW * 2;
-constexpr int SMEM_P = H * PROW * 2;
-constexpr int SMEM_RED = NWARPS * H * 4;
-template <int STAGES, bool MX>
-constexpr int smem_bytes() { return STAGES * BN * KROW + SMEM_Q + SMEM_P + SMEM_RED; }
-
-__device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two e4m3 bytes (low byte first) -> f16x2 by the hardware cvt.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-template <int STAGES, bool MX>  // MX: not supported here (the launcher never instantiates it)
-__global__ void __launch_bounds__(NTHREADS, 1)
-split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
-             const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
-             const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ part_o,
-             float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
-             float qk_scale) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ks = smem;
-  uint8_t* const tail = smem + STAGES * BN * KROW;
-  __half* qs = reinterpret_cast<__half*>(tail);
-  __half* ps = reinterpret_cast<__half*>(tail + SMEM_Q);
-  float* red = reinterpret_cast<float*>(tail + SMEM_Q + SMEM_P);
-
-  const int split = blockIdx.x, b = blockIdx.y;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
-  const unsigned base = arrival_base(sync, b, num_splits);
-  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
-  const bool valid = range.valid;
-
-  auto load_tile = [&](int i) {  // rows past hi are zero-filled, never read
-    uint8_t* dst = ks + (i % STAGES) * BN * KROW;
-    const int n0 = lo + i * BN;
-    for (int c = tid; c < BN * (D / 16); c += NTHREADS) {
-      const int r = c / (D / 16), col = (c % (D / 16)) * 16;
-      const int n = n0 + r;
-      const uint8_t* src = kv + static_cast<size_t>(n < hi ? n : lo) * D + col;
-      const uint32_t d = smem_u32(dst + r * KROW + col);
-      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n < hi ? 16 : 0));
-    }
-  };
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < ntiles) load_tile(i);
-    asm volatile("cp.async.commit_group;\n");
-  }
-
-  // Q -> fp16 * sm_scale * log2(e) (bf16 has 8 significant bits, fp16 11; |q| < ~1e6), then into registers as the
-  // A operand of every k16 step. Within each 16-dim chunk, lane t4 takes dims 4*t4 + {0,1} as the k-pair t4*2 and
-  // 4*t4 + {2,3} as the k-pair t4*2 + 8: the products run over that permutation of the dims, the same for K (whose
-  // ldmatrix fragments come out in exactly this order).
-  const float kv_scale = *kv_scale_ptr;
-  for (int c = tid; c < H * D / 2; c += NTHREADS) {
-    const int h = c / (D / 2), j = c % (D / 2);
-    const float2 v = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(q + static_cast<size_t>(b) * H * D)[c]);
-    *reinterpret_cast<__half2*>(qs + h * QROW + 2 * j) = __floats2half2_rn(v.x * qk_scale, v.y * qk_scale);
-  }
-  __syncthreads();
-  uint32_t qa[KSTEPS][4];
-#pragma unroll
-  for (int s = 0; s < KSTEPS; ++s) {
-    const __half* r0 = qs + g * QROW + s * 16 + 4 * t4;
-    const __half* r1 = r0 + 8 * QROW;
-    qa[s][0] = *reinterpret_cast<const uint32_t*>(r0);
-    qa[s][1] = *reinterpret_cast<const uint32_t*>(r1);
-    qa[s][2] = *reinterpret_cast<const uint32_t*>(r0 + 2);
-    qa[s][3] = *reinterpret_cast<const uint32_t*>(r1 + 2);
-  }
-
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads g and g + 8
-  float acc[VCOLS / 8][4];  // [2 * group + parity]: even / odd columns of 16-column group `group`
-#pragma unroll
-  for (int j = 0; j < VCOLS / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-
-  for (int i = 0; i < ntiles; ++i) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
-    __syncthreads();  // tile i is visible; every warp is done with tile i - 1 (its stage, P and red)
-    if (i + STAGES - 1 < ntiles) load_tile(i + STAGES - 1);
-    asm volatile("cp.async.commit_group;\n");
-    const uint8_t* kt = ks + (i % STAGES) * BN * KROW;
-    const int n0 = lo + i * BN;
-
-    // S (16 heads x this warp's 8 rows): ldmatrix gives lane (g, t4) bytes 4*t4..4*t4+3 of a 16-byte chunk of
-    // row g: the B fragment of that chunk's k16 step. Four accumulators keep four mma chains in flight.
-    float s4[4][4];
-#pragma unroll
-    for (int a = 0; a < 4; ++a) s4[a][0] = s4[a][1] = s4[a][2] = s4[a][3] = 0.f;
-    const uint8_t* krow = kt + (warp * TOKW + (lane & 7)) * KROW + (lane >> 3) * 16;
-#pragma unroll
-    for (int c4 = 0; c4 < KSTEPS / 4; ++c4) {
-      uint32_t kb[4];
-      ldsm_x4(kb, smem_u32(krow + c4 * 64));
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-        mma_f16(s4[a], qa[c4 * 4 + a], e4m3x2_to_f16x2(kb[a]), e4m3x2_to_f16x2(kb[a] >> 16));
-    }
-    float s[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
-
-    // Online softmax over the tile, log2 domain; rows past hi are masked.
-    const int row = n0 + warp * TOKW + t4 * 2;
-    s[0] = row < hi ? s[0] * kv_scale : -INFINITY;
-    s[1] = row + 1 < hi ? s[1] * kv_scale : -INFINITY;
-    s[2] = row < hi ? s[2] * kv_scale : -INFINITY;
-    s[3] = row + 1 < hi ? s[3] * kv_scale : -INFINITY;
-    float mx0 = fmaxf(s[0], s[1]), mx1 = fmaxf(s[2], s[3]);
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    if (t4 == 0) {
-      red[warp * H + g] = mx0;
-      red[warp * H + g + 8] = mx1;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < NWARPS; ++w) {
-      mx0 = fmaxf(mx0, red[w * H + g]);
-      mx1 = fmaxf(mx1, red[w * H + g + 8]);
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
-    m0 = mn0;
-    m1 = mn1;
-    const float p0 = exp2f(s[0] - base0), p1 = exp2f(s[1] - base0);
-    const float p2 = exp2f(s[2] - base1), p3 = exp2f(s[3] - base1);
-    *reinterpret_cast<uint32_t*>(ps + g * PROW + warp * TOKW + t4 * 2) = pack_half2(p0, p1);
-    *reinterpret_cast<uint32_t*>(ps + (g + 8) * PROW + warp * TOKW + t4 * 2) = pack_half2(p2, p3);
-    l0 = l0 * alpha0 + (p0 + p1);  // this thread's share; summed across the CTA at the end
-    l1 = l1 * alpha1 + (p2 + p3);
-#pragma unroll
-    for (int j = 0; j < VCOLS / 8; ++j) {
-      acc[j][0] *= alpha0;
-      acc[j][1] *= alpha0;
-      acc[j][2] *= alpha1;
-      acc[j][3] *= alpha1;
-    }
-    __syncthreads();  // P is complete
-
-    // O (16 x this warp's 64 columns) += P (16 x 64) V (64 x 64). ldmatrix.trans of the FP8 rows as b16 gives lane
-    // (g, t4) the bytes V[2t4][d], V[2t4][d+1], V[2t4+1][d], V[2t4+1][d+1] with d = group base + 2g: bytes 0 and 2
-    // form the B fragment of the even column tile (column g = dim d), bytes 1 and 3 that of the odd one (d + 1).
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t pa[4];
-      ldsm_x4(pa, smem_u32(ps + (lane & 15) * PROW + kk * 16 + (lane >> 4) * 8));
-      const uint8_t* vrow =
-          kt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * KROW + warp * VCOLS + (lane >> 4) * 16;
-#pragma unroll
-      for (int gp = 0; gp < VCOLS / 32; ++gp) {  // pairs of 16-column groups
-        uint32_t vb[4];
-        ldsm_x4_trans(vb, smem_u32(vrow + gp * 32));
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const uint32_t lo_rows = vb[2 * h2], hi_rows = vb[2 * h2 + 1];
-          float* even = acc[(gp * 2 + h2) * 2];
-          float* odd = acc[(gp * 2 + h2) * 2 + 1];
-          mma_f16(even, pa, e4m3x2_to_f16x2(__byte_perm(lo_rows, 0, 0x0020)),
-                  e4m3x2_to_f16x2(__byte_perm(hi_rows, 0, 0x0020)));
-          mma_f16(odd, pa, e4m3x2_to_f16x2(__byte_perm(lo_rows, 0, 0x0031)),
-                  e4m3x2_to_f16x2(__byte_perm(hi_rows, 0, 0x0031)));
-        }
-      }
-    }
-  }
-  asm volatile("cp.async.wait_group 0;\n");
-
-  // Row sums across the quad and the warps (every warp holds the same m0, m1).
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  __syncthreads();  // every warp has read red in its last tile
-  if (t4 == 0) {
-    red[warp * H + g] = l0;
-    red[warp * H + g + 8] = l1;
-  }
-  __syncthreads();
-  l0 = l1 = 0.f;
-#pragma unroll
-  for (int w = 0; w < NWARPS; ++w) {
-    l0 += red[w * H + g];
-    l1 += red[w * H + g + 8];
-  }
-  const float inv0 = l0 > 0.f ? kv_scale / l0 : 0.f, inv1 = l1 > 0.f ? kv_scale / l1 : 0.f;  // no rows: zeros
-  // Group `grp` holds dims base + 4*t4 + {0, 1, 2, 3} as (even c0, odd c0, even c1, odd c1) for head g (c2, c3: g + 8).
-  const size_t part = static_cast<size_t>(b) * num_splits + split;
-#pragma unroll
-  for (int grp = 0; grp < VCOLS / 16; ++grp) {
-    const float* ev = acc[2 * grp];
-    const float* od = acc[2 * grp + 1];
-    const int col = warp * VCOLS + grp * 16 + 4 * t4;
-    float4 v0 = make_float4(ev[0] * inv0, od[0] * inv0, ev[1] * inv0, od[1] * inv0);
-    float4 v1 = make_float4(ev[2] * inv1, od[2] * inv1, ev[3] * inv1, od[3] * inv1);
-    if (num_splits == 1) {
-      if (!valid) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
-      __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV + col;
-      store_bf16x4(o + g * DV, v0);
-      store_bf16x4(o + (g + 8) * DV, v1);
-    } else {
-      __nv_bfloat16* o = part_o + part * H * DV + col;
-      store_bf16x4(o + g * DV, v0);
-      store_bf16x4(o + (g + 8) * DV, v1);
-    }
-  }
-  if (num_splits > 1 && warp == 0 && t4 == 0) {
-    part_lse[part * H + g] = l0 > 0.f ? m0 + log2f(l0) : -INFINITY;
-    part_lse[part * H + g + 8] = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
-  }
-  if (num_splits > 1) merge_splits(sync, base, b, split, num_splits, valid, out, part_o, part_lse);
-}
-
-#endif  // MLA_WGMMA
-
-}  // namespace mla
-
-// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), and whether this build reads
-// the MXFP4 cache.
-extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
-extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
-
-// A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
-// GPUs with less shared memory get (0: none). Returns the stages it will run with on the current device (0 in the
-// wgmma build, which has one configuration per grid: Hopper has 227 KB per block).
-#if MLA_WGMMA
-extern "C" int mla_limit_shared_memory(int) { return 0; }
-#else
-static int smem_limit_for_tests = 0;
-// As many stages as fit the shared memory per block (or the limit for tests): 4 (169 KB) on sm_90 and sm_100, 3 on
-// sm_80 (163 KB), 2 on sm_86, sm_89 and sm_120 (99 KB).
-static int mma_sync_stages(int smem_per_block) {
-  const int limit = smem_limit_for_tests ? min(smem_limit_for_tests, smem_per_block) : smem_per_block;
-  return limit >= mla::smem_bytes<4, false>() ? 4 : limit >= mla::smem_bytes<3, false>() ? 3 : 2;
-}
-extern "C" int mla_limit_shared_memory(int bytes) {
-  smem_limit_for_tests = bytes;
-  int dev = 0, smem_per_block = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  return mma_sync_stages(smem_per_block);
-}
-#endif
-
-struct SplitArgs {
-  const __nv_bfloat16* q;
-  const uint8_t* kv;
-  const float* kv_scale;
-  const uint8_t* kv_block_scales;
-  int scale_stride;
-  const int* kv_indptr;
-  __nv_bfloat16* out;
-  __nv_bfloat16* part_o;
-  float* part_lse;
-  unsigned* sync;
-  int batch, total_kv, num_splits;
-  float qk_scale;
-};
-
-// With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
-// split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
-// The KV cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its
-// first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
-// 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
-// the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
-template <int STAGES, bool MX>
-static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a, int max_window) {
-  constexpr int smem = mla::smem_bytes<STAGES, MX>();
-  static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
-  if (!(configured & (1u << dev))) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    configured |= 1u << dev;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.num_splits, a.batch);
-  cfg.blockDim = dim3(mla::NTHREADS);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  int n = 0;
-  if (max_window > 0) {
-    const size_t kv_bytes = static_cast<size_t>(a.total_kv) * (MX ? mla::D / 2 : mla::D);
-    attrs[n].id = cudaLaunchAttributeAccessPolicyWindow;
-    cudaAccessPolicyWindow& window = attrs[n++].val.accessPolicyWindow;
-    window.base_ptr = const_cast<uint8_t*>(a.kv);
-    window.num_bytes = kv_bytes < static_cast<size_t>(max_window) ? kv_bytes : static_cast<size_t>(max_window);
-    window.hitRatio = 1.f;
-    window.hitProp = cudaAccessPropertyStreaming;
-    window.missProp = cudaAccessPropertyStreaming;
-  }
-  if (a.num_splits > 1) {
-    attrs[n].id = cudaLaunchAttributeCooperative;
-    attrs[n++].val.cooperative = 1;
-  }
-  cfg.attrs = attrs;
-  cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
-                            a.scale_stride, a.kv_indptr, a.out, a.part_o, a.part_lse, a.sync, a.total_kv,
-                            a.num_splits, a.qk_scale);
-}
-
-// Launches the split kernel (which merges its splits itself) on `stream`. kv_format 0: kv is the FP8 cache
-// (total_kv, 576) with kv_scale (1,) fp32; 1: kv is the MXFP4 codes (total_kv, 288) with kv_block_scales, E8M0
-// bytes, row r's 18 at r * scale_stride. part_o, part_lse and sync as split_kernel's (unused with one split).
-// C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
-extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, const void* kv_block_scales,
-                          int scale_stride, int kv_format, const void* kv_indptr, void* out, void* part_o,
-                          void* part_lse, void* sync, int batch, int total_kv, int num_splits, float qk_scale,
-                          void* stream) {
-  static thread_local int sms[32] = {}, smem_per_block[32] = {}, max_window[32] = {};  // per device
-  int dev = 0;
-  cudaGetDevice(&dev);
-  const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
-  if (dev >= 32 || !splits_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
-    return static_cast<int>(cudaErrorInvalidValue);
-  if (sms[dev] == 0) {
-    cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-    cudaDeviceGetAttribute(&smem_per_block[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    cudaDeviceGetAttribute(&max_window[dev], cudaDevAttrMaxAccessPolicyWindowSize, dev);
-  }
-  const SplitArgs args = {static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(kv),
-                          static_cast<const float*>(kv_scale), static_cast<const uint8_t*>(kv_block_scales),
-                          scale_stride, static_cast<const int*>(kv_indptr), static_cast<__nv_bfloat16*>(out),
-                          static_cast<__nv_bfloat16*>(part_o), static_cast<float*>(part_lse),
-                          static_cast<unsigned*>(sync), batch, total_kv, num_splits, qk_scale};
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  cudaError_t e;
-#if MLA_WGMMA
-  if (kv_format == 1)
-    e = launch_split<mla::MX_STAGES, true>(dev, s, args, max_window[dev]);
-  else if (batch * num_splits > sms[dev])
-    e = launch_split<mla::STAGES_SHARED, false>(dev, s, args, max_window[dev]);
-  else
-    e = launch_split<mla::STAGES_ALONE, false>(dev, s, args, max_window[dev]);
-#else
-  switch (mma_sync_stages(smem_per_block[dev])) {
-    case 4: e = launch_split<4, false>(dev, s, args, max_window[dev]); break;
-    case 3: e = launch_split<3, false>(dev, s, args, max_window[dev]); break;
-    default: e = launch_split<2, false>(dev, s, args, max_window[dev]);
-  }
-#endif
-  return static_cast<int>(e);
-}
-"""
-_CUDA_LIBS: dict = {}  # device capability -> ctypes library, or the build error (str) when it could not be built
-_CUDA_LAUNCH: dict = {}
-
-
-def _nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    candidates = [os.path.join(home, "bin", "nvcc")] if home else []
-    found = shutil.which("nvcc")
-    candidates += [found] if found else []
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
-
-
-def _build_cuda_library(nvcc: str, arch: str, wgmma: bool) -> str:
-    """Path of the library built from _CUDA_SRC for sm_<arch> (the wgmma kernel or the mma.sync one) in
-    MLA_CUDA_CACHE (default ~/.cache/mla_decode), keyed by a hash of the source, the target and the nvcc; built
-    there once per machine. A RuntimeError carries nvcc's message when it cannot be built."""
-    digest = hashlib.sha256(f"{_CUDA_SRC}{arch}{wgmma}{nvcc}".encode()).hexdigest()[:16]
-    cache = os.environ.get("MLA_CUDA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mla_decode")
-    path = os.path.join(cache, f"libmla_decode_sm{arch}_{digest}.so")
-    if not os.path.exists(path):
-        os.makedirs(cache, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            cu = os.path.join(tmp, "mla_decode.cu")
-            with open(cu, "w") as f:
-                f.write(_CUDA_SRC)
-            built = os.path.join(tmp, "lib.so")
-            cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "177",
-                   f"-DMLA_WGMMA={int(wgmma)}", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", built, cu]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"cuda backend: nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-            os.replace(built, path)  # atomic: concurrent builders each install a complete file
-    return path
-
-
-def _cuda_library(capability: tuple[int, int]):
-    """The kernel library for this capability, built once per machine (see _build_cuda_library) and loaded: the
-    wgmma kernel on Hopper (sm_90a), or the mma.sync one where that cannot be built (an nvcc older than 12.0; with
-    a warning) and on other GPUs. A RuntimeError carries nvcc's message when neither can be built."""
-    lib = _CUDA_LIBS.get(capability)
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
-    if lib is not None:
-        return lib
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise RuntimeError("cuda backend: no nvcc found (set CUDA_HOME or put nvcc on PATH)")
-    arch = f"{capability[0]}{capability[1]}"
-    try:
-        if capability == CUDA_WGMMA_CAPABILITY:
-            try:
-                path = _build_cuda_library(nvcc, arch + "a", wgmma=True)
-            except RuntimeError as e:
-                log.warning("MLA decode: the Hopper (wgmma) kernel did not build, using the mma.sync one: %s", e)
-                path = _build_cuda_library(nvcc, arch, wgmma=False)
-        else:
-            path = _build_cuda_library(nvcc, arch, wgmma=False)
-    except RuntimeError as e:
-        _CUDA_LIBS[capability] = str(e)
-        raise
-    lib = ctypes.CDLL(path)
-    lib.mla_decode.restype = ctypes.c_int
-    lib.mla_decode.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
-                               + [ctypes.c_float, ctypes.c_void_p])
-    lib.mla_limit_shared_memory.restype = ctypes.c_int
-    lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
-    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
-        getattr(lib, name).restype = ctypes.c_int
-        getattr(lib, name).argtypes = []
-    _CUDA_LIBS[capability] = lib
-    return lib
-
-
-@functools.cache
-def _cuda_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | None:
-    """None when the cuda backend reads `kv_format` on `device` (an NVIDIA GPU of capability >= 8.0 whose kernel
-    library builds with the machine's nvcc, once per machine; MXFP4 only with the Hopper kernel), else why not."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return f"cuda backend: needs an NVIDIA GPU; device is {device}"
-    if _cuda_capability(device) < CUDA_MIN_CAPABILITY:
-        return f"cuda backend: needs compute capability >= 8.0, this GPU has {_cuda_capability(device)}"
-    try:
-        lib = _cuda_library(_cuda_capability(device))
-    except RuntimeError as e:
-        return str(e)
-    if kv_format == "mxfp4" and not lib.mla_supports_mxfp4():
-        return (f"cuda backend: reads MXFP4 only with its Hopper (sm_90a) kernel; this GPU has capability "
-                f"{_cuda_capability(device)}")
-    return None
-
-
-def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
-    """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once (ctas_per_sm x
-    SMs; the merge's barrier needs them all resident), at most CUDA_MAX_SPLITS and at least one 64-row tile per split;
-    then, while a second CTA per SM would be needed (batch x splits > SMs), halved as long as a split would hold fewer
-    than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little work). Measured on the H200
-    (132 SMs, 2026-11-30 ~12:04 UTC, the fused merge, splits 1..64 per shape, leaderboard timing), the wgmma kernel (2
-    CTAs per SM) is fastest, or within 3%, at the counts this picks: 16 at 4x1024 (11.3 us; 12.2 at 8), 32 at 4x8192
-    (18.9; 20.6 at 64), 4 at 32x1024 (18.9; 19.5 at 8), 8 at 32x8192 (54.9; 55.2 at 4), 4 at 64x1024 (25.0; 25.6 at 2)
-    and 64x8192, 1 at batch 256; rechecked at ~13:10 UTC with the current kernel: 4x8192 at 64 18.8 (17.0 at 32),
-    32x1024 at 8 17.7 (17.4 at 4), 32x8192 at 4 54.2 (53.1 at 8). Two warpgroups per CTA alone on its SM (alternate
-    tiles; 64x8192 in 2 splits, 32x8192 in 4) were faster until the copies asked L2 for whole lines, then slower (89.4
-    against 87.5 and 54.4 against 53.1 us), and were removed. The mma.sync kernel (1 CTA per SM) was best at 16, 32, 4,
-    4, 2, 2, 1, 1 (what this picks for it; measured with the earlier two-kernel merge)."""
-    tiles = max(1, seq_len // CUDA_BLOCK_N)
-    limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, CUDA_MAX_SPLITS))
-    splits = 1 << (limit.bit_length() - 1)
-    while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
-        splits //= 2
-    return splits
-
-
-_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
-
-
-def _current_raw_stream(device: torch.device) -> int:
-    """The current stream's handle. torch.cuda.current_stream(device).cuda_stream builds a Stream object: 4.5 us
-    of host time per call on the H200's host, against 0.2 for the raw handle (the private call Triton and Inductor
-    make)."""
-    if _GET_RAW_STREAM is not None:
-        return _GET_RAW_STREAM(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -> torch.Tensor:
-    """Inputs as _triton_forward's: kv (total_kv, 1, 576) FP8 with scale (1,) fp32, or kv (total_kv, 1, 288) MXFP4
-    codes with scale (>= total_kv, >= 18) E8M0 block scales (any row stride). One ctypes call launches the split
-    kernel (which merges the splits too) on the current stream; the workspace (partials, the per-sequence barrier's
-    counters) is cached by (device, batch, kv_seq_len, format)."""
-    device = q.device
-    lib = _cuda_library(_cuda_capability(device))
-    batch = q.shape[0]
-    seq_len = config["kv_seq_len"] if config["kv_seq_len"] is not None else -(-kv.shape[0] // max(batch, 1))
-    key = (device, batch, seq_len, kv_format)
-    launch = _CUDA_LAUNCH.get(key)
-    if launch is None:
-        splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(device).multi_processor_count,
-                           lib.mla_ctas_per_sm())
-        rows = batch * splits if splits > 1 else 0
-        launch = (splits, torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device),
-                  torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device),
-                  torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device))
-        if len(_CUDA_LAUNCH) >= LAUNCH_CACHE_LIMIT:
-            _CUDA_LAUNCH.clear()
-        _CUDA_LAUNCH[key] = launch
-    splits, part_o, part_lse, sync = launch
-    if (q.data_ptr() | kv.data_ptr() | kv_indptr.data_ptr()) % 16:
-        raise ValueError(f"cuda backend: q, kv_data[{kv_format!r}][0] and kv_indptr must start on 16-byte boundaries")
-    mxfp4 = kv_format == "mxfp4"
-    out = q.new_empty((batch, NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
-    err = lib.mla_decode(q.data_ptr(), kv.data_ptr(), None if mxfp4 else scale.data_ptr(),
-                         scale.data_ptr() if mxfp4 else None, scale.stride(0) if mxfp4 else 0, int(mxfp4),
-                         kv_indptr.data_ptr(), out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
-                         sync.data_ptr(), batch, kv.shape[0], splits, float(config["sm_scale"]) * LOG2E,
-                         _current_raw_stream(device))
-    if err:
-        raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")
     return out
 
 
@@ -2377,7 +1222,7 @@ def custom_kernel(data):
         _expect(kv_format == "fp8", "MLA_KV_FORMAT", "fp8 with the aiter backend", repr(kv_format))
         return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config)
     if backend == "cuda":
-        return _cuda_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
+        return _cuda_package()[0].forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
     if backend == "triton":
         return _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
     return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)

@@ -1,52 +1,112 @@
-"""The cuda backend: its build and plan on the CPU (nvcc needs no GPU), the kernel on a GPU behind the `gpu` marker."""
+"""The cuda backend (the mla_decode_cuda package): its build and plan on the CPU (nvcc needs no GPU), how
+submission.py finds it, and the kernel on a GPU behind the `gpu` marker."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import mla_decode_cuda as C
 import reference as R
 import submission as S
 
-needs_nvcc = pytest.mark.skipif(S._nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+needs_nvcc = pytest.mark.skipif(C.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path))
-    monkeypatch.setattr(S, "_CUDA_LIBS", {})
+    monkeypatch.setattr(C, "_LIBS", {})
     return tmp_path
+
+
+@pytest.fixture
+def edited_sources(monkeypatch, tmp_path):
+    """edit(file, text, line=None): a copy of the sources with `text` inserted before 1-based `line` of `file` (appended
+    when None), which the build then uses; returns the edited file's path."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(C.CSRC, csrc)
+    monkeypatch.setattr(C, "CSRC", csrc)
+
+    def edit(file: str, text: str, line: int | None = None):
+        path = csrc / file
+        lines = path.read_text().splitlines(keepends=True)
+        lines.insert(len(lines) if line is None else line - 1, text)
+        path.write_text("".join(lines))
+        return path
+
+    return edit
 
 
 @needs_nvcc
 @pytest.mark.parametrize("capability,suffix,ctas_per_sm", [((9, 0), "sm90a", 2), ((8, 0), "sm80", 1)],
                          ids=["wgmma", "mma_sync"])
 def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix, ctas_per_sm):
-    lib = S._cuda_library(capability)
+    lib = C.library(capability)
     assert lib.mla_decode.restype is not None
     assert lib.mla_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
-    assert lib.mla_supports_mxfp4() == (capability == S.CUDA_WGMMA_CAPABILITY)
+    assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
-    assert S._cuda_library(capability) is lib  # built once, then reused
+    assert C.library(capability) is lib  # built once, then reused
 
 
 @needs_nvcc
-def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, monkeypatch, caplog):
+def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, edited_sources, caplog):
     """An nvcc that cannot build the wgmma kernel (before 12.0: no sm_90a) still gives Hopper the mma.sync one."""
-    monkeypatch.setattr(S, "_CUDA_SRC", "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n" + S._CUDA_SRC)
+    edited_sources(C.MAIN_SOURCE, "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n", line=1)
     with caplog.at_level("WARNING", logger="mla_decode"):
-        lib = S._cuda_library((9, 0))
+        lib = C.library((9, 0))
     assert lib.mla_ctas_per_sm() == 1 and not lib.mla_supports_mxfp4()
     assert "the Hopper (wgmma) kernel did not build" in caplog.text and "no sm_90a here" in caplog.text
     assert [p.name.split("_")[2] for p in fresh_build.glob("*.so")] == ["sm90"]
 
 
 @needs_nvcc
-def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build, monkeypatch):
-    monkeypatch.setattr(S, "_CUDA_SRC", S._CUDA_SRC + "\nthis is not C++;\n")
+def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build, edited_sources):
+    edited_sources(C.MAIN_SOURCE, "\nthis is not C++;\n")
     with pytest.raises(RuntimeError, match="nvcc failed"):
-        S._cuda_library((9, 0))
+        C.library((9, 0))
     with pytest.raises(RuntimeError, match="nvcc failed"):  # remembered: no second compile
-        S._cuda_library((9, 0))
+        C.library((9, 0))
     assert not list(fresh_build.glob("*.so"))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("file,line", [("wgmma.cuh", 40), ("merge.cuh", 12), (C.MAIN_SOURCE, 30)])
+def test_a_compiler_error_names_the_real_file_and_line(fresh_build, edited_sources, file, line):
+    """nvcc compiles the package's files where they lie: its message points at the line to fix."""
+    path = edited_sources(file, "this is not C++;\n", line)
+    arch, wgmma = ("90a", True) if file == "wgmma.cuh" else ("80", False)
+    with pytest.raises(RuntimeError, match="nvcc failed") as failure:
+        C.build_library(C.find_nvcc(), arch, wgmma)
+    assert re.search(rf"{re.escape(str(path))}\({line}\): error", str(failure.value)), str(failure.value)
+
+
+def test_the_build_hash_covers_every_source_file(fresh_build, edited_sources, monkeypatch):
+    """An edit to any of the files gives another library name (no stale build is loaded); unchanged sources reuse
+    the library built before."""
+    runs = []
+
+    def fake_nvcc(cmd, **kwargs):  # writes the library nvcc would
+        runs.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(C.subprocess, "run", fake_nvcc)
+    first = C.build_library("/opt/nvcc", "80", False)
+    assert C.build_library("/opt/nvcc", "80", False) == first and len(runs) == 1
+    assert runs[0][-1] == str(C.CSRC / C.MAIN_SOURCE) and runs[0][runs[0].index("-I") + 1] == str(C.CSRC)
+    names = {first}
+    for path in C.source_files(C.CSRC):
+        edited_sources(path.name, "// an edit\n")
+        names.add(C.build_library("/opt/nvcc", "80", False))
+    names |= {C.build_library("/opt/nvcc", "90a", True), C.build_library("/opt/other/nvcc", "80", False)}
+    assert len(names) == len(C.source_files(C.CSRC)) + 3 == len(runs)
 
 
 # (batch, seq_len, splits with 1 CTA per SM (mma.sync), with 2 (wgmma)): the measured best counts on the H200
@@ -55,18 +115,64 @@ def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build,
                                                    (256, 1024, 1, 1), (256, 8192, 1, 1), (1, 1, 1, 1), (3, 0, 1, 1),
                                                    (1000, 50, 1, 1), (1, 100_000, 128, 256)])
 def test_plan_fills_the_sms(batch, seq_len, one, two):
-    assert S.cuda_plan(batch, seq_len, 132, 1) == one
-    assert S.cuda_plan(batch, seq_len, 132, 2) == two
+    assert C.cuda_plan(batch, seq_len, 132, 1) == one
+    assert C.cuda_plan(batch, seq_len, 132, 2) == two
 
 
 def test_plan_stays_within_what_the_merge_takes():
-    assert S.cuda_plan(1, 10_000_000, 1000, 2) == S.CUDA_MAX_SPLITS == 512
+    assert C.cuda_plan(1, 10_000_000, 1000, 2) == C.MAX_SPLITS == 512
 
 
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: needs an NVIDIA GPU"):
         S.select_backend(torch.device("cpu"))
+
+
+def test_the_package_needs_nothing_from_submission():
+    """submission.py imports the package lazily, and the package never imports it back (no import cycle)."""
+    code = "import sys, mla_decode_cuda; assert 'submission' not in sys.modules, sorted(sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=C.CSRC.parent.parent)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture
+def fake_nvidia_gpu(monkeypatch):
+    """An NVIDIA GPU as select_backend sees it, on the CPU; auto's cached verdicts are dropped before and after."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
+    S._cuda_package.cache_clear()
+    S._cuda_auto_usable.cache_clear()
+    yield torch.device("cuda", 0)
+    S._cuda_package.cache_clear()
+    S._cuda_auto_usable.cache_clear()
+
+
+def test_without_the_package_auto_takes_triton_and_forced_cuda_says_how_to_install_it(fake_nvidia_gpu, monkeypatch,
+                                                                                      caplog):
+    """submission.py copied alone (the leaderboard's upload): `import mla_decode_cuda` fails."""
+    monkeypatch.setitem(sys.modules, "mla_decode_cuda", None)
+    assert S.cuda_unusable_reason(fake_nvidia_gpu) == S.CUDA_PACKAGE_MISSING
+    assert "mla_decode_cuda package is not installed" in S.CUDA_PACKAGE_MISSING
+    assert "pip install -e ." in S.CUDA_PACKAGE_MISSING
+    with caplog.at_level("WARNING", logger="mla_decode"):
+        assert S.select_backend(fake_nvidia_gpu) == ("triton" if S.triton is not None else "torch")
+    assert f"not cuda: {S.CUDA_PACKAGE_MISSING}" in caplog.text
+    monkeypatch.setenv("MLA_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match=re.escape(f"MLA_BACKEND=cuda: {S.CUDA_PACKAGE_MISSING}")):
+        S.select_backend(fake_nvidia_gpu)
+
+
+def test_a_package_that_fails_to_import_says_why(fake_nvidia_gpu, monkeypatch, tmp_path):
+    broken = tmp_path / "mla_decode_cuda"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("import no_such_module_for_this_test\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mla_decode_cuda")
+    reason = S.cuda_unusable_reason(fake_nvidia_gpu)
+    assert reason.startswith("cuda backend: the mla_decode_cuda package failed to import") and \
+        "no_such_module_for_this_test" in reason
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -85,7 +191,7 @@ def fp32_over_cache(data, kv_format: str) -> torch.Tensor:
 
 
 def on_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == S.CUDA_WGMMA_CAPABILITY
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == C.WGMMA_CAPABILITY
 
 
 # (kernel, KV format, shared-memory limit per block, the stages the mma.sync kernel then runs with): the wgmma kernel
@@ -108,11 +214,11 @@ def cuda_backend(monkeypatch, request):
     kernel, kv_format, smem_limit, stages = request.param
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
-    monkeypatch.setattr(S, "_CUDA_LIBS", {})
-    monkeypatch.setattr(S, "_CUDA_LAUNCH", {})  # the plan depends on the kernel's CTAs per SM
+    monkeypatch.setattr(C, "_LIBS", {})
+    monkeypatch.setattr(C, "_LAUNCH", {})  # the plan depends on the kernel's CTAs per SM
     if kernel == "mma_sync":
-        monkeypatch.setattr(S, "CUDA_WGMMA_CAPABILITY", None)
-    lib = S._cuda_library(torch.cuda.get_device_capability())
+        monkeypatch.setattr(C, "WGMMA_CAPABILITY", None)
+    lib = C.library(torch.cuda.get_device_capability())
     assert lib.mla_ctas_per_sm() == (2 if kernel == "wgmma" else 1)
     if lib.mla_limit_shared_memory(0) < stages:  # the mma.sync kernel on a GPU with less shared memory
         pytest.skip(f"this GPU's shared memory per block holds fewer than {stages} stages")
@@ -159,12 +265,12 @@ def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
     sequences, with splits that get no rows; the second input reuses the first's workspace, and its output owes
     nothing to the first's partials."""
     kv_format, bound = cuda_backend
-    monkeypatch.setattr(S, "cuda_plan", lambda *args: splits)
+    monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
     for seed in (splits, splits + 100):
         data = R.generate_varlen_input([1, 777, 0, 3001], seed=seed)
         out = S.custom_kernel(data)
         assert R.worst_row_relative_l2(out, fp32_over_cache(data, kv_format)) < bound
-    assert len(S._CUDA_LAUNCH) == 1
+    assert len(C._LAUNCH) == 1
 
 
 @pytest.mark.gpu
@@ -179,12 +285,12 @@ def test_gpu_barrier_counts_every_arrival_and_an_oversized_grid_fails_to_launch(
         for _ in range(3):
             S.custom_kernel(data)
     torch.cuda.synchronize()
-    counts = [(launch[3].tolist(), launch[0]) for launch in S._CUDA_LAUNCH.values()]
+    counts = [(launch[3].tolist(), launch[0]) for launch in C._LAUNCH.values()]
     assert len(counts) == 2 and all(count == [3 * splits] * 4 and splits > 1 for count, splits in counts)
     data = R.generate_input(4, 1, 1024, seed=1)
     for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
-        monkeypatch.setattr(S, "cuda_plan", lambda *args, n=splits: n)  # or too many
-        monkeypatch.setattr(S, "_CUDA_LAUNCH", {})
+        monkeypatch.setattr(C, "cuda_plan", lambda *args, n=splits: n)  # or too many
+        monkeypatch.setattr(C, "_LAUNCH", {})
         with pytest.raises(RuntimeError, match=f"launch failed with cudaError {error}$"):
             S.custom_kernel(data)
 
@@ -197,21 +303,21 @@ def test_gpu_invalid_ranges_give_nan_rows(cuda_backend, kv_seq_len):
     data = R.generate_varlen_input([100, 200, 50, 70], seed=3)
     q, kv_data, qo, kvp, config = data
     bad = torch.tensor([0, 100, 50, 420 + 1000, 420], dtype=torch.int32, device=q.device)
-    out = S._cuda_forward(q, *kv_data[kv_format], qo, bad, dict(config, kv_seq_len=kv_seq_len), kv_format)
+    out = C.forward(q, *kv_data[kv_format], qo, bad, dict(config, kv_seq_len=kv_seq_len), kv_format)
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
     assert torch.isfinite(out[0]).all()
 
 
 @needs_nvcc
-def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cannot_build(fresh_build, monkeypatch,
-                                                                                           caplog):
+def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cannot_build(fresh_build, edited_sources,
+                                                                                           monkeypatch, caplog):
     """The choice auto makes on an NVIDIA GPU, checked on the CPU: a GPU of capability 9.0 is simulated and the
     build is broken on purpose; MLA_BACKEND=cuda raises the build error instead."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(S, "_cuda_capability", lambda device: (9, 0))
-    monkeypatch.setattr(S, "_CUDA_SRC", S._CUDA_SRC + "\nthis is not C++;\n")
+    monkeypatch.setattr(C, "capability", lambda device: (9, 0))
+    edited_sources(C.MAIN_SOURCE, "\nthis is not C++;\n")
     S._cuda_auto_usable.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
@@ -232,7 +338,7 @@ def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(fresh_build, monkey
     with MXFP4 elsewhere fails naming why."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(S, "_cuda_capability", lambda device: capability)
+    monkeypatch.setattr(C, "capability", lambda device: capability)
     S._cuda_auto_usable.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.setenv("MLA_KV_FORMAT", "fp8")

@@ -1,5 +1,7 @@
 """submission.py: input validation, backend selection, and the torch backend against the BF16 reference."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -235,6 +237,36 @@ def test_bad_kv_format_fails_clearly(monkeypatch):
     monkeypatch.setenv("MLA_KV_FORMAT", "int4")
     with pytest.raises(ValueError, match="MLA_KV_FORMAT"):
         S.custom_kernel(base())
+
+
+def test_the_defaults_apply_where_the_environment_sets_nothing(monkeypatch):
+    """The leaderboard sets no environment variables: DEFAULT_BACKEND / DEFAULT_KV_FORMAT are what a submission
+    edits; MLA_BACKEND / MLA_KV_FORMAT override them."""
+    assert (S.DEFAULT_BACKEND, S.DEFAULT_KV_FORMAT) == ("auto", "fp8")
+    monkeypatch.delenv("MLA_BACKEND")
+    monkeypatch.setattr(S, "DEFAULT_BACKEND", "triton")
+    monkeypatch.setattr(S, "DEFAULT_KV_FORMAT", "mxfp4")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert S.select_kv_format() == "mxfp4"
+    if S.triton is not None:  # forced triton runs on the CPU under the interpreter
+        assert S.select_backend(CPU) == "triton"
+    monkeypatch.setenv("MLA_BACKEND", "torch")
+    monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
+    assert (S.select_backend(CPU), S.select_kv_format()) == ("torch", "fp8")
+
+
+@pytest.mark.parametrize("name,value", [("DEFAULT_BACKEND", "rocm"), ("DEFAULT_KV_FORMAT", "int4")])
+def test_a_bad_default_is_named(monkeypatch, name, value):
+    monkeypatch.delenv("MLA_BACKEND")
+    monkeypatch.setattr(S, name, value)
+    with pytest.raises(ValueError, match=f"^{name}: expected one of .*, got '{value}'$"):
+        S.custom_kernel(base())
+
+
+def test_the_leaderboard_file_never_says_stream():
+    """The leaderboard's server refuses an upload containing that word in any case (code for it lives in the
+    mla_decode_cuda package)."""
+    assert "stream" not in Path(S.__file__).read_text().lower()
 
 
 @pytest.mark.gpu

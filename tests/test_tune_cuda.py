@@ -1,8 +1,11 @@
-"""bench/tune_cuda.py: its variant specs and source patches on the CPU (the timeline's anchors must all be in the
-kernel as it stands, so an edit that moves one fails here, not on a GPU), its stamped source built by nvcc, and both
-modes run on an NVIDIA GPU."""
+"""bench/tune_cuda.py: its variant specs and source patches on the CPU (the timeline's `// TUNE: name` anchors must
+all be in the kernel sources as they stand, so an edit that drops or moves one fails here, not on a GPU), its stamped
+sources built by nvcc, and both modes run on an NVIDIA GPU."""
 
+import difflib
 import importlib.util
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import submission as S
+import mla_decode_cuda as C
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNE = ROOT / "bench" / "tune_cuda.py"
-needs_nvcc = pytest.mark.skipif(S._nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+needs_nvcc = pytest.mark.skipif(C.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,22 @@ def tune():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def csrc(tune, tmp_path):
+    """A copy of the package's sources, as the tool patches them."""
+    return tune.copy_sources(C.CSRC, tmp_path / "csrc")
+
+
+def changed_lines(before: Path, after: Path) -> list[tuple[str, str, str]]:
+    """(file, old line, new line) for every line that differs between two copies of the sources."""
+    changes = []
+    for path in C.source_files(before):
+        old, new = path.read_text().splitlines(), (after / path.name).read_text().splitlines()
+        assert len(old) == len(new), path.name
+        changes += [(path.name, a, b) for a, b in zip(old, new, strict=True) if a != b]
+    return changes
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -41,42 +60,73 @@ def test_a_malformed_variant_is_refused(tune, text):
         tune.parse_variant(text)
 
 
-def test_patched_source_changes_only_the_named_constants(tune):
-    patched = tune.patched_source(tune.SOURCE, {"STAGES_ALONE": 7})
-    changed = [(a, b) for a, b in zip(tune.SOURCE.splitlines(), patched.splitlines(), strict=True) if a != b]
-    assert changed == [("constexpr int STAGES_ALONE = 3;", "constexpr int STAGES_ALONE = 7;")]
+def test_the_copy_holds_every_source_file(tune, csrc):
+    assert [p.name for p in C.source_files(csrc)] == [p.name for p in C.source_files(C.CSRC)]
+    assert C.MAIN_SOURCE in [p.name for p in C.source_files(csrc)]
+    assert changed_lines(C.CSRC, csrc) == []
+
+
+def test_patched_sources_change_only_the_named_constants(tune, csrc):
+    tune.patch_constants(csrc, {"STAGES_ALONE": 7})
+    assert changed_lines(C.CSRC, csrc) == [("wgmma.cuh", "constexpr int STAGES_ALONE = 3;",
+                                            "constexpr int STAGES_ALONE = 7;")]
     with pytest.raises(ValueError, match="NO_SUCH_CONSTANT"):
-        tune.patched_source(tune.SOURCE, {"NO_SUCH_CONSTANT": 1})
+        tune.patch_constants(csrc, {"NO_SUCH_CONSTANT": 1})
 
 
 @pytest.mark.parametrize("clock", [False, True])
-def test_every_timeline_mark_finds_its_place(tune, clock):
-    stamped = tune.timeline_source(tune.SOURCE, clock)
+def test_every_timeline_mark_finds_its_place(tune, csrc, clock):
+    tune.add_timeline(csrc, clock)
+    stamped = "".join(p.read_text() for p in C.source_files(csrc))
     assert stamped.count("%%clock64" if clock else "%%globaltimer") == len(tune.MARKS)
-    assert 'extern "C" int mla_timeline_get' in stamped
+    assert 'extern "C" int mla_timeline_get' in (csrc / C.MAIN_SOURCE).read_text()
     assert sorted(tune.MARK_SLOTS.values()) == sorted(set(tune.MARK_SLOTS.values()))
     assert max(tune.MARK_SLOTS.values()) == tune.SLOTS - 1
+    # each stamp sits right after its anchor: the rest of the sources is untouched
+    added = [line for p in C.source_files(C.CSRC) for line in difflib.ndiff(
+        p.read_text().splitlines(), (csrc / p.name).read_text().splitlines()) if line.startswith(("+ ", "- "))]
+    assert not [line for line in added if line.startswith("- ")]
+    assert len(added) == len(tune.MARKS) + 2 + 4  # the stamps, the timeline's declaration (2 lines), the export
+
+
+@pytest.mark.parametrize("edit", ["drop", "repeat", "move"])
+def test_a_kernel_edit_that_loses_a_timeline_anchor_fails(tune, csrc, edit):
+    """An anchor deleted, duplicated, or moved into the other file (here: the merge's "lse" into the wgmma kernel)."""
+    merge, kernel = csrc / "merge.cuh", csrc / "wgmma.cuh"
+    text = merge.read_text()
+    assert text.count("  // TUNE: lse\n") == 1
+    if edit == "drop":
+        merge.write_text(text.replace("  // TUNE: lse\n", ""))
+    elif edit == "repeat":
+        merge.write_text(text.replace("  // TUNE: lse\n", "  // TUNE: lse\n  // TUNE: lse\n"))
+    else:
+        merge.write_text(text.replace("  // TUNE: lse\n", ""))
+        kernel.write_text(kernel.read_text().replace("  // TUNE: merged\n", "  // TUNE: merged\n  // TUNE: lse\n"))
+    with pytest.raises(ValueError, match="timeline mark 'lse': expected one `// TUNE: lse` line, in merge.cuh"):
+        tune.add_timeline(csrc)
 
 
 @needs_nvcc
 @pytest.mark.parametrize("clock", [False, True])
-def test_the_stamped_source_builds(tune, monkeypatch, tmp_path, clock):
-    monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path))
-    monkeypatch.setattr(S, "_CUDA_SRC", tune.timeline_source(tune.SOURCE, clock))
-    monkeypatch.setattr(S, "_CUDA_LIBS", {})
-    assert S._cuda_library((9, 0)).mla_timeline_get is not None
+def test_the_stamped_sources_build(tune, csrc, monkeypatch, tmp_path, clock):
+    monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path / "cache"))
+    tune.add_timeline(csrc, clock)
+    monkeypatch.setattr(C, "CSRC", csrc)
+    monkeypatch.setattr(C, "_LIBS", {})
+    assert C.library((9, 0)).mla_timeline_get is not None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("mode", ["ab", "timeline", "timeline --clock"])
 def test_gpu_both_modes_run(mode, tmp_path):
-    base = tmp_path / "base.py"
-    base.write_text((ROOT / "submission.py").read_text())
+    base = tmp_path / "base"
+    shutil.copytree(C.CSRC, base)
     args = [sys.executable, str(TUNE), *mode.split(), "--shapes", "4x1k", "--iters", "3", "--runs", "3",
             "--variant", "now=", "--variant", "s2=STAGES_ALONE:2@8"]
-    out = subprocess.run(args + (["--module", f"base={base}"] if mode == "ab" else []), capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(args + ["--source", f"base={base}"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=dict(os.environ, MLA_CUDA_CACHE=str(tmp_path / "cache")))
     assert out.returncode == 0, out.stderr
     assert "FAIL" not in out.stdout
     assert ("geomean fp8: now" if mode == "ab" else "4x1024 s2: 8 splits") in out.stdout
+    assert ("  base " if mode == "ab" else "4x1024 base: ") in out.stdout

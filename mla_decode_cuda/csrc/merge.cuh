@@ -1,0 +1,133 @@
+// Shared by both kernels: the per-sequence barrier of the splits and their merge.
+#pragma once
+
+#include "common.cuh"
+
+namespace mla {
+
+// The per-sequence barrier of the splits: sync[b] counts the arrivals of sequence b's CTAs over every launch (it
+// only grows, wrapping at 2^32, a multiple of every power-of-two split count). A launch of S splits starts from a
+// multiple of S (every earlier launch on this workspace had S splits and completed) and its CTAs wait until the
+// count reaches the next one. Each CTA reads the count when it starts (arrival_base: off the barrier's path; its
+// own arrival has not happened, so the count is below the next multiple), then thread 0 adds its arrival with
+// release semantics after the CTA's barrier (publishing the CTA's partial stores) and polls with acquire loads (so
+// the other CTAs' partials are visible after the closing barrier). The last arrival is itself what the others
+// wait for: against a count that the last arrival reset before advancing a generation word (two more round trips
+// on the barrier's path), 4x1024 10.7 -> 10.1 us, 4x8192 17.0 -> 16.3, 32x1024 17.3 -> 16.5 (H200, A/B twice).
+__device__ __forceinline__ unsigned arrival_base(const unsigned* sync, int b, int num_splits) {
+  unsigned count = 0;
+  if (num_splits > 1 && threadIdx.x == 0)
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(count) : "l"(sync + b) : "memory");
+  return count & ~static_cast<unsigned>(num_splits - 1);
+}
+
+__device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_splits, unsigned base) {
+  __syncthreads();
+  // TUNE: synced
+  if (threadIdx.x == 0) {
+    const unsigned target = base + static_cast<unsigned>(num_splits);
+    unsigned now;
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync + b) : "memory");
+    // TUNE: arrived
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(sync + b) : "memory");
+    } while (static_cast<int>(now - target) < 0);
+  }
+  __syncthreads();
+}
+
+// The merge of one sequence's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Split
+// `split` of S merges its 2048 / S of the sequence's 2048 quads (4 columns of one head) with 128 threads, and every
+// thread issues all its 16 loads (8-byte quads of the bf16 partials, L2 only: other SMs wrote them) before using any:
+// one round trip. The partials are bf16 because the merge is a convex combination (its error stays at the bf16
+// output's) and half the bytes shorten the handoff: fp32 partials took 0.3-0.7 us more at the split shapes (H200).
+// S < 16: a thread merges W = 16 / S neighbouring quads over all S splits. S >= 16: W = 1, and the S / 16 threads
+// of a quad (neighbouring lanes) take 16 splits each, then combine their (max, sum, acc) by shuffles. S must be a
+// power of two (every thread then has exactly its G = 16 / W splits; merge_splits dispatches on W).
+constexpr int MERGE_THREADS = 128;
+constexpr int MERGE_LOADS = 16;
+constexpr int MAX_SPLITS = 512;        // a quad's threads stay within one warp (S / 16 <= 32)
+template <int W>
+__device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
+                                            int num_splits, int split, bool valid) {
+  constexpr int G = MERGE_LOADS / W;  // splits per thread
+  const int log_splits = __ffs(num_splits) - 1;
+  const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
+  const int per_quad = 1 << log_per_quad;
+  const int quad = (split << (11 - log_splits)) + (threadIdx.x >> log_per_quad) * W;  // 2048 quads per sequence
+  const int h = quad / (DV / 4), col = quad % (DV / 4) * 4, s0 = (threadIdx.x & (per_quad - 1)) * G;
+  const float* lse_s0 = lse + s0 * H + h;  // split s0 + j at j * H
+  const uint2* po_s0 = reinterpret_cast<const uint2*>(po + (static_cast<size_t>(s0) * H + h) * DV + col);
+  float l[G];
+  uint2 o[G][W];  // 4 bf16
+#pragma unroll
+  for (int j = 0; j < G; ++j) {  // G splits from s0, all present: num_splits is G x per_quad
+    l[j] = __ldcg(lse_s0 + j * H);
+#pragma unroll
+    for (int w = 0; w < W; ++w) o[j][w] = __ldcg(po_s0 + j * (H * DV / 4) + w);
+  }
+  float mx = -INFINITY, wsum = 0.f;
+  float4 acc[W];
+#pragma unroll
+  for (int j = 0; j < G; ++j) mx = fmaxf(mx, l[j]);
+#pragma unroll
+  for (int w = 0; w < W; ++w) acc[w] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // TUNE: lse
+  if (mx != -INFINITY) {  // else only empty splits (their partials hold zeros)
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const float wt = exp2f(l[j] - mx);
+      wsum += wt;
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o[j][w].x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o[j][w].y));
+        acc[w].x += wt * lo.x;
+        acc[w].y += wt * lo.y;
+        acc[w].z += wt * hi.x;
+        acc[w].w += wt * hi.y;
+      }
+    }
+  }
+  for (int lane = 1; lane < per_quad; lane <<= 1) {
+    const float omx = __shfl_xor_sync(0xffffffffu, mx, lane), ows = __shfl_xor_sync(0xffffffffu, wsum, lane);
+    const float nm = fmaxf(mx, omx);
+    const float a = nm == -INFINITY ? 0.f : exp2f(mx - nm), c = nm == -INFINITY ? 0.f : exp2f(omx - nm);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      acc[w].x = acc[w].x * a + __shfl_xor_sync(0xffffffffu, acc[w].x, lane) * c;
+      acc[w].y = acc[w].y * a + __shfl_xor_sync(0xffffffffu, acc[w].y, lane) * c;
+      acc[w].z = acc[w].z * a + __shfl_xor_sync(0xffffffffu, acc[w].z, lane) * c;
+      acc[w].w = acc[w].w * a + __shfl_xor_sync(0xffffffffu, acc[w].w, lane) * c;
+    }
+    wsum = wsum * a + ows * c;
+    mx = nm;
+  }
+  if (threadIdx.x & (per_quad - 1)) return;
+  const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (valid ? 1.f : NAN);  // every split empty: zeros
+#pragma unroll
+  for (int w = 0; w < W; ++w)
+    store_bf16x4(out + h * DV + col + 4 * w,
+                 make_float4(acc[w].x * scale, acc[w].y * scale, acc[w].z * scale, acc[w].w * scale));
+}
+
+// When the splits of sequence b have all written their partials, split `split` merges its share (num_splits: a
+// power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on b's range (false: NaN rows).
+__device__ __forceinline__ void merge_splits(unsigned* sync, unsigned base, int b, int split, int num_splits,
+                                             bool valid, __nv_bfloat16* out, const __nv_bfloat16* part_o,
+                                             const float* part_lse) {
+  wait_for_splits(sync, b, num_splits, base);
+  // TUNE: barrier
+  if (threadIdx.x >= MERGE_THREADS) return;
+  const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H;
+  const __nv_bfloat16* po = part_o + static_cast<size_t>(b) * num_splits * H * DV;
+  __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV;
+  switch (num_splits) {
+    case 2: merge_quads<8>(lse, po, o, num_splits, split, valid); break;
+    case 4: merge_quads<4>(lse, po, o, num_splits, split, valid); break;
+    case 8: merge_quads<2>(lse, po, o, num_splits, split, valid); break;
+    default: merge_quads<1>(lse, po, o, num_splits, split, valid);
+  }
+}
+
+}  // namespace mla

@@ -1,0 +1,149 @@
+// The cuda backend's kernel library: mla_decode_cuda builds it with nvcc at first use and calls it through ctypes.
+// common.cuh: the problem's constants, helpers and the rows of a split; merge.cuh: the splits' barrier and merge;
+// wgmma.cuh: the Hopper kernel (MLA_WGMMA, sm_90a); mma_sync.cuh: the kernel for sm_80 and later; here: the C ABI
+// and the launcher. `// TUNE: name` lines mark where bench/tune_cuda.py's timeline stamps go.
+//
+// Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
+// mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
+// split_kernel<STAGES, MX>: grid (num_splits, batch) of CTAs of NTHREADS threads; q (batch, 16, 576) bf16; kv
+// (total_kv, 576) e4m3; kv_scale (1,) fp32; kv_indptr (batch + 1,) int32; out (batch, 16, 512) bf16.
+// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
+// its normalised partial output, and part_lse (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
+// sequence meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
+// each merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
+// resident and the wait cannot hang.
+
+#if MLA_WGMMA
+#include "wgmma.cuh"
+#else
+#include "mma_sync.cuh"
+#endif
+
+// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), and whether this build reads
+// the MXFP4 cache.
+extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
+extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
+
+// A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
+// GPUs with less shared memory get (0: none). Returns the stages it will run with on the current device (0 in the
+// wgmma build, which has one configuration per grid: Hopper has 227 KB per block).
+#if MLA_WGMMA
+extern "C" int mla_limit_shared_memory(int) { return 0; }
+#else
+static int smem_limit_for_tests = 0;
+// As many stages as fit the shared memory per block (or the limit for tests): 4 (169 KB) on sm_90 and sm_100, 3 on
+// sm_80 (163 KB), 2 on sm_86, sm_89 and sm_120 (99 KB).
+static int mma_sync_stages(int smem_per_block) {
+  const int limit = smem_limit_for_tests ? min(smem_limit_for_tests, smem_per_block) : smem_per_block;
+  return limit >= mla::smem_bytes<4, false>() ? 4 : limit >= mla::smem_bytes<3, false>() ? 3 : 2;
+}
+extern "C" int mla_limit_shared_memory(int bytes) {
+  smem_limit_for_tests = bytes;
+  int dev = 0, smem_per_block = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return mma_sync_stages(smem_per_block);
+}
+#endif
+
+struct SplitArgs {
+  const __nv_bfloat16* q;
+  const uint8_t* kv;
+  const float* kv_scale;
+  const uint8_t* kv_block_scales;
+  int scale_stride;
+  const int* kv_indptr;
+  __nv_bfloat16* out;
+  __nv_bfloat16* part_o;
+  float* part_lse;
+  unsigned* sync;
+  int batch, total_kv, num_splits;
+  float qk_scale;
+};
+
+// With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
+// split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
+// The KV cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its
+// first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
+// 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
+// the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
+template <int STAGES, bool MX>
+static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a, int max_window) {
+  constexpr int smem = mla::smem_bytes<STAGES, MX>();
+  static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
+  if (!(configured & (1u << dev))) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    configured |= 1u << dev;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.num_splits, a.batch);
+  cfg.blockDim = dim3(mla::NTHREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  int n = 0;
+  if (max_window > 0) {
+    const size_t kv_bytes = static_cast<size_t>(a.total_kv) * (MX ? mla::D / 2 : mla::D);
+    attrs[n].id = cudaLaunchAttributeAccessPolicyWindow;
+    cudaAccessPolicyWindow& window = attrs[n++].val.accessPolicyWindow;
+    window.base_ptr = const_cast<uint8_t*>(a.kv);
+    window.num_bytes = kv_bytes < static_cast<size_t>(max_window) ? kv_bytes : static_cast<size_t>(max_window);
+    window.hitRatio = 1.f;
+    window.hitProp = cudaAccessPropertyStreaming;
+    window.missProp = cudaAccessPropertyStreaming;
+  }
+  if (a.num_splits > 1) {
+    attrs[n].id = cudaLaunchAttributeCooperative;
+    attrs[n++].val.cooperative = 1;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
+                            a.scale_stride, a.kv_indptr, a.out, a.part_o, a.part_lse, a.sync, a.total_kv,
+                            a.num_splits, a.qk_scale);
+}
+
+// Launches the split kernel (which merges its splits itself) on `stream`. kv_format 0: kv is the FP8 cache
+// (total_kv, 576) with kv_scale (1,) fp32; 1: kv is the MXFP4 codes (total_kv, 288) with kv_block_scales, E8M0
+// bytes, row r's 18 at r * scale_stride. part_o, part_lse and sync as split_kernel's (unused with one split).
+// C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
+extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, const void* kv_block_scales,
+                          int scale_stride, int kv_format, const void* kv_indptr, void* out, void* part_o,
+                          void* part_lse, void* sync, int batch, int total_kv, int num_splits, float qk_scale,
+                          void* stream) {
+  static thread_local int sms[32] = {}, smem_per_block[32] = {}, max_window[32] = {};  // per device
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
+  if (dev >= 32 || !splits_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (sms[dev] == 0) {
+    cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&smem_per_block[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    cudaDeviceGetAttribute(&max_window[dev], cudaDevAttrMaxAccessPolicyWindowSize, dev);
+  }
+  const SplitArgs args = {static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(kv),
+                          static_cast<const float*>(kv_scale), static_cast<const uint8_t*>(kv_block_scales),
+                          scale_stride, static_cast<const int*>(kv_indptr), static_cast<__nv_bfloat16*>(out),
+                          static_cast<__nv_bfloat16*>(part_o), static_cast<float*>(part_lse),
+                          static_cast<unsigned*>(sync), batch, total_kv, num_splits, qk_scale};
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t e;
+#if MLA_WGMMA
+  if (kv_format == 1)
+    e = launch_split<mla::MX_STAGES, true>(dev, s, args, max_window[dev]);
+  else if (batch * num_splits > sms[dev])
+    e = launch_split<mla::STAGES_SHARED, false>(dev, s, args, max_window[dev]);
+  else
+    e = launch_split<mla::STAGES_ALONE, false>(dev, s, args, max_window[dev]);
+#else
+  switch (mma_sync_stages(smem_per_block[dev])) {
+    case 4: e = launch_split<4, false>(dev, s, args, max_window[dev]); break;
+    case 3: e = launch_split<3, false>(dev, s, args, max_window[dev]); break;
+    default: e = launch_split<2, false>(dev, s, args, max_window[dev]);
+  }
+#endif
+  return static_cast<int>(e);
+}
