@@ -1,6 +1,7 @@
 """tests/attention_ref.py, the backend tests' shared reference: it reads what each backend reads, and its check
 fails on wrong outputs."""
 
+import numpy as np
 import pytest
 import torch
 from attention_ref import assert_matches, dequantized_cache, fp8_per_head, fp8_per_tensor, fp32_attention
@@ -49,6 +50,14 @@ def test_fp8_q_forms(data):
     for form in (per_head, fp8_per_tensor(q)):
         rel = R.relative_l2(form, q)
         assert 1e-3 < rel < 0.06, rel  # E4M3: 3 mantissa bits
+
+
+def test_fp8_per_head_scales_by_the_quotient_the_kernel_computes():
+    """448 / max|q_h| as the IEEE fp32 quotient (numpy's, the interpreted kernel's), not 448 times a reciprocal:
+    an ulp of the scale moves the values at an E4M3 rounding tie by a whole step."""
+    q = torch.randn((256, 16, 576), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    scale = torch.from_numpy(np.float32(448.0) / q.float().abs().amax(dim=-1, keepdim=True).numpy())
+    assert torch.equal(fp8_per_head(q), (q.float() * scale).to(torch.float8_e4m3fn).float() / scale)
 
 
 def test_assert_matches_accepts_the_rounded_exact_output_and_rejects_wrong_ones(data):
