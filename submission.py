@@ -85,10 +85,15 @@ def _expect_tensor(x, field: str) -> torch.Tensor:
     return x
 
 
-def _expect_pair(x, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _expect_pair(x, field: str, first: str, second: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(x, (tuple, list)) and len(x) == 2):
         raise TypeError(f"{field}: expected a (tensor, scale) pair, got {type(x).__name__}")
-    return _expect_tensor(x[0], f"{field}[0]"), _expect_tensor(x[1], f"{field}[1]")
+    return _expect_tensor(x[0], first), _expect_tensor(x[1], second)
+
+
+def _expect_on_device(x: torch.Tensor, name: str, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"q and {name} are on different devices ({device}, {x.device})")
 
 
 def _expect_int(x, field: str, allow_none: bool = False) -> None:
@@ -137,9 +142,14 @@ def _validate_indptr(x, field: str, length: int | None, device: torch.device) ->
     _expect(x.dim() == 1 and x.shape[0] >= 2, f"{field}.shape", "(batch + 1,) with batch >= 1", tuple(x.shape))
     if length is not None:
         _expect(x.shape[0] == length, f"{field}.shape", f"({length},) like qo_indptr", tuple(x.shape))
-    _expect(x.device == device, f"{field}.device", f"{device} (q's device)", x.device)
+    _expect_on_device(x, field, device)
     _expect(x.is_contiguous(), field, "a contiguous tensor", "a strided view")
     return x
+
+
+# What the two elements of each KV format's (tensor, scale) pair are, as the validation messages name them.
+_KV_NAMES = {"fp8": ("the FP8 cache (kv_data['fp8'][0])", "the FP8 scale (kv_data['fp8'][1])"),
+             "mxfp4": ("the MXFP4 cache (kv_data['mxfp4'][0])", "the MXFP4 block scales (kv_data['mxfp4'][1])")}
 
 
 def _validate_kv(kv_data, kv_format: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,25 +157,25 @@ def _validate_kv(kv_data, kv_format: str, device: torch.device) -> tuple[torch.T
     if not isinstance(kv_data, dict):
         raise TypeError(f"kv_data: expected a dict of KV formats, got {type(kv_data).__name__}")
     _expect(kv_format in kv_data, "kv_data", f"a {kv_format!r} entry", f"keys {sorted(kv_data)}")
-    field = f"kv_data[{kv_format!r}]"
-    kv, scale = _expect_pair(kv_data[kv_format], field)
+    kv_name, scale_name = _KV_NAMES[kv_format]
+    kv, scale = _expect_pair(kv_data[kv_format], f"kv_data[{kv_format!r}]", kv_name, scale_name)
     width = QK_HEAD_DIM if kv_format == "fp8" else QK_HEAD_DIM // 2
     dtypes = FP8_DTYPES if kv_format == "fp8" else FP4X2_DTYPES
-    _expect(kv.dim() == 3 and kv.shape[1] == NUM_KV_HEADS and kv.shape[2] == width, f"{field}[0].shape",
+    _expect(kv.dim() == 3 and kv.shape[1] == NUM_KV_HEADS and kv.shape[2] == width, f"{kv_name}.shape",
             f"(total_kv, {NUM_KV_HEADS}, {width})", tuple(kv.shape))
-    _expect(kv.dtype in dtypes, f"{field}[0].dtype", f"one of {dtypes}", kv.dtype)
-    _expect(kv.is_contiguous(), f"{field}[0]", "a contiguous tensor", "a strided view")
-    _expect(kv.device == device and scale.device == device, f"{field} device", f"{device} (q's device)",
-            (kv.device, scale.device))
+    _expect(kv.dtype in dtypes, f"{kv_name}.dtype", f"one of {dtypes}", kv.dtype)
+    _expect(kv.is_contiguous(), kv_name, "a contiguous tensor", "a strided view")
+    _expect_on_device(kv, kv_name, device)
+    _expect_on_device(scale, scale_name, device)
     if kv_format == "fp8":
-        _expect(scale.dtype == torch.float32, f"{field}[1].dtype", "torch.float32", scale.dtype)
-        _expect(scale.numel() == 1, f"{field}[1].shape", "(1,)", tuple(scale.shape))
+        _expect(scale.dtype == torch.float32, f"{scale_name}.dtype", "torch.float32", scale.dtype)
+        _expect(scale.numel() == 1, f"{scale_name}.shape", "(1,)", tuple(scale.shape))
     else:
-        _expect(scale.dtype in E8M0_DTYPES, f"{field}[1].dtype", f"one of {E8M0_DTYPES}", scale.dtype)
+        _expect(scale.dtype in E8M0_DTYPES, f"{scale_name}.dtype", f"one of {E8M0_DTYPES}", scale.dtype)
         _expect(scale.dim() == 2 and scale.shape[0] >= kv.shape[0] and scale.shape[1] >= MXFP4_BLOCKS_PER_ROW,
-                f"{field}[1].shape", f"(>= {kv.shape[0]}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales",
+                f"{scale_name}.shape", f"(>= {kv.shape[0]}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales",
                 tuple(scale.shape))
-        _expect(scale.stride(1) == 1, f"{field}[1]", "unit stride along blocks", scale.stride())
+        _expect(scale.stride(1) == 1, scale_name, "unit stride along blocks", scale.stride())
     return kv, scale
 
 

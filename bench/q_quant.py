@@ -7,7 +7,7 @@ GPU's.
 
     python3 bench/q_quant.py [--batches 4,32,64,256] [--iters 60]
 
-On the CPU it runs under TRITON_INTERPRET=1 (tests/test_bench.py does, with tests/test_triton.py's patch of the
+On the CPU it runs under TRITON_INTERPRET=1 (tests/test_bench.py does, with tests/triton_interpreter.py's patch of the
 interpreter's fp32 -> fp8 rounding, without which the Triton form's casts are wrong there).
 """
 

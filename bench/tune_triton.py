@@ -5,7 +5,7 @@
     MLA_TUNE_MODULE=path/to/variant.py ... times a variant of submission.py instead
 
 For every leaderboard shape (batch x kv), KV format, launch config (block_n:num_warps:num_stages) and split
-count: checks the output against fp32 attention over what the kernel reads (tests/test_triton.py; rel-L2, no
+count: checks the output against fp32 attention over what the kernel reads (tests/attention_ref.py; rel-L2, no
 NaN) and times it the leaderboard's way (utils.Timer.leaderboard: L2 flushed before each call, CUDA events around
 the one call; median). Then, for the default plan (submission.triton_plan): check_implementation against the BF16
 truth, the flushed time, the back-to-back time without a flush (utils.Timer.back_to_back: wall time of a loop of
@@ -45,12 +45,9 @@ CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 8, 2), (64, 8, 2))
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KERNEL_REL_L2 = 5e-3  # vs fp32 attention over what the kernel reads: bf16 output rounding is ~2-3e-3
 
-# fp32 attention over exactly what the kernel reads (the dequantized cache, FP8 Q on the fp8 path): the tests' own
-_spec = importlib.util.spec_from_file_location("test_triton", Path(__file__).resolve().parent.parent / "tests"
-                                               / "test_triton.py")
-_tests = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_tests)
-kernel_reference = _tests.kernel_reference
+# fp32 attention over exactly what the kernel reads (the dequantized cache, FP8 Q on the fp8 path): the tests' helper
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from attention_ref import triton_reference as kernel_reference  # noqa: E402
 
 
 def _compile_worker(jobs: list) -> int:

@@ -16,6 +16,8 @@ import inspect
 import pytest
 import torch
 from aiter_standin import MODELLED, VERSIONS, Recorded, StandinAiter, inside_standin, load_signatures
+from attention_ref import assert_matches, fp8_per_tensor, fp32_attention
+from q_quant_ref import AMAXES, assert_quantized_as_the_reference, scaled_q
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,12 +66,8 @@ def make(lengths, seed, kv_seq_len="as generated", fp8=E4M3FN):
 
 
 def fp32_over_fp8(data, fp8=E4M3FN):
-    """Exact fp32 attention over the FP8 data the kernel gets: (total_q, 16, 512) float32."""
-    q, kv_data, qo_indptr, kv_indptr, config = data
-    kv, kv_scale = kv_data["fp8"]
-    q8, q_scale = R.quantize_fp8(q, fp8)
-    return R.attention_reference(q8.float() * q_scale, kv.float() * kv_scale, qo_indptr, kv_indptr,
-                                 config["sm_scale"])
+    """Exact fp32 attention over the FP8 data the kernel gets (Q quantized as the backend does, the FP8 KV)."""
+    return fp32_attention(data, "fp8", fp8_per_tensor(data[0], fp8))
 
 
 def tight_error(data, out, fp8=E4M3FN) -> float:
@@ -88,9 +86,7 @@ def test_backend_matches_both_references(standin, version, case):
         data = make(lengths, seed=100 * call + len(case))
         out = S.custom_kernel(data)
         assert out.dtype == torch.bfloat16 and tuple(out.shape) == (len(lengths), 16, 512) and out.is_contiguous()
-        assert tight_error(data, out) < TIGHT
-        ok, msg = R.check_implementation(data, out)
-        assert ok, msg
+        assert_matches(data, out, fp32_over_fp8(data), TIGHT)
     uniform = len(set(lengths)) == 1
     assert len(aiter.calls_to("get_mla_metadata_info_v1")) == 1  # one plan
     assert aiter.stats["metadata_fills"] == (1 if uniform else 2)  # refilled only when lengths are not proven
@@ -123,31 +119,7 @@ def test_q_beyond_the_fp8_range_gives_no_nan(standin, version):
     assert q.float().abs().max() > 448
     out = S.custom_kernel(data)
     assert torch.isfinite(out).all()
-    assert tight_error(data, out) < TIGHT
-    ok, msg = R.check_implementation(data, out)
-    assert ok, msg
-
-
-AMAXES = (0.0, 1e-30, 1e-15, 1e-6, 2.7e-5, 4.0, 1e3, 3.3e38)
-
-
-def scaled_q(batch: int, amax: float, device=CPU) -> torch.Tensor:
-    q = torch.randn((batch, 16, 576), device=device)
-    q = (q / q.abs().max() * amax).to(torch.bfloat16)
-    assert torch.isfinite(q).all()
-    return q
-
-
-def assert_quantized_as_the_reference(q: torch.Tensor, quant: "S.QQuantizer", fp8: torch.dtype, exact: bool) -> None:
-    q8 = quant(q)
-    want, want_scale = R.quantize_fp8(q, fp8)
-    assert torch.isfinite(q8.float()).all() and torch.isfinite(quant.scale).all()
-    top = q.abs().max().item()
-    if exact or top >= 2.7e-5 or top < 4.7e-20:
-        assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8)) and torch.equal(quant.scale, want_scale)
-    else:  # the torch form's one-kernel scale: at most 1e-12 / fp8 max above the reference's
-        assert want_scale <= quant.scale <= want_scale * (1 + 2**-23) + 1e-12 / torch.finfo(fp8).max
-        assert torch.equal(q8, (q.float() / quant.scale).to(fp8))
+    assert_matches(data, out, fp32_over_fp8(data), TIGHT)
 
 
 @pytest.mark.parametrize("fp8", (E4M3FN, E4M3FNUZ))
@@ -198,10 +170,7 @@ def test_gfx942_fp8_flavour(standin):
     """aiter.dtypes.fp8 is e4m3fnuz on gfx942: the backend quantizes Q to it (maximum 240) and passes the check."""
     standin("NEWEST", arch="gfx942")
     data = make([50, 7, 128], seed=3, fp8=E4M3FNUZ)
-    out = S.custom_kernel(data)
-    assert tight_error(data, out, E4M3FNUZ) < TIGHT
-    ok, msg = R.check_implementation(data, out)
-    assert ok, msg
+    assert_matches(data, S.custom_kernel(data), fp32_over_fp8(data, E4M3FNUZ), TIGHT)
 
 
 def test_kv_of_another_fp8_flavour_is_refused(standin):
@@ -306,10 +275,7 @@ def test_same_batch_and_total_kv_with_other_lengths_refills(standin, version):
     sequence = [([20, 20, 20], 20), ([10, 30, 20], 30), ([30, 20, 10], 30), ([45, 5, 10], None), ([20, 20, 20], 20)]
     for seed, (lengths, kv_seq_len) in enumerate(sequence):  # batch 3 and total_kv 60 every time
         data = make(lengths, seed, kv_seq_len=kv_seq_len)
-        out = S.custom_kernel(data)
-        assert tight_error(data, out) < TIGHT, (lengths, kv_seq_len)
-        ok, msg = R.check_implementation(data, out)
-        assert ok, msg
+        assert_matches(data, S.custom_kernel(data), fp32_over_fp8(data), TIGHT)
     assert len(S._AITER_PLANS) == 2  # ("uniform", 20) and ("lengths read on device",)
     assert aiter.stats["metadata_fills"] == 1 + 3  # the uniform plan once; every non-uniform call refilled
 
@@ -416,8 +382,8 @@ def test_page_size_2_reads_only_even_tokens_and_fails_the_strict_gate(standin, v
     out = decode_directly(aiter, data, page_size=2)
     q, kv_data, qo_indptr, kv_indptr, config = data
     kv, kv_scale = kv_data["fp8"]
-    even_only = R.attention_reference(R.quantize_fp8(q, E4M3FN)[0].float() * R.quantize_fp8(q, E4M3FN)[1],
-                                      kv[0::2].float() * kv_scale, qo_indptr, kv_indptr // 2, config["sm_scale"])
+    even_only = R.attention_reference(fp8_per_tensor(q), kv[0::2].float() * kv_scale, qo_indptr, kv_indptr // 2,
+                                      config["sm_scale"])
     assert R.worst_row_relative_l2(out, even_only) < TIGHT  # what the gfx950 kernel computes: the even tokens
     assert tight_error(data, out) > 0.3
     ok, msg = R.check_implementation(data, out)

@@ -181,8 +181,8 @@ def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
 Q_QUANT = """
 import runpy, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
-import test_triton
-test_triton._patch_interpreter()  # the interpreter's fp32 -> fp8 rounding (see there)
+import triton_interpreter
+triton_interpreter.patch()  # the interpreter's fp32 -> fp8 rounding (see there)
 sys.argv = ["q_quant.py", "--batches", "1,3", "--iters", "2"]
 runpy.run_path(sys.path[0] + "/bench/q_quant.py", run_name="__main__")
 """

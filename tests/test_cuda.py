@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from attention_ref import fp32_attention
 
 import mla_decode_cuda as C
 import reference as R
@@ -182,14 +183,6 @@ def test_a_package_that_fails_to_import_says_why(fake_nvidia_gpu, monkeypatch, t
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                reason="needs an NVIDIA GPU")
 
-def fp32_over_cache(data, kv_format: str) -> torch.Tensor:
-    """fp32 attention over the dequantized cache of `kv_format` (bf16 Q): what the kernel computes, unrounded."""
-    q, kv_data, qo, kvp, config = data
-    kv, scale = kv_data[kv_format]
-    keys = kv.float() * scale if kv_format == "fp8" else R.dequantize_mxfp4(kv[:, 0], scale)[:, None, :]
-    return R.attention_reference(q, keys, qo, kvp, config["sm_scale"])
-
-
 def on_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == C.WGMMA_CAPABILITY
 
@@ -237,7 +230,7 @@ def test_gpu_task_cases(cuda_backend, batch, kv_len):
     out = S.custom_kernel(data)
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
-    assert R.worst_row_relative_l2(out, fp32_over_cache(data, kv_format)) < bound
+    assert R.worst_row_relative_l2(out, fp32_attention(data, kv_format)) < bound
     assert torch.equal(S.custom_kernel(data), out)  # deterministic, and the cached launch is reused
 
 
@@ -249,7 +242,7 @@ def test_gpu_varlen(cuda_backend, lens):
     kv_format, bound = cuda_backend
     data = R.generate_varlen_input(lens, seed=len(lens))
     out = S.custom_kernel(data)
-    exact = fp32_over_cache(data, kv_format)
+    exact = fp32_attention(data, kv_format)
     assert R.worst_row_relative_l2(out, exact) < bound  # zero rows for empty sequences
     ok, msg = R.check_implementation(data, out)
     # The checks must pass wherever the exact computation over the same cache passes them: a lone one-row MXFP4
@@ -269,7 +262,7 @@ def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
     for seed in (splits, splits + 100):
         data = R.generate_varlen_input([1, 777, 0, 3001], seed=seed)
         out = S.custom_kernel(data)
-        assert R.worst_row_relative_l2(out, fp32_over_cache(data, kv_format)) < bound
+        assert R.worst_row_relative_l2(out, fp32_attention(data, kv_format)) < bound
     assert len(C._LAUNCH) == 1
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from attention_ref import fp32_attention
 
 import reference as R
 
@@ -139,21 +140,13 @@ def case():
     return data, R.ref_kernel(data)
 
 
-def fp8_kernel_output(data):
-    q, kv_data, qo_indptr, kv_indptr, config = data
-    kv, scale = kv_data["fp8"]
-    return R.attention_reference(q, kv.float() * scale, qo_indptr, kv_indptr, config["sm_scale"]).bfloat16()
-
-
 def test_check_accepts_correct_outputs(case, monkeypatch):
     data, ref = case
     assert R.check_implementation(data, ref.clone())[0]
-    ok, msg = R.check_implementation(data, fp8_kernel_output(data))
+    ok, msg = R.check_implementation(data, fp32_attention(data, "fp8").bfloat16())
     assert ok and "rel_l2=" in msg and "bound 0.08" in msg
-    q, kv_data, qo_indptr, kv_indptr, config = data
     monkeypatch.setenv("MLA_KV_FORMAT", "mxfp4")
-    out4 = R.attention_reference(q, R.dequantize_mxfp4(*kv_data["mxfp4"]), qo_indptr, kv_indptr,
-                                 config["sm_scale"]).bfloat16()
+    out4 = fp32_attention(data, "mxfp4").bfloat16()
     assert R.check_implementation(data, out4)[0]
     monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
     assert not R.check_implementation(data, out4)[0]  # the 4-bit error is over the FP8 bound
@@ -206,11 +199,9 @@ def test_strict_gate_rejects_zeros_where_the_leaderboard_rule_passes():
 def test_measured_quantization_error_is_within_the_bounds(kv_lens):
     """The bounds in REL_L2_BOUND hold with margin for exact fp32 math over each quantized cache."""
     data = R.generate_varlen_input(kv_lens, seed=21, device=torch.device("cpu"))
-    q, kv_data, qo_indptr, kv_indptr, config = data
     ref = R.ref_kernel(data)
-    fp8 = R.worst_row_relative_l2(fp8_kernel_output(data), ref)
-    mx = R.worst_row_relative_l2(R.attention_reference(q, R.dequantize_mxfp4(*kv_data["mxfp4"]), qo_indptr, kv_indptr,
-                                             config["sm_scale"]).bfloat16(), ref)
+    fp8 = R.worst_row_relative_l2(fp32_attention(data, "fp8").bfloat16(), ref)
+    mx = R.worst_row_relative_l2(fp32_attention(data, "mxfp4").bfloat16(), ref)
     assert 0.005 < fp8 < R.REL_L2_BOUND["fp8"] / 1.5
     assert 0.03 < mx < R.REL_L2_BOUND["mxfp4"] / 1.5
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_ref import assert_matches, fp32_attention
 
 import reference as R
 import submission as S
@@ -24,14 +25,6 @@ def clone(data):
                         for k, v in kv_data.items()}, qo.clone(), kv.clone(), dict(config))
 
 
-def fp32_over_dequantized(data, kv_format):
-    """Kernel-error reference: exact fp32 attention over the cache the backend reads."""
-    q, kv_data, qo, kvp, config = data
-    kv, scale = kv_data[kv_format]
-    deq = kv.float() * scale if kv_format == "fp8" else R.dequantize_mxfp4(kv, scale)
-    return R.attention_reference(q, deq, qo, kvp, config["sm_scale"])
-
-
 LENGTHS = {
     "uniform": [256] * 4,
     "varlen_odd_and_one": [1, 7, 0, 33, 129, 1, 2],
@@ -48,9 +41,7 @@ def test_torch_backend_matches_reference(monkeypatch, kv_format, lengths, chunk_
     data = R.generate_varlen_input(LENGTHS[lengths], seed=len(lengths) + chunk_rows, device=CPU)
     out = S.custom_kernel(clone(data))
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (len(LENGTHS[lengths]), 16, 512)
-    assert R.worst_row_relative_l2(out, fp32_over_dequantized(data, kv_format)) < 4e-3  # bf16 rounding only
-    ok, msg = R.check_implementation(data, out)
-    assert ok, msg
+    assert_matches(data, out, fp32_attention(data, kv_format), 4e-3)  # bf16 rounding only
 
 
 def test_torch_backend_leaderboard_case_uniform_1024():
@@ -117,13 +108,33 @@ BAD_INPUTS = {
     "q not a tensor": (with_q(lambda q: q.tolist()), TypeError, "q"),
     "kv_data not a dict": (lambda: (base()[0], [1], *base()[2:]), TypeError, "kv_data"),
     "fp8 missing": (lambda: (base()[0], {"bf16": base()[1]["bf16"]}, *base()[2:]), ValueError, "kv_data"),
-    "fp8 kv bf16": (with_kv("fp8", lambda v: (v[0].to(torch.bfloat16), v[1])), ValueError, "kv_data['fp8'][0].dtype"),
+    "fp8 kv bf16": (with_kv("fp8", lambda v: (v[0].to(torch.bfloat16), v[1])), ValueError,
+                    "the FP8 cache (kv_data['fp8'][0]).dtype"),
     "fp8 kv 2 heads": (with_kv("fp8", lambda v: (v[0].expand(-1, 2, -1).contiguous(), v[1])), ValueError,
-                       "kv_data['fp8'][0].shape"),
-    "fp8 scale float64": (with_kv("fp8", lambda v: (v[0], v[1].double())), ValueError, "kv_data['fp8'][1].dtype"),
-    "fp8 scale 2 values": (with_kv("fp8", lambda v: (v[0], v[1].repeat(2))), ValueError, "kv_data['fp8'][1].shape"),
-    "fp8 scale not a tensor": (with_kv("fp8", lambda v: (v[0], 0.01)), TypeError, "kv_data['fp8'][1]"),
+                       "the FP8 cache (kv_data['fp8'][0]).shape"),
+    "fp8 kv strided": (with_kv("fp8", lambda v: (v[0].view(torch.uint8).repeat(2, 1, 1)[::2].view(v[0].dtype), v[1])),
+                       ValueError, "the FP8 cache (kv_data['fp8'][0]): expected a contiguous tensor"),
+    "fp8 kv not a tensor": (with_kv("fp8", lambda v: (v[0].tolist(), v[1])), TypeError,
+                            "the FP8 cache (kv_data['fp8'][0]): expected a torch.Tensor"),
+    "fp8 scale float64": (with_kv("fp8", lambda v: (v[0], v[1].double())), ValueError,
+                          "the FP8 scale (kv_data['fp8'][1]).dtype"),
+    "fp8 scale bf16": (with_kv("fp8", lambda v: (v[0], v[1].bfloat16())), ValueError,
+                       "the FP8 scale (kv_data['fp8'][1]).dtype: expected torch.float32, got torch.bfloat16"),
+    "fp8 scale 2 values": (with_kv("fp8", lambda v: (v[0], v[1].repeat(2))), ValueError,
+                           "the FP8 scale (kv_data['fp8'][1]).shape"),
+    "fp8 scale not a tensor": (with_kv("fp8", lambda v: (v[0], 0.01)), TypeError,
+                               "the FP8 scale (kv_data['fp8'][1]): expected a torch.Tensor, got float"),
     "fp8 not a pair": (with_kv("fp8", lambda v: v[0]), TypeError, "kv_data['fp8']"),
+    "fp8 kv on another device": (with_kv("fp8", lambda v: (v[0].to("meta"), v[1])), ValueError,
+                                 "q and the FP8 cache (kv_data['fp8'][0]) are on different devices (cpu, meta)"),
+    "fp8 scale on another device": (with_kv("fp8", lambda v: (v[0], v[1].to("meta"))), ValueError,
+                                    "q and the FP8 scale (kv_data['fp8'][1]) are on different devices (cpu, meta)"),
+    "q on another device": (with_q(lambda q: q.to("meta")), ValueError,
+                            "q and qo_indptr are on different devices (meta, cpu)"),
+    "qo_indptr on another device": (with_indptr(qo_fn=lambda x: x.to("meta")), ValueError,
+                                    "q and qo_indptr are on different devices (cpu, meta)"),
+    "kv_indptr on another device": (with_indptr(kv_fn=lambda x: x.to("meta")), ValueError,
+                                    "q and kv_indptr are on different devices (cpu, meta)"),
     "qo_indptr int64": (with_indptr(qo_fn=lambda x: x.long()), ValueError, "qo_indptr.dtype"),
     "kv_indptr int64": (with_indptr(kv_fn=lambda x: x.long()), ValueError, "kv_indptr.dtype"),
     "kv_indptr short": (with_indptr(kv_fn=lambda x: x[:-1].contiguous()), ValueError, "kv_indptr.shape"),
@@ -148,11 +159,21 @@ def test_bad_input_names_the_field(name):
 
 
 MXFP4_BAD = {
-    "mxfp4 kv 576 wide": (lambda v: (v[0].view(torch.uint8).repeat(1, 1, 2), v[1]), "kv_data['mxfp4'][0].shape"),
-    "mxfp4 kv fp8": (lambda v: (v[0].view(torch.float8_e4m3fn), v[1]), "kv_data['mxfp4'][0].dtype"),
-    "mxfp4 scales too few rows": (lambda v: (v[0], v[1][:3].contiguous()), "kv_data['mxfp4'][1].shape"),
-    "mxfp4 scales too few blocks": (lambda v: (v[0], v[1][:, :17].contiguous()), "kv_data['mxfp4'][1].shape"),
-    "mxfp4 scales float32": (lambda v: (v[0], v[1].view(torch.uint8).float()), "kv_data['mxfp4'][1].dtype"),
+    "mxfp4 kv 576 wide": (lambda v: (v[0].view(torch.uint8).repeat(1, 1, 2), v[1]),
+                          "the MXFP4 cache (kv_data['mxfp4'][0]).shape"),
+    "mxfp4 kv fp8": (lambda v: (v[0].view(torch.float8_e4m3fn), v[1]), "the MXFP4 cache (kv_data['mxfp4'][0]).dtype"),
+    "mxfp4 scales too few rows": (lambda v: (v[0], v[1][:3].contiguous()),
+                                  "the MXFP4 block scales (kv_data['mxfp4'][1]).shape"),
+    "mxfp4 scales too few blocks": (lambda v: (v[0], v[1][:, :17].contiguous()),
+                                    "the MXFP4 block scales (kv_data['mxfp4'][1]).shape"),
+    "mxfp4 scales float32": (lambda v: (v[0], v[1].view(torch.uint8).float()),
+                             "the MXFP4 block scales (kv_data['mxfp4'][1]).dtype"),
+    "mxfp4 kv on another device": (lambda v: (v[0].to("meta"), v[1]),
+                                   "q and the MXFP4 cache (kv_data['mxfp4'][0]) are on different devices (cpu, meta)"),
+    "mxfp4 scales on another device": (lambda v: (v[0], v[1].to("meta")), "q and the MXFP4 block scales "
+                                       "(kv_data['mxfp4'][1]) are on different devices (cpu, meta)"),
+    "mxfp4 scales blocks strided": (lambda v: (v[0], v[1].t().contiguous().t()),
+                                    "the MXFP4 block scales (kv_data['mxfp4'][1]): expected unit stride"),
 }
 
 

@@ -1,0 +1,63 @@
+"""fp32 attention over exactly what a backend reads, and the check every backend test makes with it.
+
+A backend's output is held to two references: fp32 attention over the same quantized cache (and the same quantized
+Q where the backend quantizes Q), where only the output's bf16 rounding and what the kernel rounds on purpose
+remain, under a tight bound; and the BF16 truth through reference.check_implementation (the leaderboard's rule and
+the strict per-sequence gate). reference.py holds the attention itself and the dequantizers; this module only
+picks what each backend reads.
+"""
+
+import torch
+
+import reference as R
+
+
+def dequantized_cache(kv_data: dict, kv_format: str) -> torch.Tensor:
+    """The `kv_format` cache of kv_data ("fp8" or "mxfp4") in fp32: (total_kv, 1, 576)."""
+    if kv_format not in ("fp8", "mxfp4"):
+        raise ValueError(f"kv_format: expected 'fp8' or 'mxfp4', got {kv_format!r}")
+    kv, scale = kv_data[kv_format]
+    return kv.float() * scale if kv_format == "fp8" else R.dequantize_mxfp4(kv, scale)
+
+
+def fp8_per_tensor(q: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """The aiter path's Q: dynamic per-tensor FP8 (reference.quantize_fp8), dequantized to fp32."""
+    q8, scale = R.quantize_fp8(q, fp8)
+    return q8.float() * scale
+
+
+def fp8_per_head(q: torch.Tensor) -> torch.Tensor:
+    """The triton kernel's Q on the fp8 path: per-head E4M3 with scale 448 / max|q_h|, dequantized to fp32."""
+    qf = q.float()
+    amax = qf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    # A tensor dividend: torch computes a number divided by a tensor as the number times the tensor's reciprocal,
+    # often an ulp off the quotient, and one ulp of the scale moves the values that sit at an E4M3 rounding tie by
+    # a whole step.
+    scale = torch.full_like(amax, 448.0) / amax
+    return (qf * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() / scale
+
+
+def fp32_attention(data, kv_format: str, q: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 attention of `q` (default: data's bf16 q) over data's dequantized `kv_format` cache: what a kernel that
+    reads them computes, before its output is rounded. (total_q, 16, 512) float32."""
+    q_data, kv_data, qo_indptr, kv_indptr, config = data
+    return R.attention_reference(q_data if q is None else q, dequantized_cache(kv_data, kv_format), qo_indptr,
+                                 kv_indptr, config["sm_scale"])
+
+
+def triton_reference(data, kv_format: str) -> torch.Tensor:
+    """fp32 attention over what the triton kernel reads: FP8 Q per head on the fp8 path, the bf16 Q on MXFP4."""
+    return fp32_attention(data, kv_format, fp8_per_head(data[0]) if kv_format == "fp8" else None)
+
+
+def assert_matches(data, out: torch.Tensor, exact: torch.Tensor, bound: float,
+                   metric=R.worst_row_relative_l2) -> str:
+    """`out` within `bound` of `exact`, the fp32 computation over the same quantized data, by `metric` (default
+    per sequence: the worst row's relative L2, where an empty sequence must be all zeros; or
+    reference.relative_l2 over the whole output), and `out` through reference.check_implementation against the
+    BF16 truth. Returns a line with both results."""
+    error = metric(out, exact)
+    assert error < bound, f"{metric.__name__} {error:.3e} against fp32 over the same data (bound {bound:g})"
+    ok, msg = R.check_implementation(data, out)
+    assert ok, msg
+    return f"{metric.__name__} {error:.2e} against fp32 over the same data; BF16 truth: {msg}"
