@@ -17,6 +17,7 @@ ref_kernel is the BF16 ground truth (bf16 q against bf16 KV, fp32 math); check_i
 leaderboard's loose rule and a strict per-sequence relative-L2 gate that rejects e.g. an all-zero output.
 """
 
+import itertools
 import math
 import os
 
@@ -192,6 +193,38 @@ def generate_varlen_input(kv_lens: list[int], seed: int, qseqlen: int = 1, devic
     total_q, total_kv = batch * qseqlen, int(sum(kv_lens))
     q = torch.randn((total_q, NUM_HEADS, QK_HEAD_DIM), dtype=torch.bfloat16, device=device, generator=gen)
     kv = torch.randn((total_kv, NUM_KV_HEADS, QK_HEAD_DIM), dtype=torch.bfloat16, device=device, generator=gen)
+    return input_from(q, kv, kv_lens, qseqlen=qseqlen, ties=ties, padded_scales=padded_scales)
+
+
+# The logit shifts of generate_shifted_input: every score gets q[..., 575] * k[..., 575] * sm_scale.
+SHIFT_KEY_VALUE = 24.0  # k[..., 575]: 24 x sm_scale = 1, so q[..., 575] = the shift in logits
+
+
+def generate_shifted_input(kv_lens: list[int], seed: int, shift: float, sink: bool = False,
+                           device: torch.device | None = None) -> input_t:
+    """generate_varlen_input's data with large logits, which softmax's shift invariance makes harmless for the
+    exact result: q[..., 575] = shift and k[..., 575] = SHIFT_KEY_VALUE, so every logit of a sequence grows by
+    `shift`. With sink=True only the first key of each sequence gets k[..., 575] = SHIFT_KEY_VALUE (the others
+    0): one key `shift` above the rest, an attention sink."""
+    q, kv_data, _, _, _ = generate_varlen_input(kv_lens, seed, device=device)
+    q, kv = q.clone(), kv_data["bf16"].clone()
+    q[..., QK_HEAD_DIM - 1] = shift
+    if sink:
+        kv[:, :, QK_HEAD_DIM - 1] = 0.0
+        firsts = [end - n for end, n in zip(itertools.accumulate(kv_lens), kv_lens, strict=True) if n]
+        kv[firsts, :, QK_HEAD_DIM - 1] = SHIFT_KEY_VALUE
+    else:
+        kv[:, :, QK_HEAD_DIM - 1] = SHIFT_KEY_VALUE
+    return input_from(q, kv, kv_lens)
+
+
+def input_from(q: torch.Tensor, kv: torch.Tensor, kv_lens: list[int], qseqlen: int = 1, ties: str = "away",
+               padded_scales: bool = True) -> input_t:
+    """The input tuple for q (batch * qseqlen, 16, 576) bf16 and kv (sum(kv_lens), 1, 576) bf16, sequence b owning
+    kv_lens[b] consecutive rows: the FP8 and MXFP4 caches quantized from kv, the indptrs and the config."""
+    device = q.device
+    batch = len(kv_lens)
+    total_kv = kv.shape[0]
     kv_fp8, kv_scale = quantize_fp8(kv, fp8_dtype(device))
     aiter_quant = _aiter_mxfp4_quant() if (ties, padded_scales) == ("away", True) else None
     if aiter_quant is not None:

@@ -58,13 +58,16 @@ FP4X2_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch
 E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
 BACKENDS = ("aiter", "cuda", "triton", "torch")
 KV_FORMATS = ("fp8", "mxfp4")
+PRECISIONS = ("fast", "precise")
 CONFIG_KEYS = ("batch_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "q_seq_len", "kv_seq_len",
                "sm_scale")
 
-# What runs when MLA_BACKEND / MLA_KV_FORMAT are unset, as on the leaderboard (it sets no environment variables):
-# edit these to submit another backend ("triton", "torch") or the MXFP4 cache ("mxfp4").
+# What runs when MLA_BACKEND / MLA_KV_FORMAT / MLA_PRECISION are unset, as on the leaderboard (it sets no
+# environment variables): edit these to submit another backend ("triton", "torch"), the MXFP4 cache ("mxfp4") or
+# the precise score product ("precise"; select_precision says what it costs).
 DEFAULT_BACKEND = "auto"
 DEFAULT_KV_FORMAT = "fp8"
+DEFAULT_PRECISION = "fast"
 
 log = logging.getLogger("mla_decode")
 
@@ -267,8 +270,11 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
     if forced not in BACKENDS + ("auto",):
         source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
         raise ValueError(f"{source}: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
+    precise = select_precision() == "precise"
     if forced == "aiter" and not _aiter_importable():
         raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
+    if forced == "aiter" and precise:
+        raise RuntimeError("MLA_BACKEND=aiter: aiter's kernels take FP8 Q (no precise mode); use MLA_PRECISION=fast")
     if forced == "triton" and not _triton_usable(device):
         raise RuntimeError(f"MLA_BACKEND=triton: needs triton and a GPU (or TRITON_INTERPRET=1); device is {device}")
     if forced == "cuda":
@@ -277,7 +283,7 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
             raise RuntimeError(f"MLA_BACKEND=cuda: {reason}")
     if forced != "auto":
         choice = forced
-    elif device.type == "cuda" and torch.version.hip is not None and _aiter_importable():
+    elif device.type == "cuda" and torch.version.hip is not None and _aiter_importable() and not precise:
         choice = "aiter"
     elif device.type == "cuda" and _cuda_auto_usable(device, kv_format):
         choice = "cuda"
@@ -334,6 +340,19 @@ def select_kv_format() -> str:
         source = "MLA_KV_FORMAT" if "MLA_KV_FORMAT" in os.environ else "DEFAULT_KV_FORMAT"
         raise ValueError(f"{source}: expected one of {KV_FORMATS}, got {fmt!r}")
     return fmt
+
+
+def select_precision() -> str:
+    """MLA_PRECISION if set, else DEFAULT_PRECISION. "fast": the FP8 cache's score product is an fp8 x fp8 MMA (Q
+    rounded to e4m3 per head); Hopper's FP8 MMA keeps ~14 bits of a sum of products, so a large common logit
+    offset (a product far above the rest) costs accuracy. "precise": that product in fp16 (exact e4m3 -> fp16 K,
+    Q scaled exactly by a power of two) with fp32 accumulation, at some speed: the triton backend's fp16 dot,
+    the cuda backend's mma.sync kernel; the torch backend is fp32 either way; aiter has no such kernel."""
+    precision = os.environ.get("MLA_PRECISION", DEFAULT_PRECISION)
+    if precision not in PRECISIONS:
+        source = "MLA_PRECISION" if "MLA_PRECISION" in os.environ else "DEFAULT_PRECISION"
+        raise ValueError(f"{source}: expected one of {PRECISIONS}, got {precision!r}")
+    return precision
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -549,6 +568,18 @@ Q_QUANT_BLOCK = 4096
 if triton is not None:
 
     @triton.jit
+    def _round_to_e4m3(x):
+        """fp32 x (|x| <= 448) rounded to the nearest E4M3 value, ties to even, still fp32: its cast to fp8 is then
+        exact. Only for Triton's interpreter (ROUND_FP8), whose fp32 -> fp8 cast loses the carry of a mantissa that
+        rounds up into the exponent in half the binades (126.2 -> 64, not 128) and rounds ties up; compiled
+        kernels cast with the hardware's round-to-nearest-even."""
+        bits = x.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6
+        ulp = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): three mantissa bits
+        magnitude = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds to an integer
+        return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
+
+    @triton.jit
     def _q_absmax_kernel(q_ptr, partial_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
@@ -556,14 +587,16 @@ if triton is not None:
 
     @triton.jit
     def _q_quantize_kernel(q_ptr, partial_ptr, num_partials, q8_ptr, scale_ptr, n, fp8_max,
-                           BLOCK: tl.constexpr, PARTIALS: tl.constexpr):
+                           BLOCK: tl.constexpr, PARTIALS: tl.constexpr, ROUND_FP8: tl.constexpr):
         parts = tl.load(partial_ptr + tl.arange(0, PARTIALS), mask=tl.arange(0, PARTIALS) < num_partials, other=0.0)
         scale = tl.math.div_rn(tl.maximum(tl.max(parts, axis=0), 1e-12), fp8_max)
         if tl.program_id(0) == 0:
             tl.store(scale_ptr, scale)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        q8 = tl.math.div_rn(x, scale).to(q8_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        x = tl.math.div_rn(tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), scale)
+        if ROUND_FP8:  # |x| <= 448 (1 + 2^-23), which rounds to 448
+            x = _round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
+        q8 = x.to(q8_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q8_ptr + offs, q8, mask=offs < n)
 
 
@@ -582,7 +615,8 @@ class QQuantizer:
         self.blocks = triton.cdiv(self.q_fp8.numel(), Q_QUANT_BLOCK) if triton_ok else 0
         if self.blocks:
             self.partials = torch.empty(self.blocks, dtype=torch.float32, device=device)
-            self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks))  # BLOCK, PARTIALS
+            # BLOCK, PARTIALS, ROUND_FP8 (on the CPU: the interpreter, whose fp8 cast needs help, see _round_to_e4m3)
+            self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks), device.type != "cuda")
             self.compiled = None  # the two kernels as compiled for a 16-byte aligned q (not under the interpreter)
         else:
             self._use_torch()
@@ -611,7 +645,8 @@ class QQuantizer:
                     self.compiled[1][grid](*quantize_args, *self.consts)
                 else:
                     absmax = _q_absmax_kernel[grid](*absmax_args, BLOCK=self.consts[0])
-                    quantize = _q_quantize_kernel[grid](*quantize_args, BLOCK=self.consts[0], PARTIALS=self.consts[1])
+                    quantize = _q_quantize_kernel[grid](*quantize_args, BLOCK=self.consts[0], PARTIALS=self.consts[1],
+                                                        ROUND_FP8=self.consts[2])
                     if aligned and absmax is not None and quantize is not None:
                         self.compiled = (absmax, quantize)
                 return self.q_fp8
@@ -874,9 +909,9 @@ if triton is not None:
     @triton.jit
     def _kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr,
                  TRANS: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
-        """Columns COL0:COL0+WIDTH of the KV rows n0 + arange(BLOCK_N), (BLOCK_N, WIDTH), or their transpose in
-        DOT_DTYPE when TRANS (the V^T operand). fp8: the raw e4m3 tile (the score dot takes it as is);
-        mxfp4: the values * 2^-6 in DOT_DTYPE. Rows with row_ok False read as 0."""
+        """Columns COL0:COL0+WIDTH of the KV rows n0 + arange(BLOCK_N), (BLOCK_N, WIDTH), or their transpose when
+        TRANS (the V^T operand), in DOT_DTYPE. fp8: the e4m3 tile (e4m3 itself for the fast score product);
+        mxfp4: the values * 2^-6. Rows with row_ok False read as 0."""
         BLOCK_N: tl.constexpr = row_ok.shape[0]
         r = tl.arange(0, BLOCK_N)
         if KV_FORMAT == "fp8":
@@ -884,8 +919,8 @@ if triton is not None:
             x = tl.load(kv_ptr + tl.cast(n0, tl.int64) * 576 + COL0 + r[:, None] * 576 + c[None, :],
                         mask=row_ok[:, None], other=0.0)
             if TRANS:  # the same load as the K operand: Triton reads both from one shared-memory tile
-                x = tl.trans(x).to(DOT_DTYPE)
-            return x
+                x = tl.trans(x)
+            return x.to(DOT_DTYPE)  # e4m3 -> fp16 is exact; to e4m3 (the fast score product) it is no conversion
         else:
             NB: tl.constexpr = WIDTH // 32
             tile = kv_ptr + tl.cast(n0, tl.int64) * 288 + COL0 // 2
@@ -911,7 +946,8 @@ if triton is not None:
             return x
 
     @triton.jit
-    def _q_cols(q_ptr, b, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr):
+    def _q_cols(q_ptr, b, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
+                ROUND_FP8: tl.constexpr):
         """Q^T rows COL0:COL0+WIDTH of sequence b, (WIDTH, 16), times the per-head q_scale (16,), as Q_DTYPE
         (fp8 values are clamped to the E4M3 range)."""
         d = COL0 + tl.arange(0, WIDTH)
@@ -919,6 +955,8 @@ if triton is not None:
         x = x.to(tl.float32) * q_scale[None, :]
         if Q_DTYPE == tl.float8e4nv:
             x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+            if ROUND_FP8:
+                x = _round_to_e4m3(x)
         return x.to(Q_DTYPE)
 
     @triton.jit
@@ -931,8 +969,8 @@ if triton is not None:
     @triton.jit
     def _mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, kv_indptr_ptr, out_ptr, part_o_ptr,
                           part_lse_ptr, total_kv, qk_scale, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          KV_FORMAT: tl.constexpr, PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                          USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr):
         split = tl.program_id(0)
         b = tl.program_id(1)
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
@@ -947,12 +985,16 @@ if triton is not None:
         hi = tl.minimum(lo + per_split, end)
 
         heads = tl.arange(0, 16)
-        if KV_FORMAT == "fp8":  # FP8 Q, one scale per head; the fp32 scores get kv_scale * qk_scale / q_scale
+        if KV_FORMAT == "fp8":  # one Q scale per head; the fp32 scores get kv_scale * qk_scale / q_scale
             q_row = q_ptr + b * (16 * 576) + heads[:, None] * 576
             q_max = tl.maximum(tl.max(tl.abs(tl.load(q_row + tl.arange(0, 512)[None, :]).to(tl.float32)), 1),
                                tl.max(tl.abs(tl.load(q_row + 512 + tl.arange(0, 64)[None, :]).to(tl.float32)), 1))
-            q_scale = 448.0 / tl.maximum(q_max, 1e-30)
-            q_dtype: tl.constexpr = tl.float8e4nv
+            if PRECISE:  # DOT_DTYPE Q scaled by a power of two (exact) so its largest |q| lies in [2^14, 2^15)
+                q_scale = tl.exp2(14.0 - tl.floor(tl.log2(tl.maximum(q_max, 1e-30))))
+                q_dtype: tl.constexpr = DOT_DTYPE
+            else:  # FP8 Q: the score product is an fp8 x fp8 MMA on the tile as it lies
+                q_scale = 448.0 / tl.maximum(q_max, 1e-30)
+                q_dtype: tl.constexpr = tl.float8e4nv
             out_scale = tl.load(kscale_ptr)
             s_scale = out_scale * qk_scale / q_scale
         else:  # fp16 Q pre-scaled by sm_scale * log2(e); MXFP4's 2^6 goes into the scores and the output
@@ -960,12 +1002,16 @@ if triton is not None:
             q_dtype: tl.constexpr = DOT_DTYPE
             out_scale = 64.0
             s_scale = tl.full([16], 64.0, tl.float32)
-        q0 = _q_cols(q_ptr, b, q_scale, 0, 128, q_dtype)
-        q1 = _q_cols(q_ptr, b, q_scale, 128, 128, q_dtype)
-        q2 = _q_cols(q_ptr, b, q_scale, 256, 128, q_dtype)
-        q3 = _q_cols(q_ptr, b, q_scale, 384, 128, q_dtype)
-        q_rope = _q_cols(q_ptr, b, q_scale, 512, 64, q_dtype)
+        q0 = _q_cols(q_ptr, b, q_scale, 0, 128, q_dtype, ROUND_FP8)
+        q1 = _q_cols(q_ptr, b, q_scale, 128, 128, q_dtype, ROUND_FP8)
+        q2 = _q_cols(q_ptr, b, q_scale, 256, 128, q_dtype, ROUND_FP8)
+        q3 = _q_cols(q_ptr, b, q_scale, 384, 128, q_dtype, ROUND_FP8)
+        q_rope = _q_cols(q_ptr, b, q_scale, 512, 64, q_dtype, ROUND_FP8)
 
+        if KV_FORMAT == "fp8" and not PRECISE:
+            K_DTYPE: tl.constexpr = tl.float8e4nv
+        else:
+            K_DTYPE: tl.constexpr = DOT_DTYPE
         m_i = tl.full([16], float("-inf"), tl.float32)
         l_i = tl.zeros([16], tl.float32)
         acc0 = tl.zeros([128, 16], tl.float32)
@@ -974,16 +1020,16 @@ if triton is not None:
         acc3 = tl.zeros([128, 16], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             row_ok = n0 + tl.arange(0, BLOCK_N) < hi
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 0, 128, False, KV_FORMAT, DOT_DTYPE,
+            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 0, 128, False, KV_FORMAT, K_DTYPE,
                                 USE_ASM), q0)
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 128, 128, False, KV_FORMAT,
-                                DOT_DTYPE, USE_ASM), q1, s)
+                                K_DTYPE, USE_ASM), q1, s)
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 256, 128, False, KV_FORMAT,
-                                DOT_DTYPE, USE_ASM), q2, s)
+                                K_DTYPE, USE_ASM), q2, s)
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 384, 128, False, KV_FORMAT,
-                                DOT_DTYPE, USE_ASM), q3, s)
+                                K_DTYPE, USE_ASM), q3, s)
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 512, 64, False, KV_FORMAT,
-                                DOT_DTYPE, USE_ASM), q_rope, s)
+                                K_DTYPE, USE_ASM), q_rope, s)
             s = tl.where(row_ok[:, None], s * s_scale[None, :], float("-inf"))  # (BLOCK_N, 16), log2 units
             m_new = tl.maximum(m_i, tl.max(s, 0))
             p = tl.exp2(s - m_new[None, :])
@@ -1096,13 +1142,14 @@ class _TritonLaunch:
             self.combine_kernel[self.combine_grid](*combine_args, *self.combine_consts)
 
 
-def _triton_launch(q, kv, scale, kv_indptr, config, kv_format: str, plan: tuple | None) -> _TritonLaunch:
+def _triton_launch(q, kv, scale, kv_indptr, config, kv_format: str, precise: bool,
+                   plan: tuple | None) -> _TritonLaunch:
     """The launch for one (device, shapes, dtypes, strides, 16-byte alignments, format, plan): built on the first
     call, then looked up (no allocation, no host sync). The plan reads kv_seq_len, or total_kv / batch when it
     is None, on the host: never the device's kv_indptr."""
     batch = q.shape[0]
     key = (q.device, q.shape, kv.shape, kv.dtype, scale.shape, scale.dtype, scale.stride(0), kv_format,
-           config["kv_seq_len"], plan, tuple(t.data_ptr() % 16 == 0 for t in (q, kv, scale, kv_indptr)))
+           precise, config["kv_seq_len"], plan, tuple(t.data_ptr() % 16 == 0 for t in (q, kv, scale, kv_indptr)))
     launch = _TRITON_LAUNCH.get(key)
     if launch is not None:
         return launch
@@ -1116,8 +1163,9 @@ def _triton_launch(q, kv, scale, kv_indptr, config, kv_format: str, plan: tuple 
     splits_p2 = triton.next_power_of_2(splits)
     block_dv = min(V_HEAD_DIM, max(16, 8192 // splits_p2))  # a (splits, block_dv) fp32 tile: 64 registers/thread
     workspace_rows = batch * splits if splits > 1 else 0
-    split_consts = dict(NUM_SPLITS=splits, BLOCK_N=block_n, KV_FORMAT=kv_format,
-                        DOT_DTYPE=tl.float16 if on_gpu else tl.float32, USE_ASM=nvidia, USE_PDL=nvidia and splits > 1)
+    split_consts = dict(NUM_SPLITS=splits, BLOCK_N=block_n, KV_FORMAT=kv_format, PRECISE=precise,
+                        DOT_DTYPE=tl.float16 if on_gpu else tl.float32, USE_ASM=nvidia, ROUND_FP8=not on_gpu,
+                        USE_PDL=nvidia and splits > 1)
     combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, USE_PDL=nvidia)
     launch = _TritonLaunch(
         plan=plan,
@@ -1136,10 +1184,11 @@ def _triton_launch(q, kv, scale, kv_indptr, config, kv_format: str, plan: tuple 
     return launch
 
 
-def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str,
+def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, *, precise: bool = False,
                     plan: tuple | None = None) -> torch.Tensor:
-    """`plan` (num_splits, block_n, num_warps, num_stages) overrides triton_plan (tests, bench/tune_triton.py)."""
-    launch = _triton_launch(q, kv, scale, kv_indptr, config, kv_format, plan)
+    """`precise`: the FP8 cache's score product in DOT_DTYPE (see select_precision); MXFP4's always is.
+    `plan` (num_splits, block_n, num_warps, num_stages) overrides triton_plan (tests, bench/tune_triton.py)."""
+    launch = _triton_launch(q, kv, scale, kv_indptr, config, kv_format, precise, plan)
     if kv_format == "mxfp4":
         kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
     out = torch.empty((q.shape[0], NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
@@ -1234,5 +1283,6 @@ def custom_kernel(data):
     if backend == "cuda":
         return _cuda_package()[0].forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
     if backend == "triton":
-        return _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
+        return _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format,
+                               precise=select_precision() == "precise")
     return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)

@@ -3,7 +3,7 @@
 CPU: the interpreter must be on before triton is first imported (triton.language's own helpers are compiled or
 interpreted at import), and other test modules import it through submission.py, so the interpreted checks run
 in one subprocess (TRITON_INTERPRET=1, this file run as a script) whose results the tests below assert on.
-Two defects of the interpreter are patched there, test-only (tests/triton_interpreter.py says which).
+One defect of the interpreter is patched there, test-only (tests/triton_interpreter.py says which).
 GPU: `pytest -m gpu tests/test_triton.py` on a CUDA machine with triton (the real compiler, not the interpreter).
 """
 
