@@ -278,14 +278,14 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
     if forced == "triton" and not _triton_usable(device):
         raise RuntimeError(f"MLA_BACKEND=triton: needs triton and a GPU (or TRITON_INTERPRET=1); device is {device}")
     if forced == "cuda":
-        reason = cuda_unusable_reason(device, kv_format)
+        reason = cuda_unusable_reason(device, kv_format, precise)
         if reason is not None:
             raise RuntimeError(f"MLA_BACKEND=cuda: {reason}")
     if forced != "auto":
         choice = forced
     elif device.type == "cuda" and torch.version.hip is not None and _aiter_importable() and not precise:
         choice = "aiter"
-    elif device.type == "cuda" and _cuda_auto_usable(device, kv_format):
+    elif device.type == "cuda" and _cuda_auto_usable(device, kv_format, precise):
         choice = "cuda"
     elif device.type == "cuda" and _triton_usable(device):
         choice = "triton"
@@ -298,14 +298,15 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
 
 
 @functools.cache
-def _cuda_auto_usable(device: torch.device, kv_format: str) -> bool:
-    """For auto: the cuda backend where it builds and reads `kv_format`; where it does not (the mla_decode_cuda
-    package not installed, no nvcc, an nvcc too old for this GPU), the triton backend, with the reason logged as a
-    warning (once per format). MLA_BACKEND=cuda raises the reason instead. Cached: called on every decode."""
+def _cuda_auto_usable(device: torch.device, kv_format: str, precise: bool) -> bool:
+    """For auto: the cuda backend where it builds and reads `kv_format` in that precision; where it does not (the
+    mla_decode_cuda package not installed, no nvcc, an nvcc too old for this GPU), the triton backend, with the reason
+    logged as a warning (once per format and precision). MLA_BACKEND=cuda raises the reason instead. Cached: called on
+    every decode."""
     reason = cuda_unusable_reason(device)
     if reason is not None and device.type == "cuda" and torch.version.hip is None:
         log.warning("MLA decode: using the triton backend, not cuda: %s", reason)
-    return reason is None and cuda_unusable_reason(device, kv_format) is None
+    return reason is None and cuda_unusable_reason(device, kv_format, precise) is None
 
 
 CUDA_PACKAGE_MISSING = ("cuda backend: the mla_decode_cuda package is not installed: install the repo "
@@ -326,12 +327,12 @@ def _cuda_package():
     return mla_decode_cuda, None
 
 
-def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | None:
-    """None when the cuda backend reads `kv_format` on `device` (mla_decode_cuda.unusable_reason: an NVIDIA GPU of
-    capability >= 8.0 whose kernels build with the machine's nvcc; MXFP4 only on Hopper), else why not (the package's
-    absence included)."""
+def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool = False) -> str | None:
+    """None when the cuda backend reads `kv_format` on `device` in that precision (mla_decode_cuda.unusable_reason:
+    an NVIDIA GPU of capability >= 8.0 whose kernels build with the machine's nvcc; MXFP4 only on Hopper and not in
+    the precise mode), else why not (the package's absence included)."""
     package, missing = _cuda_package()
-    return missing if package is None else package.unusable_reason(device, kv_format)
+    return missing if package is None else package.unusable_reason(device, kv_format, precise)
 
 
 def select_kv_format() -> str:
@@ -1281,7 +1282,8 @@ def custom_kernel(data):
         _expect(kv_format == "fp8", "MLA_KV_FORMAT", "fp8 with the aiter backend", repr(kv_format))
         return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config)
     if backend == "cuda":
-        return _cuda_package()[0].forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
+        return _cuda_package()[0].forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format,
+                                          select_precision() == "precise")
     if backend == "triton":
         return _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format,
                                precise=select_precision() == "precise")

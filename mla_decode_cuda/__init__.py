@@ -57,8 +57,8 @@ MAIN_SOURCE = "mla_decode.cu"  # the one translation unit; it includes the .cuh 
 
 log = logging.getLogger("mla_decode")  # submission.py's logger
 
-_LIBS: dict = {}  # device capability -> ctypes library, or the build error (str) when it could not be built
-_LAUNCH: dict = {}  # (device, batch, kv_seq_len, format) -> (splits, part_o, part_lse, sync)
+_LIBS: dict = {}  # (device capability, precise) -> ctypes library, or the build error (str) when it could not be built
+_LAUNCH: dict = {}  # (device, batch, kv_seq_len, format, precise) -> (splits, part_o, part_lse, sync)
 
 
 def find_nvcc() -> str | None:
@@ -102,11 +102,14 @@ def build_library(nvcc: str, arch: str, wgmma: bool, csrc: Path | None = None) -
     return path
 
 
-def library(capability: tuple[int, int]):
+def library(capability: tuple[int, int], precise: bool = False):
     """The kernel library for this capability, built once per machine (see build_library) and loaded: the wgmma
     kernel on Hopper (sm_90a), or the mma.sync one where that cannot be built (an nvcc older than 12.0; with a
-    warning) and on other GPUs. A RuntimeError carries nvcc's message when neither can be built."""
-    lib = _LIBS.get(capability)
+    warning), on other GPUs, and in the precise mode everywhere (its score product is an fp16 MMA on the exactly
+    converted FP8 tile with fp32 sums, where the wgmma kernel's fp8 x fp8 MMA keeps ~14 bits of each sum of
+    products). A RuntimeError carries nvcc's message when neither can be built."""
+    key = (capability, precise)
+    lib = _LIBS.get(key)
     if isinstance(lib, str):
         raise RuntimeError(lib)
     if lib is not None:
@@ -116,7 +119,7 @@ def library(capability: tuple[int, int]):
         raise RuntimeError("cuda backend: no nvcc found (set CUDA_HOME or put nvcc on PATH)")
     arch = f"{capability[0]}{capability[1]}"
     try:
-        if capability == WGMMA_CAPABILITY:
+        if capability == WGMMA_CAPABILITY and not precise:
             try:
                 path = build_library(nvcc, arch + "a", wgmma=True)
             except RuntimeError as e:
@@ -125,7 +128,7 @@ def library(capability: tuple[int, int]):
         else:
             path = build_library(nvcc, arch, wgmma=False)
     except RuntimeError as e:
-        _LIBS[capability] = str(e)
+        _LIBS[key] = str(e)
         raise
     lib = ctypes.CDLL(path)
     lib.mla_decode.restype = ctypes.c_int
@@ -136,7 +139,7 @@ def library(capability: tuple[int, int]):
     for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
-    _LIBS[capability] = lib
+    _LIBS[key] = lib
     return lib
 
 
@@ -145,16 +148,18 @@ def capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def unusable_reason(device: torch.device, kv_format: str = "fp8") -> str | None:
-    """None when the cuda backend reads `kv_format` ("fp8" or "mxfp4") on `device` (an NVIDIA GPU of capability >=
-    8.0 whose kernel library builds with the machine's nvcc, once per machine; MXFP4 only with the Hopper kernel),
-    else why not."""
+def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool = False) -> str | None:
+    """None when the cuda backend reads `kv_format` ("fp8" or "mxfp4") on `device` in the fast or the precise mode
+    (an NVIDIA GPU of capability >= 8.0 whose kernel library builds with the machine's nvcc, once per machine; MXFP4
+    only with the Hopper kernel, so not in the precise mode), else why not."""
     if device.type != "cuda" or torch.version.hip is not None:
         return f"cuda backend: needs an NVIDIA GPU; device is {device}"
     if capability(device) < MIN_CAPABILITY:
         return f"cuda backend: needs compute capability >= 8.0, this GPU has {capability(device)}"
+    if kv_format == "mxfp4" and precise:
+        return "cuda backend: the precise mode reads the FP8 cache only (its mma.sync kernel has no MXFP4 path)"
     try:
-        lib = library(capability(device))
+        lib = library(capability(device), precise)
     except RuntimeError as e:
         return str(e)
     if kv_format == "mxfp4" and not lib.mla_supports_mxfp4():
@@ -196,7 +201,7 @@ def current_raw_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -> torch.Tensor:
+def forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, precise: bool = False) -> torch.Tensor:
     """The decode on an NVIDIA GPU, inputs as submission.validate returns them (all on one GPU, the current one):
       q:         (batch, 16, 576) bfloat16, contiguous, 16-byte aligned
       kv, scale: kv_format "fp8": kv (total_kv, 1, 576) float8_e4m3fn, scale (1,) float32 (the cache holds kv *
@@ -205,14 +210,15 @@ def forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -> torch
       qo_indptr: (batch + 1,) int32 = [0, 1, ..., batch] (not read: one query row per sequence)
       kv_indptr: (batch + 1,) int32, 16-byte aligned; sequence b owns KV rows kv_indptr[b]:kv_indptr[b+1]
       config:    sm_scale, and kv_seq_len (None, or the length of every sequence / the maximum) for the split plan
+      precise:   the mma.sync kernel's fp16 score product (see library); FP8 cache only
     Output: (batch, 16, 512) bfloat16. One ctypes call launches the split kernel (which merges the splits too) on the
     current stream; the workspace (partials, the per-sequence barrier's counters) is cached by (device, batch,
-    kv_seq_len, format): calls with the same key must be issued in order on one stream."""
+    kv_seq_len, format, precision): calls with the same key must be issued in order on one stream."""
     device = q.device
-    lib = library(capability(device))
+    lib = library(capability(device), precise)
     batch = q.shape[0]
     seq_len = config["kv_seq_len"] if config["kv_seq_len"] is not None else -(-kv.shape[0] // max(batch, 1))
-    key = (device, batch, seq_len, kv_format)
+    key = (device, batch, seq_len, kv_format, precise)
     launch = _LAUNCH.get(key)
     if launch is None:
         splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(device).multi_processor_count,

@@ -553,3 +553,21 @@ def test_recorded_calls_keep_no_tensor_alive(standin):
         assert not any(isinstance(v, torch.Tensor) for v in call.arguments.values())
     assert all(isinstance(aiter.calls_to(name)[0].arguments[arg], Recorded)
                for name, arg in (("get_mla_metadata_v1", "work_indptr"), ("mla_decode_fwd", "q")))
+
+
+def test_precise_mode_never_runs_aiter(standin, monkeypatch):
+    """aiter's kernels take FP8 Q: MLA_PRECISION=precise refuses a forced aiter, and auto on ROCm then takes another
+    backend."""
+    standin()
+    monkeypatch.setenv("MLA_PRECISION", "precise")
+    with pytest.raises(RuntimeError, match="MLA_BACKEND=aiter: .*no precise mode"):
+        S.select_backend(CPU)
+    monkeypatch.setenv("MLA_BACKEND", "auto")
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    S._cuda_auto_usable.cache_clear()
+    try:
+        assert S.select_backend(torch.device("cuda", 0), "fp8") in ("triton", "torch")
+        monkeypatch.setenv("MLA_PRECISION", "fast")
+        assert S.select_backend(torch.device("cuda", 0), "fp8") == "aiter"
+    finally:
+        S._cuda_auto_usable.cache_clear()

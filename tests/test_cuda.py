@@ -344,3 +344,36 @@ def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(fresh_build, monkey
         with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: reads MXFP4 only with its Hopper"):
             S.select_backend(gpu)
     S._cuda_auto_usable.cache_clear()
+
+
+def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gpu, monkeypatch):
+    """MLA_PRECISION=precise: the mma.sync kernel (fp16 score product) even on Hopper, a library of its own beside
+    the wgmma one; MXFP4 (only the wgmma kernel reads it) is refused naming the precise mode, and auto then takes
+    triton for it. Builds are faked: which kernel and target each library is built for is what is checked."""
+    built = []
+
+    def fake_build(nvcc, arch, wgmma, csrc=None):
+        built.append((arch, wgmma))
+        return f"lib_{arch}"
+
+    def fake_cdll(path):
+        exports = ("mla_decode", "mla_limit_shared_memory", "mla_ctas_per_sm", "mla_supports_mxfp4")
+        lib = SimpleNamespace(path=path, **{name: SimpleNamespace() for name in exports})
+        lib.mla_supports_mxfp4 = lambda: path.endswith("a")
+        return lib
+
+    monkeypatch.setattr(C, "_LIBS", {})
+    monkeypatch.setattr(C, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(C, "build_library", fake_build)
+    monkeypatch.setattr(C.ctypes, "CDLL", fake_cdll)
+    monkeypatch.setattr(C, "capability", lambda device: (9, 0))
+    assert C.library((9, 0)).path == "lib_90a" and C.library((9, 0), precise=True).path == "lib_90"
+    assert built == [("90a", True), ("90", False)]
+    assert S.cuda_unusable_reason(fake_nvidia_gpu, "fp8", precise=True) is None
+    assert "precise mode reads the FP8 cache only" in S.cuda_unusable_reason(fake_nvidia_gpu, "mxfp4", precise=True)
+    monkeypatch.setenv("MLA_PRECISION", "precise")
+    assert S.select_backend(fake_nvidia_gpu, "fp8") == "cuda"
+    assert S.select_backend(fake_nvidia_gpu, "mxfp4") == ("triton" if S.triton is not None else "torch")
+    monkeypatch.setenv("MLA_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: .*precise mode reads the FP8 cache only"):
+        S.select_backend(fake_nvidia_gpu, "mxfp4")

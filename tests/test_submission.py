@@ -276,12 +276,32 @@ def test_the_defaults_apply_where_the_environment_sets_nothing(monkeypatch):
     assert (S.select_backend(CPU), S.select_kv_format()) == ("torch", "fp8")
 
 
-@pytest.mark.parametrize("name,value", [("DEFAULT_BACKEND", "rocm"), ("DEFAULT_KV_FORMAT", "int4")])
+@pytest.mark.parametrize("name,value", [("DEFAULT_BACKEND", "rocm"), ("DEFAULT_KV_FORMAT", "int4"),
+                                        ("DEFAULT_PRECISION", "exact")])
 def test_a_bad_default_is_named(monkeypatch, name, value):
     monkeypatch.delenv("MLA_BACKEND")
+    monkeypatch.delenv("MLA_PRECISION", raising=False)
     monkeypatch.setattr(S, name, value)
     with pytest.raises(ValueError, match=f"^{name}: expected one of .*, got '{value}'$"):
         S.custom_kernel(base())
+
+
+def test_precision_is_the_default_unless_mla_precision_says_otherwise(monkeypatch):
+    monkeypatch.delenv("MLA_PRECISION", raising=False)
+    assert S.select_precision() == S.DEFAULT_PRECISION == "fast"
+    monkeypatch.setenv("MLA_PRECISION", "precise")
+    assert S.select_precision() == "precise"
+    monkeypatch.setenv("MLA_PRECISION", "exact")
+    with pytest.raises(ValueError, match="^MLA_PRECISION: expected one of .*, got 'exact'$"):
+        S.custom_kernel(base())
+
+
+def test_the_torch_backend_is_the_same_in_both_precisions(monkeypatch):
+    data = base()
+    monkeypatch.setenv("MLA_PRECISION", "fast")
+    fast = S.custom_kernel(data)
+    monkeypatch.setenv("MLA_PRECISION", "precise")
+    assert torch.equal(S.custom_kernel(data), fast)
 
 
 def test_the_leaderboard_file_never_says_stream():
