@@ -237,12 +237,12 @@ def _check_attention(data: tuple, expected: torch.Tensor, kv_format: str):
     return check
 
 
-def _ours(backend: str, kv_format: str):
-    """submission.custom_kernel with MLA_BACKEND and MLA_KV_FORMAT forced; submission.select_backend decides
-    whether the backend can run here, with its own message."""
+def _ours(backend: str, kv_format: str, precision: str = "fast"):
+    """submission.custom_kernel with MLA_BACKEND, MLA_KV_FORMAT and MLA_PRECISION forced; submission.select_backend
+    decides whether the backend can run here, with its own message."""
 
     def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
-        env = {"MLA_BACKEND": backend, "MLA_KV_FORMAT": kv_format}
+        env = {"MLA_BACKEND": backend, "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}
         with scoped_env(env):
             try:
                 submission.select_backend(ctx.device)
@@ -372,9 +372,13 @@ def _memwalk(kv_format: str):
 METHODS = (
     Method("cuda-fp8", "ours", "fp8", "ours: MLA_BACKEND=cuda (CUDA kernel built at first use; auto's pick on NVIDIA)",
            _ours("cuda", "fp8")),
+    Method("cuda-fp8-precise", "ours", "fp8", "ours: MLA_BACKEND=cuda MLA_PRECISION=precise (the mma.sync kernel)",
+           _ours("cuda", "fp8", "precise")),
     Method("cuda-mxfp4", "ours", "mxfp4", "ours: MLA_BACKEND=cuda MLA_KV_FORMAT=mxfp4 (the Hopper kernel)",
            _ours("cuda", "mxfp4")),
     Method("triton-fp8", "ours", "fp8", "ours: MLA_BACKEND=triton MLA_KV_FORMAT=fp8", _ours("triton", "fp8")),
+    Method("triton-fp8-precise", "ours", "fp8", "ours: MLA_BACKEND=triton MLA_PRECISION=precise (fp16 score dot)",
+           _ours("triton", "fp8", "precise")),
     Method("triton-mxfp4", "ours", "mxfp4", "ours: MLA_BACKEND=triton MLA_KV_FORMAT=mxfp4", _ours("triton", "mxfp4")),
     Method("torch-fp8", "ours", "fp8", "ours: MLA_BACKEND=torch MLA_KV_FORMAT=fp8 (portable fallback)",
            _ours("torch", "fp8")),

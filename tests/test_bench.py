@@ -65,7 +65,8 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     assert result["meta"]["versions"]["torch"] == torch.__version__
 
     tail = proc.stdout.strip().splitlines()[-8:]  # header, rule, one line per shape, geomean, ratio, host times
-    assert tail[0].split()[:3] == ["shape", "cuda-fp8", "cuda-mxfp4"] and tail[0].split()[-2:] == ["FP8", "floor"]
+    assert tail[0].split()[:4] == ["shape", "cuda-fp8", "cuda-fp8-precise", "cuda-mxfp4"]
+    assert tail[0].split()[-2:] == ["FP8", "floor"]
     assert [line.split()[0] for line in tail[2:4]] == shapes
     assert tail[4].startswith("geomean") and tail[5].startswith("vs best peer")
     assert tail[6].startswith("host µs") and tail[7].startswith("host fresh µs")
@@ -74,7 +75,7 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     detail_header = next(line for line in proc.stdout.splitlines() if line.startswith("method"))
     assert "b2b µs  host µs  host fresh µs" in detail_header
     assert markdown.startswith("### ") and "| geomean |" in markdown
-    assert "| shape | cuda-fp8 | cuda-mxfp4 | triton-fp8 |" in markdown
+    assert "| shape | cuda-fp8 | cuda-fp8-precise | cuda-mxfp4 | triton-fp8 | triton-fp8-precise |" in markdown
     assert "| host µs |" in markdown and "| host fresh µs |" in markdown
     assert "- `flashinfer-fp8` skipped or failed: FlashInfer needs an NVIDIA GPU" in markdown
 
