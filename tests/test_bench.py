@@ -197,3 +197,13 @@ def test_q_quant_script_checks_and_times_both_forms():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
     assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), proc.stdout
+
+
+def test_host_path_dry_run_splits_a_call_into_its_stages(tmp_path):
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "host_path.py"), "--dry-run", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())["results"]["torch 2x64"]
+    assert set(result) == {"repeated", "fresh", "fresh gc off"}
+    assert all(stages[s] > 0 for stages in result.values() for s in ("validate", "forward", "call"))
