@@ -40,11 +40,13 @@ import tempfile
 
 import torch
 
+TRITON_IMPORT_ERROR = None
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no triton here: the triton backend is unavailable (select_backend says so)
+except ImportError as e:  # no triton here: the triton backend is unavailable (select_backend says why)
     triton = None
+    TRITON_IMPORT_ERROR = e
 
 NUM_HEADS = 16
 NUM_KV_HEADS = 1
@@ -254,8 +256,10 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
         raise ValueError(f"MLA_BACKEND: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
     if forced == "aiter" and not _aiter_importable():
         raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
+    if forced == "triton" and triton is None:
+        raise RuntimeError(f"MLA_BACKEND=triton: triton does not import: {TRITON_IMPORT_ERROR!r}")
     if forced == "triton" and not _triton_usable(device):
-        raise RuntimeError(f"MLA_BACKEND=triton: needs triton and a GPU (or TRITON_INTERPRET=1); device is {device}")
+        raise RuntimeError(f"MLA_BACKEND=triton: needs a GPU (or TRITON_INTERPRET=1); device is {device}")
     if forced == "cuda":
         reason = cuda_unusable_reason(device, kv_format)
         if reason is not None:
