@@ -80,9 +80,6 @@ CPU_KV_DIVISOR = 8
 CPU_MIN_KV = 128
 CPU_SCALE_RULE = (f"batchsize capped at {CPU_MAX_BATCH}; kvseqlen divided by {CPU_KV_DIVISOR}, never below "
                   f"{CPU_MIN_KV}, and kept when already shorter")
-# The leaderboard protocol on a CPU runs the real shapes: minutes for the largest (tests.txt took 9 minutes in test
-# mode on 2 busy cores, the torch backend; the benchmark modes repeat every case).
-POPCORN_CPU_DURATION = "minutes per large case"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -432,10 +429,12 @@ def popcorn_main(fd: int, argv: list[str]) -> int:
     if secret is not None:
         mix_secret_seed(cases, secret)
     on_cpu = get_device().type == "cpu"
-    if on_cpu:  # the protocol has no scaled shapes: say why it is slow instead of running silently
+    if on_cpu:  # the protocol has no scaled shapes: say why it is slow instead of running silently. The torch
+        # backend's largest tests.txt case (256 x 8192) takes about a minute on 2 cores; benchmark modes repeat each.
         max_rows = max((c.args.get("batchsize", 1) * c.args.get("kvseqlen", 0) for c in cases), default=0)
         _progress(f"eval.py: no GPU here: the {len(cases)} cases run at full size (up to {max_rows:,} KV rows "
-                  f"each), {POPCORN_CPU_DURATION} on a CPU; `python eval.py` without POPCORN_FD scales them down")
+                  "each), a minute or more per large case on a CPU; `python eval.py` without POPCORN_FD scales "
+                  "them down")
     with PopcornLog(fd) as log, spawn_worker(secret or 42) as worker:
         call = worker_call(worker, announce=on_cpu)
         if mode == "test":
