@@ -20,8 +20,10 @@ Local CLI (POPCORN_FD unset):
     python eval.py --write-cases [--cases task.yml]
 
 runs the tests, then the benchmarks, of task.yml (or of a cases file, whose cases serve as both) on this machine's
-device and prints one table and the geometric mean of the benchmark means; exit code 1 when anything fails. On a
-CPU-only machine the shapes are scaled down unless --full is given (see scale_for_cpu).
+device and prints one table and the geometric mean of the benchmark means; exit code 1 when anything fails, 2 on a
+configuration error (an unknown or unavailable backend, an unknown KV format: one message, before any case runs).
+On a CPU-only machine the shapes are scaled down unless --full is given (see scale_for_cpu). The header goes to
+stdout first, per-case progress to stderr, the table to stdout last.
 
 Timing: utils.Timer.call, the leaderboard's way: CUDA/HIP events around each call, with the L2 flushed before it
 (utils.clear_l2_cache, which also keeps the GPU busy long enough to hide the host's part of the call); the wall
@@ -39,6 +41,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -342,12 +345,28 @@ def _log_stats(log: PopcornLog, idx: int, stats: Stats) -> None:
         log.log(f"benchmark.{idx}.{field.name}", getattr(stats, field.name))
 
 
-def popcorn_test(log: PopcornLog, worker: ProcessPoolExecutor, cases: list[Case]) -> bool:
+def worker_call(worker: ProcessPoolExecutor, announce: bool) -> Callable:
+    """call(fn, case, *args): fn run on case in the worker; with announce, each call and its duration on stderr
+    (full-size cases on a CPU take a while)."""
+    def call(fn, case: Case, *args):
+        if not announce:
+            return worker.submit(fn, case, *args).result()
+        what = f"{fn.__name__.removeprefix('_worker_')} {case.spec}"
+        _progress(f"{what} ...")
+        started = time.perf_counter()
+        result = worker.submit(fn, case, *args).result()
+        _progress(f"{what}: done in {time.perf_counter() - started:.1f} s")
+        return result
+
+    return call
+
+
+def popcorn_test(log: PopcornLog, call: Callable, cases: list[Case]) -> bool:
     passed = True
     log.log("test-count", len(cases))
     for idx, case in enumerate(cases):
         log.log(f"test.{idx}.spec", case.spec)
-        good, message = worker.submit(_worker_test, case).result()
+        good, message = call(_worker_test, case)
         log.log(f"test.{idx}.status", "pass" if good else "fail")
         if not good:
             log.log(f"test.{idx}.error", message)
@@ -358,17 +377,17 @@ def popcorn_test(log: PopcornLog, worker: ProcessPoolExecutor, cases: list[Case]
     return passed
 
 
-def popcorn_benchmark(log: PopcornLog, worker: ProcessPoolExecutor, cases: list[Case], recheck: bool,
+def popcorn_benchmark(log: PopcornLog, call: Callable, cases: list[Case], recheck: bool,
                       rule: StopRule, warmup_rule: StopRule) -> bool:
     """Benchmark (recheck False) and leaderboard (recheck True) modes: a warm-up on the first case (compilation,
     autotuning, allocator growth stay out of the numbers), then every case; the first failure ends the run."""
     if cases:
-        worker.submit(_worker_benchmark, cases[0], False, warmup_rule).result()
+        call(_worker_benchmark, cases[0], False, warmup_rule)
     log.log("benchmark-count", len(cases))
     passed = True
     for idx, case in enumerate(cases):
         log.log(f"benchmark.{idx}.spec", case.spec)
-        result = worker.submit(_worker_benchmark, case, recheck, rule).result()
+        result = call(_worker_benchmark, case, recheck, rule)
         if isinstance(result, Stats):
             _log_stats(log, idx, result)
         else:
@@ -380,11 +399,11 @@ def popcorn_benchmark(log: PopcornLog, worker: ProcessPoolExecutor, cases: list[
     return passed
 
 
-def popcorn_profile(log: PopcornLog, worker: ProcessPoolExecutor, cases: list[Case]) -> None:
+def popcorn_profile(log: PopcornLog, call: Callable, cases: list[Case]) -> None:
     log.log("benchmark-count", len(cases))
     for idx, case in enumerate(cases):
         log.log(f"benchmark.{idx}.spec", case.spec)
-        report = worker.submit(_worker_profile, case).result()
+        report = call(_worker_profile, case)
         log.log(f"benchmark.{idx}.report", base64.b64encode(report.encode("utf-8"), b"+*").decode("utf-8"))
     log.log("check", "pass")
 
@@ -403,17 +422,25 @@ def popcorn_main(fd: int, argv: list[str]) -> int:
         return EXIT_BAD_CASES
     if secret is not None:
         mix_secret_seed(cases, secret)
+    on_cpu = get_device().type == "cpu"
+    if on_cpu:  # the protocol has no scaled shapes: say why it is slow instead of running silently. The torch
+        # backend's largest tests.txt case (256 x 8192) takes about a minute on 2 cores; benchmark modes repeat each.
+        max_rows = max((c.args.get("batchsize", 1) * c.args.get("kvseqlen", 0) for c in cases), default=0)
+        _progress(f"eval.py: no GPU here: the {len(cases)} cases run at full size (up to {max_rows:,} KV rows "
+                  "each), a minute or more per large case on a CPU; `python eval.py` without POPCORN_FD scales "
+                  "them down")
     with PopcornLog(fd) as log, spawn_worker(secret or 42) as worker:
+        call = worker_call(worker, announce=on_cpu)
         if mode == "test":
-            return 0 if popcorn_test(log, worker, cases) else EXIT_CHECK_FAILED
+            return 0 if popcorn_test(log, call, cases) else EXIT_CHECK_FAILED
         if mode == "benchmark":
-            passed = popcorn_benchmark(log, worker, cases, False, BENCHMARK_RULE, BENCHMARK_WARMUP_RULE)
+            passed = popcorn_benchmark(log, call, cases, False, BENCHMARK_RULE, BENCHMARK_WARMUP_RULE)
             return 0 if passed else EXIT_CHECK_FAILED
         if mode == "leaderboard":
-            popcorn_benchmark(log, worker, cases, True, LEADERBOARD_RULE, LEADERBOARD_WARMUP_RULE)
+            popcorn_benchmark(log, call, cases, True, LEADERBOARD_RULE, LEADERBOARD_WARMUP_RULE)
             return 0
         if mode == "profile":
-            popcorn_profile(log, worker, cases)
+            popcorn_profile(log, call, cases)
             return 0
     return EXIT_USAGE
 
@@ -458,7 +485,8 @@ def _backend_of(submission, device: torch.device) -> tuple[str, str]:
 
 
 def _worker_describe() -> dict:
-    """The device, and the backend and KV format the submission will use there (an error text if it cannot)."""
+    """The device, and the backend and KV format the submission will use there (an error text if it cannot: an
+    unknown or unavailable backend, an unknown KV format)."""
     import submission
 
     device = get_device()
@@ -591,12 +619,12 @@ class CliWorker:
 def _describe_run(info: dict, scaled: bool, cases_source: Path) -> list[str]:
     on_cpu = info["device_type"] == "cpu"
     lines = [f"device: {info['device']}",
-             f"backend: {info.get('backend', '-')} (MLA_BACKEND={os.environ.get('MLA_BACKEND', 'auto')}), "
-             f"kv format: {info.get('kv_format', '-')}" + (f"; error: {info['error']}" if "error" in info else ""),
+             f"backend: {info['backend']} (MLA_BACKEND={os.environ.get('MLA_BACKEND', 'auto')}), "
+             f"kv format: {info['kv_format']}",
              "timing: " + ("wall clock (time.perf_counter_ns)" if on_cpu else "GPU events, L2 flushed before each"),
              f"check: leaderboard rule (rtol {LEADERBOARD_RTOL:g}, atol {LEADERBOARD_ATOL:g}, at most "
              f"{100 * LEADERBOARD_MAX_MISMATCH:g}% missed) and strict gate (every sequence's rel-L2 vs the BF16 truth "
-             f"<= {REL_L2_BOUND.get(info.get('kv_format'), '?')} for {info.get('kv_format', '-')} KV)",
+             f"<= {REL_L2_BOUND[info['kv_format']]} for {info['kv_format']} KV)",
              f"cases: {cases_source}"]
     if scaled:
         lines.append(f"CPU only: shapes scaled down ({CPU_SCALE_RULE}); --full runs the real shapes")
@@ -625,10 +653,12 @@ def cli_main(argv: list[str]) -> int:
     results: list[CaseResult] = []
     try:
         info = worker.call(_worker_describe)
+        if "error" in info:  # the same error in every case: say it once, before any runs
+            print(f"eval.py: configuration error: {info['error']}", file=sys.stderr)
+            return EXIT_USAGE
         on_cpu = info["device_type"] == "cpu"
         scaled = on_cpu and not args.full
-        header = _describe_run(info, scaled, args.cases)
-        _progress("\n".join(header))
+        print("\n".join(_describe_run(info, scaled, args.cases)), flush=True)
         to_run = [(kind, case, scale_for_cpu(case) if scaled else case) for kind, case in planned]
         timed = [run_case for kind, _, run_case in to_run if kind == "benchmark"]
         if timed:  # as the leaderboard does: compilation and allocator growth stay out of the first case
@@ -660,7 +690,7 @@ def cli_main(argv: list[str]) -> int:
     if bench_means:
         summary.append(f"geometric mean of benchmark means: {geomean:.1f} us" if all_timed
                        else "geometric mean of benchmark means: n/a (a benchmark failed)")
-    print("\n".join(header + ["", format_table(results), "", *summary]))
+    print("\n".join(["", format_table(results), "", *summary]))
     if args.json is not None:
         report = {"device": info["device"], "device_type": info["device_type"], "scaled": scaled,
                   "scale_rule": CPU_SCALE_RULE if scaled else None, "cases_source": str(args.cases),

@@ -39,11 +39,13 @@ from typing import NamedTuple
 
 import torch
 
+TRITON_IMPORT_ERROR = None
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no triton here: the triton backend is unavailable (select_backend says so)
+except ImportError as e:  # no triton here: the triton backend is unavailable (select_backend says why)
     triton = None
+    TRITON_IMPORT_ERROR = e
 
 NUM_HEADS = 16
 NUM_KV_HEADS = 1
@@ -275,8 +277,10 @@ def select_backend(device: torch.device, kv_format: str | None = None) -> str:
         raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
     if forced == "aiter" and precise:
         raise RuntimeError("MLA_BACKEND=aiter: aiter's kernels take FP8 Q (no precise mode); use MLA_PRECISION=fast")
+    if forced == "triton" and triton is None:
+        raise RuntimeError(f"MLA_BACKEND=triton: triton does not import: {TRITON_IMPORT_ERROR!r}")
     if forced == "triton" and not _triton_usable(device):
-        raise RuntimeError(f"MLA_BACKEND=triton: needs triton and a GPU (or TRITON_INTERPRET=1); device is {device}")
+        raise RuntimeError(f"MLA_BACKEND=triton: needs a GPU (or TRITON_INTERPRET=1); device is {device}")
     if forced == "cuda":
         reason = cuda_unusable_reason(device, kv_format, precise)
         if reason is not None:
@@ -562,8 +566,8 @@ def _aiter_call_form(fns: tuple, call: str) -> tuple | None:
 # scale and quantizes itself. Without, torch: vector_norm, then the scale in one addcdiv (amax / fp8 max + 1e-12 /
 # fp8 max: the addend is below half an ulp of the quotient whenever the quotient is >= 2^-24, max|q| >= 2.7e-5, and
 # the quotient below half an ulp of the addend when max|q| < 4.7e-20, an all-zero q included; in between the scale
-# exceeds the reference's by at most 1e-12 / fp8 max), then the division. On the H200 (leaderboard timing, L2
-# flushed, 2026-11-30) torch's reduction alone took 12 us at batch 4 and its four-kernel form 20-22 us.
+# exceeds the reference's by at most 1e-12 / fp8 max), then the division. The triton form is the default because on
+# a GPU torch's reduction alone costs more than both triton kernels (bench/q_quant.py times the two forms).
 Q_QUANT_BLOCK = 4096
 
 if triton is not None:
@@ -856,7 +860,7 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
 # which with ~90-110 KB of shared memory allows 2 programs per SM; the loop is latency-bound, not HBM-bound
 # (a lone program takes ~4 us per 64-row FP8 tile; 256x8192 reads its 1.2 GB at ~2 TB/s, not 4.5).
 #
-# Q and the score dot, by KV format (measured on the H200, 2026-11-30, bench/tune_triton.py):
+# Q and the score dot, by KV format (measured on the H200 with bench/tune_triton.py):
 #   fp8:   Q is quantized in-kernel to FP8 E4M3 with one scale per head (448 / max|q_h|), and S^T is an
 #          fp8 x fp8 wgmma straight from the shared-memory tile (no conversion, no register operand); the
 #          per-tensor KV scale, sm_scale * log2(e) and 1 / (Q scale) are applied once to the fp32 scores.
@@ -1090,7 +1094,7 @@ def triton_plan(batch: int, seq_len: int, num_sms: int, kv_format: str) -> tuple
     """The launch plan (num_splits, block_n, num_warps, num_stages) for `batch` sequences of about `seq_len` KV
     rows on `num_sms` SMs.
 
-    Measured on the H200 (bench/tune_triton.py, 2026-11-30, leaderboard timing; all 8 shapes x splits 1..64, and
+    Measured on the H200 (bench/tune_triton.py, leaderboard timing; all 8 shapes x splits 1..64, and
     (block_n, warps, stages) among (64, 4, 2|3), (128, 8, 2), (64, 8, 2), (32, 4, 2|3), (64, 4, 1)):
     - a program holds 230-255 registers x 128 threads and 90-110 KB of shared memory: 2 fit an SM. The fastest
       split count at every shape put batch x splits near 2 programs per SM (~256 on 132 SMs): 16 at 4x1024

@@ -1,6 +1,7 @@
 """bench/bench.py on the CPU: the dry run's table and JSON, rows never dropped, the memory-only walks and the
 read-ceiling kernel checked in the Triton interpreter, and negative controls (a wrong output is FAIL, a raising
-method is ERROR, a backend not built yet is skipped) with the exit status they set."""
+method is ERROR, a backend not built yet is skipped) with the exit status they set. Any GPU is hidden (subprocesses)
+or passed over (in process), so a GPU machine checks the same CPU rows."""
 
 import importlib.util
 import json
@@ -25,10 +26,17 @@ def load_bench():
     return module
 
 
-def run_bench(tmp_path: Path, *args: str, interpret: bool = False) -> tuple[subprocess.CompletedProcess, dict, str]:
+def cpu_env(interpret: bool) -> dict[str, str]:
+    """The environment of a subprocess on the CPU: no GPU visible, no MLA_ settings, TRITON_INTERPRET as asked."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_") and k != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def run_bench(tmp_path: Path, *args: str, interpret: bool = False) -> tuple[subprocess.CompletedProcess, dict, str]:
+    env = cpu_env(interpret)
     out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
     proc = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--json", str(out_json), "--markdown", str(out_md),
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -117,8 +125,7 @@ print("memwalk ok")
 def test_memwalk_checksum_covers_exactly_the_rows_of_kv_indptr():
     """Variable and odd lengths, a length-1 sequence, split counts that do not divide the tiles, both formats."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_")} | {"TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", MEMWALK_VARLEN, str(ROOT)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", MEMWALK_VARLEN, str(ROOT)], env=cpu_env(True), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "memwalk ok" in proc.stdout, proc.stderr[-3000:]
 
@@ -149,6 +156,7 @@ def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
     """A zero output must be FAIL, an exception ERROR (both set exit status 1), NotImplementedError skipped."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     bench = load_bench()
+    monkeypatch.setattr(bench, "get_device", lambda: torch.device("cpu"))
 
     def zeros(ctx, shape, data, expected):
         return bench.Prepared(fn=lambda: torch.zeros_like(expected),
@@ -191,9 +199,8 @@ runpy.run_path(sys.path[0] + "/bench/q_quant.py", run_name="__main__")
 
 def test_q_quant_script_checks_and_times_both_forms():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_")} | {"TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", Q_QUANT, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", Q_QUANT, str(ROOT)], env=cpu_env(True), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
     assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), proc.stdout

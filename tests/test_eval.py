@@ -1,4 +1,5 @@
-"""eval.py end to end on tiny cases, on the CPU with the torch backend.
+"""eval.py end to end on tiny cases, on the CPU with the torch backend (any GPU hidden, so a GPU machine runs the
+same checks).
 
 The popcorn face is driven as the runner drives it: a real pipe fd handed to a subprocess through pass_fds, its
 `key: value` lines parsed back. The CLI face runs as a user runs it. A stand-in submission that returns zeros
@@ -67,10 +68,12 @@ def zeros_harness(tmp_path_factory) -> Path:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """The torch backend on FP8 KV; one CPU thread, because tiny cases gain nothing from two and, on a loaded
-    machine, two threads spinning at every op's barrier made the calls ten times slower."""
+    """The torch backend on FP8 KV on the CPU; one CPU thread, because tiny cases gain nothing from two and, on a
+    loaded machine, two threads spinning at every op's barrier made the calls ten times slower."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("POPCORN_", "MLA_"))}
-    env.update(MLA_BACKEND="torch", MLA_KV_FORMAT="fp8", OMP_NUM_THREADS="1", **extra)
+    env.update(MLA_BACKEND="torch", MLA_KV_FORMAT="fp8", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               HIP_VISIBLE_DEVICES="")
+    env.update(extra)
     return env
 
 
@@ -93,9 +96,9 @@ def run_popcorn(mode: str, cases: Path, cwd: Path = ROOT, **extra_env: str) -> t
     return code, dict(pairs), err_text
 
 
-def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "eval.py", *args], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+def run_cli(*args: str, cwd: Path = ROOT, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "eval.py", *args], cwd=cwd, env=_env(**extra_env), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
 
 
 def _expected_benchmark_keys(count: int) -> set[str]:
@@ -129,6 +132,14 @@ def test_popcorn_test_mode(test_mode_run):
         assert values[f"test.{idx}.spec"] == spec
         assert values[f"test.{idx}.status"] == "pass"
         assert "rel_l2=" in values[f"test.{idx}.message"]
+
+
+def test_popcorn_on_a_cpu_says_the_shapes_are_full_size_and_shows_progress(test_mode_run):
+    _, _, stderr = test_mode_run
+    lines = stderr.splitlines()
+    assert "no GPU here: the 2 cases run at full size (up to 66 KV rows each)" in lines[0], stderr
+    for spec in TINY_CASES.splitlines():
+        assert f"test {spec} ..." in lines and any(line.startswith(f"test {spec}: done in ") for line in lines)
 
 
 @pytest.mark.parametrize(("mode", "max_runs"), [("benchmark", 1000), ("leaderboard", 100)])
@@ -221,6 +232,8 @@ def test_cli_on_tiny_cases(tiny_cases, tmp_path):
     proc = run_cli("--cases", str(tiny_cases), "--json", str(json_path), "--backend", "torch")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[4/4] benchmark" in proc.stderr  # progress goes to stderr
+    assert (proc.stdout + proc.stderr).count("device: ") == 1  # one header, on stdout, before the table
+    assert proc.stdout.startswith("device: CPU") and proc.stdout.index("timing:") < proc.stdout.index("max_abs_err")
     table = proc.stdout
     for column in ("case", "backend", "check", "max_abs_err", "rel_l2_err", "mean_us", "best_us", "GB/s"):
         assert column in table
@@ -236,6 +249,35 @@ def test_cli_on_tiny_cases(tiny_cases, tmp_path):
     benchmark = report["results"][2]
     assert benchmark["best_us"] <= benchmark["mean_us"]
     assert benchmark["kv_gbps"] == pytest.approx((2 * 33 * 576 + 4) / (benchmark["mean_us"] * 1e3))
+
+
+def _assert_configuration_error(proc: subprocess.CompletedProcess, *reason: str) -> None:
+    """Exit 2, one line on stderr naming the reason, and nothing else: no header, no case run."""
+    assert proc.returncode == harness.EXIT_USAGE, proc.stdout + proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("eval.py: configuration error: ")
+    for text in reason:
+        assert text in proc.stderr, proc.stderr
+
+
+def test_cli_unknown_backend_fails_once_before_any_case():
+    _assert_configuration_error(run_cli("--mode", "test", MLA_BACKEND="nonsense"), "MLA_BACKEND", "'nonsense'")
+
+
+def test_cli_unknown_kv_format_fails_once_before_any_case():
+    _assert_configuration_error(run_cli("--mode", "test", MLA_KV_FORMAT="int4"), "MLA_KV_FORMAT", "'int4'")
+
+
+def test_cli_unavailable_backend_fails_with_the_reason():
+    _assert_configuration_error(run_cli("--backend", "cuda"), "MLA_BACKEND=cuda", "needs an NVIDIA GPU")
+
+
+def test_cli_triton_that_does_not_import_names_the_import_error(tmp_path):
+    """TRITON_INTERPRET=1 set, triton broken: the message is triton's own import error, not a missing GPU."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text('raise ImportError("triton stand-in: broken on purpose")\n')
+    proc = run_cli("--backend", "triton", PYTHONPATH=str(tmp_path), TRITON_INTERPRET="1")
+    _assert_configuration_error(proc, "MLA_BACKEND=triton: triton does not import", "broken on purpose")
 
 
 def test_cli_fails_zeros(zeros_harness):
