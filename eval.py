@@ -16,12 +16,13 @@ The submission runs in one spawned worker process that inherits neither the fd n
 Local CLI (POPCORN_FD unset):
 
     python eval.py [--mode {test,benchmark,all}] [--backend {auto,aiter,cuda,triton,torch}] [--kv-format {fp8,mxfp4}]
-                   [--cases PATH] [--json PATH] [--full]
+                   [--precision {fast,precise}] [--cases PATH] [--json PATH] [--full]
     python eval.py --write-cases [--cases task.yml]
 
 runs the tests, then the benchmarks, of task.yml (or of a cases file, whose cases serve as both) on this machine's
 device and prints one table and the geometric mean of the benchmark means; exit code 1 when anything fails, 2 on a
-configuration error (an unknown or unavailable backend, an unknown KV format: one message, before any case runs).
+configuration error (an unknown or unavailable backend, an unknown KV format or precision: one message, before any
+case runs).
 On a CPU-only machine the shapes are scaled down unless --full is given (see scale_for_cpu). The header goes to
 stdout first, per-case progress to stderr, the table to stdout last.
 
@@ -566,7 +567,8 @@ def _progress(text: str) -> None:
 
 
 def _apply_env(name: str, value: str | None) -> None:
-    """The CLI's --backend / --kv-format become the submission's environment (the spawned worker inherits it)."""
+    """The CLI's --backend / --kv-format / --precision become the submission's environment (the spawned worker
+    inherits it)."""
     if value is not None:
         os.environ[name] = value
 
@@ -581,6 +583,8 @@ def cli_parser() -> argparse.ArgumentParser:
                         help="sets MLA_BACKEND for the run (default: the environment's, else auto)")
     parser.add_argument("--kv-format", choices=("fp8", "mxfp4"),
                         help="sets MLA_KV_FORMAT for the run (default: the environment's, else fp8)")
+    parser.add_argument("--precision", choices=("fast", "precise"),
+                        help="sets MLA_PRECISION for the run (default: the environment's, else fast)")
     parser.add_argument("--cases", type=Path, default=TASK_YML,
                         help="task.yml (tests and benchmarks sections) or a cases file (its cases serve as both)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
@@ -620,7 +624,7 @@ def _describe_run(info: dict, scaled: bool, cases_source: Path) -> list[str]:
     on_cpu = info["device_type"] == "cpu"
     lines = [f"device: {info['device']}",
              f"backend: {info['backend']} (MLA_BACKEND={os.environ.get('MLA_BACKEND', 'auto')}), "
-             f"kv format: {info['kv_format']}",
+             f"kv format: {info['kv_format']}, precision: {os.environ.get('MLA_PRECISION', 'the default')}",
              "timing: " + ("wall clock (time.perf_counter_ns)" if on_cpu else "GPU events, L2 flushed before each"),
              f"check: leaderboard rule (rtol {LEADERBOARD_RTOL:g}, atol {LEADERBOARD_ATOL:g}, at most "
              f"{100 * LEADERBOARD_MAX_MISMATCH:g}% missed) and strict gate (every sequence's rel-L2 vs the BF16 truth "
@@ -642,6 +646,7 @@ def cli_main(argv: list[str]) -> int:
         return 0
     _apply_env("MLA_BACKEND", args.backend)
     _apply_env("MLA_KV_FORMAT", args.kv_format)
+    _apply_env("MLA_PRECISION", args.precision)
     try:
         tests, benchmarks = _cli_cases(args.cases)
     except (OSError, ValueError, KeyError, yaml.YAMLError) as exc:

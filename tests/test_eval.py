@@ -268,6 +268,10 @@ def test_cli_unknown_kv_format_fails_once_before_any_case():
     _assert_configuration_error(run_cli("--mode", "test", MLA_KV_FORMAT="int4"), "MLA_KV_FORMAT", "'int4'")
 
 
+def test_cli_unknown_precision_fails_once_before_any_case():
+    _assert_configuration_error(run_cli("--mode", "test", MLA_PRECISION="exact"), "MLA_PRECISION", "'exact'")
+
+
 def test_cli_unavailable_backend_fails_with_the_reason():
     _assert_configuration_error(run_cli("--backend", "cuda"), "MLA_BACKEND=cuda", "needs an NVIDIA GPU")
 

@@ -147,9 +147,8 @@ def test_non_utf8_fails_and_skips_the_text_gates(tmp_path):
     assert status == {"utf8": "FAIL", "size": "PASS", "no-stream": "SKIP", "popcorn": "SKIP", "imports": "SKIP"}
 
 
-def test_real_submission_passes_all_but_no_stream():
-    """The cuda-pkg branch removes every 'stream' from submission.py; after that merge this becomes 'all pass'."""
+def test_real_submission_passes_every_gate():
     results = presubmit.run_checks(ROOT / "submission.py")
     assert [r.name for r in results] == list(presubmit.GATES)
-    failed = {r.name: r.render() for r in results if r.ok is not True and r.name != "no-stream"}
+    failed = {r.name: r.render() for r in results if r.ok is not True}
     assert not failed, failed
