@@ -194,7 +194,7 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
             stamped = Variant(variant.name, csrc, variant.splits)
             stamped(data)
             torch.cuda.synchronize()
-            lib = stamped.libs[torch.cuda.get_device_capability()]
+            lib = stamped.libs[(torch.cuda.get_device_capability(), False)]  # the fast kernel's library
             splits = next(iter(stamped.launches.values()))[0]
             ctas, tiles = batch * splits, -(-kv_len // splits // C.BLOCK_N)
             cols = []

@@ -136,7 +136,7 @@ def test_fresh_calls_bind_a_new_input_each_time():
     make = bench.fresh_calls(bench.Shape(2, 16, 5), lambda data: data)  # binds nothing: returns the input itself
     inputs = [make() for _ in range(3)]
     assert all(data[0].shape == inputs[0][0].shape and data[3].tolist() == [0, 16, 32] for data in inputs)
-    digests = {hash(data[0].float().numpy().tobytes()) for data in inputs}
+    digests = {hash(data[0].float().cpu().numpy().tobytes()) for data in inputs}
     assert len(digests) == 3
     assert not torch.equal(inputs[0][1]["bf16"], inputs[1][1]["bf16"])
 
