@@ -264,15 +264,15 @@ def _triton_usable(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def select_backend(device: torch.device, kv_format: str | None = None) -> str:
+def select_backend(device: torch.device, kv_format: str | None = None, precision: str | None = None) -> str:
     """MLA_BACKEND if set (and usable here), else the best backend available on `device` for `kv_format` (default:
-    select_kv_format()); logged once."""
+    select_kv_format()) in `precision` (default: select_precision()); logged once."""
     kv_format = kv_format or select_kv_format()
     forced = os.environ.get("MLA_BACKEND", DEFAULT_BACKEND)
     if forced not in BACKENDS + ("auto",):
         source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
         raise ValueError(f"{source}: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
-    precise = select_precision() == "precise"
+    precise = (precision or select_precision()) == "precise"
     if forced == "aiter" and not _aiter_importable():
         raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
     if forced == "aiter" and precise:
@@ -1274,9 +1274,9 @@ def _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -
 
 def custom_kernel(data):
     """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
-    kv_format = select_kv_format()
+    kv_format, precision = select_kv_format(), select_precision()
     q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
-    backend = select_backend(q.device, kv_format)
+    backend = select_backend(q.device, kv_format, precision)
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # ctypes, Triton and aiter launch on the current device
             return custom_kernel(data)
@@ -1287,8 +1287,8 @@ def custom_kernel(data):
         return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config)
     if backend == "cuda":
         return _cuda_package()[0].forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format,
-                                          select_precision() == "precise")
+                                          precision == "precise")
     if backend == "triton":
         return _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format,
-                               precise=select_precision() == "precise")
+                               precise=precision == "precise")
     return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
