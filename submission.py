@@ -26,6 +26,9 @@ unavailable fails):
   torch   anywhere: fp32 math over the dequantized cache in bounded chunks
 KV format (MLA_KV_FORMAT=fp8|mxfp4, default DEFAULT_KV_FORMAT below) selects which cache the cuda, triton and
 torch backends read.
+Precision (MLA_PRECISION=fast|precise, default DEFAULT_PRECISION below): "fast" takes the FP8 cache's score
+product as an fp8 x fp8 MMA, whose sums lose accuracy under a large common logit offset; "precise" takes it in
+fp16 with fp32 sums, at some speed (select_precision). aiter has only the fast form.
 MLA_VALIDATE=1 adds the host-side check of the indptr contents (a device sync) on every backend; the torch
 backend always does it. GPU kernels never read outside the cache whatever the indptr holds: a sequence whose
 range is invalid gets NaN rows.
