@@ -62,6 +62,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP4X2_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch.uint8) if d is not None)
 E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
 BACKENDS = ("aiter", "cuda", "triton", "torch")
+BACKEND_CHOICES = BACKENDS + ("auto",)
 KV_FORMATS = ("fp8", "mxfp4")
 PRECISIONS = ("fast", "precise")
 CONFIG_KEYS = ("batch_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "q_seq_len", "kv_seq_len",
@@ -272,9 +273,9 @@ def select_backend(device: torch.device, kv_format: str | None = None, precision
     select_kv_format()) in `precision` (default: select_precision()); logged once."""
     kv_format = kv_format or select_kv_format()
     forced = os.environ.get("MLA_BACKEND", DEFAULT_BACKEND)
-    if forced not in BACKENDS + ("auto",):
+    if forced not in BACKEND_CHOICES:
         source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
-        raise ValueError(f"{source}: expected one of {BACKENDS + ('auto',)}, got {forced!r}")
+        raise ValueError(f"{source}: expected one of {BACKEND_CHOICES}, got {forced!r}")
     precise = (precision or select_precision()) == "precise"
     if forced == "aiter" and not _aiter_importable():
         raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
@@ -1275,13 +1276,20 @@ def _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str) -
 # ---------------------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _several_gpus() -> bool:
+    """Whether inputs can be on another GPU than the current one (asking for the current one costs host time)."""
+    return torch.cuda.device_count() > 1
+
+
 def custom_kernel(data):
     """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
     kv_format, precision = select_kv_format(), select_precision()
     q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
-    backend = select_backend(q.device, kv_format, precision)
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):  # ctypes, Triton and aiter launch on the current device
+    device = q.device
+    backend = select_backend(device, kv_format, precision)
+    if device.type == "cuda" and _several_gpus() and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # ctypes, Triton and aiter launch on the current device
             return custom_kernel(data)
     if backend != "torch" and os.environ.get("MLA_VALIDATE") == "1":
         validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
