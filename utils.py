@@ -1,9 +1,11 @@
 """Harness helpers shared by reference.py, eval.py and bench/ (names follow the leaderboard's utils.py): seeds, the
 device, the L2 flush, the leaderboard-style timer and the leaderboard's matching rule."""
 
+import contextlib
 import dataclasses
 import functools
 import math
+import os
 import random
 import statistics
 import time
@@ -17,6 +19,22 @@ def set_seed(seed: int = 42) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+@contextlib.contextmanager
+def scoped_env(values: dict[str, str]):
+    """Sets environment variables for the duration of a block, then restores them (submission.py reads MLA_* on
+    every call, so bench/ forces a backend, a KV format or a precision per row this way)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def get_device() -> torch.device:

@@ -54,7 +54,6 @@ import statistics
 import sys
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -68,7 +67,7 @@ import yaml  # noqa: E402
 
 import reference  # noqa: E402
 import submission  # noqa: E402
-from utils import Timer, get_device, l2_flush  # noqa: E402
+from utils import Timer, get_device, l2_flush, scoped_env  # noqa: E402
 
 # KV bytes one decode must read per cache row, by format (the FP8 per-tensor scale is 4 bytes in all).
 BYTES_PER_ROW = {"bf16": 2 * reference.QK_HEAD_DIM, "fp8": reference.QK_HEAD_DIM,
@@ -143,21 +142,6 @@ class Row:
     check: str = ""
     extra: dict = dataclasses.field(default_factory=dict)
     times_us: list[float] = dataclasses.field(default_factory=list)
-
-
-@contextmanager
-def scoped_env(values: dict[str, str]):
-    """Sets environment variables for the duration of a row (submission.py reads MLA_* on every call)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ---------------------------------------------------------------------------------------------------------

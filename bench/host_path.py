@@ -14,7 +14,6 @@ Usage:  python3 bench/host_path.py [--backends cuda,triton] [--shapes 4x1024,256
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from utils import scoped_env  # noqa: E402
 
 STAGES = ("validate", "select_backend", "forward", "call")
 
@@ -75,7 +75,7 @@ def time_stages(data, backend: str, fmt: str, gc_off: bool) -> dict[str, float]:
 
 
 def measure(backend: str, fmt: str, batch: int, kv_len: int, iters: int, device: torch.device) -> dict:
-    os.environ.update(MLA_BACKEND=backend, MLA_KV_FORMAT=fmt)
+    """Per scenario, the median µs of each stage; MLA_BACKEND and MLA_KV_FORMAT are set by the caller."""
     S.select_backend(device, fmt)  # raises where the backend cannot run
     data = R.generate_varlen_input([kv_len] * batch, seed=1, device=device)
     S.custom_kernel(data)  # first call: builds, compiles, plans
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             batch, kv_len = (int(x) for x in shape.split("x"))
             try:
-                with torch.no_grad():
+                with torch.no_grad(), scoped_env({"MLA_BACKEND": backend, "MLA_KV_FORMAT": args.format}):
                     result = measure(backend, args.format, batch, kv_len, iters, device)
             except (RuntimeError, ValueError) as e:
                 print(f"{backend:8} {shape:9} skipped: {str(e).splitlines()[0][:100]}")

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from utils import scoped_env  # noqa: E402
 
 CASES = [("shift 0", 0.0, False), ("shift 30", 30.0, False), ("shift 100", 100.0, False), ("shift 300", 300.0, False),
          ("shift 1000", 1000.0, False), ("sink 30", 30.0, True), ("sink 100", 100.0, True)]
@@ -64,18 +65,11 @@ def emulate(data, emulation: str) -> torch.Tensor:
 
 def run_backend(data, backend: str, precision: str) -> torch.Tensor | str:
     """custom_kernel's output with the backend and precision forced, or why it cannot run here."""
-    saved = {k: os.environ.get(k) for k in ("MLA_BACKEND", "MLA_PRECISION", "MLA_KV_FORMAT")}
-    os.environ.update(MLA_BACKEND=backend, MLA_PRECISION=precision, MLA_KV_FORMAT="fp8")
-    try:
-        return S.custom_kernel(data)
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        return f"skipped: {str(e).splitlines()[0][:100]}"
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with scoped_env({"MLA_BACKEND": backend, "MLA_PRECISION": precision, "MLA_KV_FORMAT": "fp8"}):
+        try:
+            return S.custom_kernel(data)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            return f"skipped: {str(e).splitlines()[0][:100]}"
 
 
 def measure(lens: list[int], backends: list[str], device: torch.device) -> dict:

@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+import reference
+
 SIGNATURES_PATH = Path(__file__).parent / "data" / "aiter_signatures.json"
 # Labels of SPEC.md section 0 -> keys of signatures.json.
 VERSIONS = {
@@ -590,3 +592,15 @@ class StandinAiter:
             final_output[q0:q1] = (weights * parts).sum(dim=0).to(final_output.dtype)
             if final_lse is not None:
                 final_lse[q0:q1] = torch.logsumexp(lses, dim=0)[..., 0]
+
+
+def make(lengths: list[int], seed: int, kv_seq_len="as generated", fp8: torch.dtype = torch.float8_e4m3fn):
+    """The input the aiter tests run: reference.generate_varlen_input on the CPU; optionally another config
+    kv_seq_len or the gfx942 FP8 (e4m3fnuz) cache."""
+    data = reference.generate_varlen_input(lengths, seed, device=torch.device("cpu"))
+    q, kv_data, qo_indptr, kv_indptr, config = data
+    if fp8 != torch.float8_e4m3fn:
+        kv_data = dict(kv_data, fp8=reference.quantize_fp8(kv_data["bf16"], fp8))
+    if kv_seq_len != "as generated":
+        config = dict(config, kv_seq_len=kv_seq_len)
+    return q, kv_data, qo_indptr, kv_indptr, config

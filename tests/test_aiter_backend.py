@@ -15,7 +15,7 @@ import inspect
 
 import pytest
 import torch
-from aiter_standin import MODELLED, VERSIONS, Recorded, StandinAiter, inside_standin, load_signatures
+from aiter_standin import MODELLED, VERSIONS, Recorded, inside_standin, load_signatures, make
 from attention_ref import assert_matches, fp8_per_tensor, fp32_attention
 from q_quant_ref import AMAXES, assert_quantized_as_the_reference, scaled_q
 from torch.overrides import TorchFunctionMode
@@ -36,33 +36,6 @@ LENGTHS = {  # KV length of every sequence
     "varlen_with_empty": [1, 7, 0, 33, 129, 1, 2],  # refilled every call; the empty sequence must give zeros
     "single_long": [3001],
 }
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    """install(version, **kwargs) puts a stand-in aiter in sys.modules for this test; the backend's caches start
-    empty and MLA_BACKEND=aiter."""
-    monkeypatch.setenv("MLA_BACKEND", "aiter")
-    monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
-    monkeypatch.delenv("MLA_VALIDATE", raising=False)
-    monkeypatch.setattr(S, "_AITER_PLANS", {})
-    monkeypatch.setattr(S, "_AITER_VERDICTS", {})
-    S._aiter_importable.cache_clear()  # the import probe is cached per process; each test installs its own aiter
-
-    def install(version="RUNNER", **kwargs) -> StandinAiter:
-        return StandinAiter(version, **kwargs).install(monkeypatch)
-
-    return install
-
-
-def make(lengths, seed, kv_seq_len="as generated", fp8=E4M3FN):
-    """reference.generate_varlen_input on the CPU; optionally another config kv_seq_len or the gfx942 FP8."""
-    q, kv_data, qo_indptr, kv_indptr, config = R.generate_varlen_input(lengths, seed, device=CPU)
-    if fp8 != E4M3FN:
-        kv_data = dict(kv_data, fp8=R.quantize_fp8(kv_data["bf16"], fp8))
-    if kv_seq_len != "as generated":
-        config = dict(config, kv_seq_len=kv_seq_len)
-    return q, kv_data, qo_indptr, kv_indptr, config
 
 
 def fp32_over_fp8(data, fp8=E4M3FN):

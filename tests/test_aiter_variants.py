@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from aiter_standin import VERSIONS, StandinAiter, inside_standin, load_signatures
+from aiter_standin import VERSIONS, inside_standin, load_signatures, make
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,30 +37,6 @@ STAGE1 = {  # the kernel each variant's stage 1 runs (GFX950_QH16_KERNELS)
     "bf16": "mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps",
     "single": "mla_a8w8_qh16_qseqlen1_gqaratio16",
 }
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    """install(version, **kwargs) puts a stand-in aiter in sys.modules for this test; the backend's caches start
-    empty, MLA_BACKEND=aiter and no MLA_AITER_VARIANT."""
-    monkeypatch.setenv("MLA_BACKEND", "aiter")
-    for name in ("MLA_KV_FORMAT", "MLA_VALIDATE", "MLA_AITER_VARIANT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(S, "_AITER_PLANS", {})
-    monkeypatch.setattr(S, "_AITER_VERDICTS", {})
-    S._aiter_importable.cache_clear()  # the import probe is cached per process; each test installs its own aiter
-
-    def install(version="RUNNER", **kwargs) -> StandinAiter:
-        return StandinAiter(version, **kwargs).install(monkeypatch)
-
-    return install
-
-
-def make(lengths, seed, kv_seq_len="as generated"):
-    q, kv_data, qo_indptr, kv_indptr, config = R.generate_varlen_input(lengths, seed, device=CPU)
-    if kv_seq_len != "as generated":
-        config = dict(config, kv_seq_len=kv_seq_len)
-    return q, kv_data, qo_indptr, kv_indptr, config
 
 
 def tight_error(data, out, variant: str) -> float:
