@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -58,7 +59,7 @@ MAIN_SOURCE = "mla_decode.cu"  # the one translation unit; it includes the .cuh 
 log = logging.getLogger("mla_decode")  # submission.py's logger
 
 _LIBS: dict = {}  # (device capability, precise) -> ctypes library, or the build error (str) when it could not be built
-_LAUNCH: dict = {}  # (device, batch, kv_seq_len, format, precise) -> (splits, part_o, part_lse, sync)
+_LAUNCH: dict = {}  # (device, batch, kv_seq_len, format, precise) -> Launch
 
 
 def find_nvcc() -> str | None:
@@ -132,8 +133,9 @@ def library(capability: tuple[int, int], precise: bool = False):
         raise
     lib = ctypes.CDLL(path)
     lib.mla_decode.restype = ctypes.c_int
-    lib.mla_decode.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
-                               + [ctypes.c_float, ctypes.c_void_p])
+    lib.mla_decode.argtypes = [ctypes.c_void_p]  # the address of a DecodeCall
+    lib.mla_decode_call_layout.restype = None
+    lib.mla_decode_call_layout.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.mla_limit_shared_memory.restype = ctypes.c_int
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
     for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
@@ -189,6 +191,29 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> i
     return splits
 
 
+class DecodeCall(ctypes.Structure):
+    """mla_decode's one argument (csrc/mla_decode.cu, struct DecodeCall: the same fields in the same order). A plan
+    holds one with its own fields set (workspace, batch, splits, format); a call sets its inputs' and passes the
+    address: one converted argument instead of 16."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "kv", "kv_scale", "kv_block_scales", "kv_indptr", "out",
+                                                       "part_o", "part_lse", "sync", "stream")]
+                + [(name, ctypes.c_int) for name in ("scale_stride", "kv_format", "batch", "total_kv", "num_splits")]
+                + [("qk_scale", ctypes.c_float)])
+
+
+class Launch(NamedTuple):
+    """One plan: its DecodeCall (and the call's address), and the workspace the call points into, kept alive here:
+    part_o (batch * splits, 16, 512) bf16 and part_lse (batch * splits, 16) fp32, the splits' partials, and sync
+    (batch,) int32, the per-sequence barrier's arrival counts (all empty with one split)."""
+
+    call: DecodeCall
+    address: int
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    sync: torch.Tensor
+
+
 _GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
 
 
@@ -224,22 +249,27 @@ def forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, precise:
         splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(device).multi_processor_count,
                            lib.mla_ctas_per_sm())
         rows = batch * splits if splits > 1 else 0
-        launch = (splits, torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device),
-                  torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device),
-                  torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device))
+        part_o = torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+        part_lse = torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device)
+        sync = torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device)
+        call = DecodeCall(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), sync=sync.data_ptr(), batch=batch,
+                          num_splits=splits, kv_format=int(kv_format == "mxfp4"))
+        launch = Launch(call, ctypes.addressof(call), part_o, part_lse, sync)
         if len(_LAUNCH) >= LAUNCH_CACHE_LIMIT:
             _LAUNCH.clear()
         _LAUNCH[key] = launch
-    splits, part_o, part_lse, sync = launch
+    call, address = launch.call, launch.address
     if (q.data_ptr() | kv.data_ptr() | kv_indptr.data_ptr()) % 16:
         raise ValueError(f"cuda backend: q, kv_data[{kv_format!r}][0] and kv_indptr must start on 16-byte boundaries")
-    mxfp4 = kv_format == "mxfp4"
     out = q.new_empty((batch, NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
-    err = lib.mla_decode(q.data_ptr(), kv.data_ptr(), None if mxfp4 else scale.data_ptr(),
-                         scale.data_ptr() if mxfp4 else None, scale.stride(0) if mxfp4 else 0, int(mxfp4),
-                         kv_indptr.data_ptr(), out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
-                         sync.data_ptr(), batch, kv.shape[0], splits, float(config["sm_scale"]) * LOG2E,
-                         current_raw_stream(device))
+    call.q, call.kv, call.kv_indptr, call.out = q.data_ptr(), kv.data_ptr(), kv_indptr.data_ptr(), out.data_ptr()
+    if call.kv_format:
+        call.kv_block_scales, call.scale_stride = scale.data_ptr(), scale.stride(0)
+    else:
+        call.kv_scale = scale.data_ptr()
+    call.total_kv, call.qk_scale = kv.shape[0], float(config["sm_scale"]) * LOG2E
+    call.stream = current_raw_stream(device)
+    err = lib.mla_decode(address)
     if err:
         raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")
     return out

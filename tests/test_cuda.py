@@ -1,6 +1,7 @@
 """The cuda backend (the mla_decode_cuda package): its build and plan on the CPU (nvcc needs no GPU), how
 submission.py finds it, and the kernel on a GPU behind the `gpu` marker."""
 
+import ctypes
 import re
 import shutil
 import subprocess
@@ -54,6 +55,10 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert C.library(capability) is lib  # built once, then reused
+    layout = (ctypes.c_int * 17)()
+    lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
+    fields = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]
+    assert list(layout) == fields + [ctypes.sizeof(C.DecodeCall)]
 
 
 @needs_nvcc
@@ -278,7 +283,7 @@ def test_gpu_barrier_counts_every_arrival_and_an_oversized_grid_fails_to_launch(
         for _ in range(3):
             S.custom_kernel(data)
     torch.cuda.synchronize()
-    counts = [(launch[3].tolist(), launch[0]) for launch in C._LAUNCH.values()]
+    counts = [(launch.sync.tolist(), launch.call.num_splits) for launch in C._LAUNCH.values()]
     assert len(counts) == 2 and all(count == [3 * splits] * 4 and splits > 1 for count, splits in counts)
     data = R.generate_input(4, 1, 1024, seed=1)
     for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
@@ -357,7 +362,8 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
         return f"lib_{arch}"
 
     def fake_cdll(path):
-        exports = ("mla_decode", "mla_limit_shared_memory", "mla_ctas_per_sm", "mla_supports_mxfp4")
+        exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_ctas_per_sm",
+                   "mla_supports_mxfp4")
         lib = SimpleNamespace(path=path, **{name: SimpleNamespace() for name in exports})
         lib.mla_supports_mxfp4 = lambda: path.endswith("a")
         return lib

@@ -14,6 +14,7 @@
 // resident and the wait cannot hang.
 
 #if MLA_WGMMA
+#include <cstddef>
 #include "wgmma.cuh"
 #else
 #include "mma_sync.cuh"
@@ -105,17 +106,45 @@ static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a
                             a.num_splits, a.qk_scale);
 }
 
-// Launches the split kernel (which merges its splits itself) on `stream`. kv_format 0: kv is the FP8 cache
-// (total_kv, 576) with kv_scale (1,) fp32; 1: kv is the MXFP4 codes (total_kv, 288) with kv_block_scales, E8M0
-// bytes, row r's 18 at r * scale_stride. part_o, part_lse and sync as split_kernel's (unused with one split).
+// One call's arguments, as mla_decode_cuda.DecodeCall (a ctypes Structure of the same layout) holds them: the plan's
+// fields set once, the inputs' each call, so that Python passes one pointer instead of 16 converted arguments (each
+// costs host time). kv_format 0: kv is the FP8 cache (total_kv, 576) with kv_scale (1,) fp32; 1: kv is the MXFP4
+// codes (total_kv, 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride. part_o, part_lse and sync
+// as split_kernel's (unused with one split).
+struct DecodeCall {
+  const void* q;
+  const void* kv;
+  const void* kv_scale;
+  const void* kv_block_scales;
+  const void* kv_indptr;
+  void* out;
+  void* part_o;
+  void* part_lse;
+  void* sync;
+  void* stream;
+  int scale_stride, kv_format, batch, total_kv, num_splits;
+  float qk_scale;
+};
+
+// DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
+// offsets[16] = its size.
+extern "C" void mla_decode_call_layout(int* offsets) {
+  const size_t layout[] = {offsetof(DecodeCall, q), offsetof(DecodeCall, kv), offsetof(DecodeCall, kv_scale),
+                           offsetof(DecodeCall, kv_block_scales), offsetof(DecodeCall, kv_indptr),
+                           offsetof(DecodeCall, out), offsetof(DecodeCall, part_o), offsetof(DecodeCall, part_lse),
+                           offsetof(DecodeCall, sync), offsetof(DecodeCall, stream), offsetof(DecodeCall, scale_stride),
+                           offsetof(DecodeCall, kv_format), offsetof(DecodeCall, batch), offsetof(DecodeCall, total_kv),
+                           offsetof(DecodeCall, num_splits), offsetof(DecodeCall, qk_scale), sizeof(DecodeCall)};
+  for (int i = 0; i < 17; ++i) offsets[i] = static_cast<int>(layout[i]);
+}
+
+// Launches the split kernel (which merges its splits itself) on c->stream.
 // C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
-extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, const void* kv_block_scales,
-                          int scale_stride, int kv_format, const void* kv_indptr, void* out, void* part_o,
-                          void* part_lse, void* sync, int batch, int total_kv, int num_splits, float qk_scale,
-                          void* stream) {
+extern "C" int mla_decode(const DecodeCall* c) {
   static thread_local int sms[32] = {}, smem_per_block[32] = {}, max_window[32] = {};  // per device
   int dev = 0;
   cudaGetDevice(&dev);
+  const int num_splits = c->num_splits, batch = c->batch, kv_format = c->kv_format;
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   if (dev >= 32 || !splits_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -124,12 +153,12 @@ extern "C" int mla_decode(const void* q, const void* kv, const void* kv_scale, c
     cudaDeviceGetAttribute(&smem_per_block[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     cudaDeviceGetAttribute(&max_window[dev], cudaDevAttrMaxAccessPolicyWindowSize, dev);
   }
-  const SplitArgs args = {static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(kv),
-                          static_cast<const float*>(kv_scale), static_cast<const uint8_t*>(kv_block_scales),
-                          scale_stride, static_cast<const int*>(kv_indptr), static_cast<__nv_bfloat16*>(out),
-                          static_cast<__nv_bfloat16*>(part_o), static_cast<float*>(part_lse),
-                          static_cast<unsigned*>(sync), batch, total_kv, num_splits, qk_scale};
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const SplitArgs args = {static_cast<const __nv_bfloat16*>(c->q), static_cast<const uint8_t*>(c->kv),
+                          static_cast<const float*>(c->kv_scale), static_cast<const uint8_t*>(c->kv_block_scales),
+                          c->scale_stride, static_cast<const int*>(c->kv_indptr), static_cast<__nv_bfloat16*>(c->out),
+                          static_cast<__nv_bfloat16*>(c->part_o), static_cast<float*>(c->part_lse),
+                          static_cast<unsigned*>(c->sync), batch, c->total_kv, num_splits, c->qk_scale};
+  const cudaStream_t s = static_cast<cudaStream_t>(c->stream);
   cudaError_t e;
 #if MLA_WGMMA
   if (kv_format == 1)
