@@ -195,7 +195,7 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
             stamped(data)
             torch.cuda.synchronize()
             lib = stamped.libs[(torch.cuda.get_device_capability(), False)]  # the fast kernel's library
-            splits = next(iter(stamped.launches.values()))[0]
+            splits = next(iter(stamped.launches.values())).call.num_splits
             ctas, tiles = batch * splits, -(-kv_len // splits // C.BLOCK_N)
             cols = []
             for name in MARKS:
