@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import inspect
 import json
 import math
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 import reference
 
@@ -604,3 +606,28 @@ def make(lengths: list[int], seed: int, kv_seq_len="as generated", fp8: torch.dt
     if kv_seq_len != "as generated":
         config = dict(config, kv_seq_len=kv_seq_len)
     return q, kv_data, qo_indptr, kv_indptr, config
+
+
+class HostReadsForbidden(TorchFunctionMode):
+    """Fails on anything that reads a tensor on the host (a device sync on a GPU), outside the stand-in."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS and not inside_standin():
+            raise AssertionError(f"host read (a device sync on a GPU): {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def modified(version: str, function: str, edit) -> dict:
+    """The recorded functions of `version` with edit(params) applied to `function`'s parameter list: a signature the
+    backend must refuse or work around."""
+    functions = copy.deepcopy(load_signatures()[VERSIONS[version]]["functions"])
+    edit(functions[function]["params"])
+    return functions
+
+
+def drop(*names):
+    """An edit for modified(): the parameters `names` removed."""
+    return lambda params: params.__setitem__(slice(None), [p for p in params if p["name"] not in names])

@@ -9,16 +9,14 @@ does, bit for bit reference.quantize_fp8, and the FP8 KV, both dequantized), whe
 output remains: TIGHT.
 """
 
-import copy
 import gc
 import inspect
 
 import pytest
 import torch
-from aiter_standin import MODELLED, VERSIONS, Recorded, inside_standin, load_signatures, make
+from aiter_standin import MODELLED, HostReadsForbidden, Recorded, drop, inside_standin, make, modified
 from attention_ref import assert_matches, fp8_per_tensor, fp32_attention
 from q_quant_ref import AMAXES, assert_quantized_as_the_reference, scaled_q
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as R
@@ -199,18 +197,6 @@ def test_the_call_follows_the_contract(standin, version):
             assert call.n_positional == len(positional) and set(call.keywords) == set(keywords), name
 
 
-class HostReadsForbidden(TorchFunctionMode):
-    """Fails on anything that reads a tensor on the host (a device sync on a GPU), outside the stand-in."""
-
-    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS and not inside_standin():
-            raise AssertionError(f"host read (a device sync on a GPU): {func}")
-        return func(*args, **(kwargs or {}))
-
-
 class Allocations(TorchDispatchMode):
     """Records the aten ops that return a fresh tensor (no alias: not a view, not in-place, not out=), outside
     the stand-in (what aiter allocates itself is its business)."""
@@ -382,16 +368,6 @@ def test_wheel_is_refused_before_any_call_with_the_version_needed(standin, monke
     assert "aiter.get_mla_metadata_v1 takes (seqlens_qo_indptr, seqlens_kv_indptr, num_heads_per_head_k" in message
     assert aiter.calls == []  # refused before any aiter function ran
     assert len(inspected) == 3  # the verdict is cached: the second call inspected nothing
-
-
-def modified(version, function, edit):
-    functions = copy.deepcopy(load_signatures()[VERSIONS[version]]["functions"])
-    edit(functions[function]["params"])
-    return functions
-
-
-def drop(*names):
-    return lambda params: params.__setitem__(slice(None), [p for p in params if p["name"] not in names])
 
 
 def swap_work_buffers(params):

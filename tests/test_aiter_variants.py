@@ -9,15 +9,13 @@ leaderboard's rule and the strict per-sequence gate), and fp32 attention over ex
 rounding of the output remains: TIGHT.
 """
 
-import copy
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from aiter_standin import VERSIONS, inside_standin, load_signatures, make
-from torch.overrides import TorchFunctionMode
+from aiter_standin import HostReadsForbidden, drop, inside_standin, make, modified
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as R
@@ -134,16 +132,6 @@ class DeviceWork(TorchDispatchMode):
         return out
 
 
-class NoHostReads(TorchFunctionMode):
-    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS and not inside_standin():
-            raise AssertionError(f"host read (a device sync on a GPU): {func}")
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("version", ("RUNNER", "NEWEST"))
 @pytest.mark.parametrize("lengths", ([64] * 4, [1000] * 2), ids=("direct work", "split work"))
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -157,7 +145,7 @@ def test_launches_per_call_are_as_declared(standin, monkeypatch, variant, length
     S.custom_kernel(make(lengths, seed=1))  # builds the plan, fills the metadata
     inputs = S.validate(make(lengths, seed=2), "fp8")
     before, work = len(aiter.launches), DeviceWork()
-    with NoHostReads(), work:
+    with HostReadsForbidden(), work:
         out = S._aiter_forward(*inputs)
     kernels = aiter.launches[before:]
     (plan,) = S._AITER_PLANS.values()
@@ -326,16 +314,6 @@ def test_newest_signatures_send_the_direct_call_through_mla_decode_fwd(standin, 
     (info,) = aiter.calls_to("get_mla_metadata_info_v1")
     assert info.arguments["fast_mode"] is spec.fast_mode
     assert aiter.calls_to("mla_decode_fwd")[0].arguments["q"].dtype == (E4M3FN if spec.q == "fp8" else torch.bfloat16)
-
-
-def modified(version, function, edit):
-    functions = copy.deepcopy(load_signatures()[VERSIONS[version]]["functions"])
-    edit(functions[function]["params"])
-    return functions
-
-
-def drop(*names):
-    return lambda params: params.__setitem__(slice(None), [p for p in params if p["name"] not in names])
 
 
 @pytest.mark.parametrize("variant, function, dropped", [
