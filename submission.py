@@ -112,20 +112,9 @@ def _expect_int(x, field: str, allow_none: bool = False) -> None:
         raise TypeError(f"{field}: expected an int{' or None' if allow_none else ''}, got {type(x).__name__}")
 
 
-# (batch, config items) that passed _validate_config: the check is a pure function of them, and skipping it for
-# a config seen before saves most of validate()'s host time (each call brings a new but equal dict).
-_VALID_CONFIGS: set = set()
-
-
 def _validate_config(config, batch: int) -> None:
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, got {type(config).__name__}")
-    try:
-        seen = (batch, tuple(config.items()))
-        if seen in _VALID_CONFIGS:
-            return
-    except TypeError:  # an unhashable value: check it every time
-        seen = None
     missing = [k for k in CONFIG_KEYS if k not in config]
     _expect(not missing, "config", f"keys {list(CONFIG_KEYS)}", f"a dict missing {missing}")
     for key, want in (("num_heads", NUM_HEADS), ("num_kv_heads", NUM_KV_HEADS), ("qk_head_dim", QK_HEAD_DIM),
@@ -141,8 +130,6 @@ def _validate_config(config, batch: int) -> None:
     sm = config["sm_scale"]
     _expect(isinstance(sm, (int, float)) and not isinstance(sm, bool) and math.isfinite(sm) and sm > 0,
             "config['sm_scale']", "a positive finite float", repr(sm))
-    if seen is not None and len(_VALID_CONFIGS) < 256:
-        _VALID_CONFIGS.add(seen)
 
 
 def _validate_indptr(x, field: str, length: int | None, device: torch.device) -> torch.Tensor:
@@ -188,29 +175,12 @@ def _validate_kv(kv_data, kv_format: str, device: torch.device) -> tuple[torch.T
     return kv, scale
 
 
-def _signature(t) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device)  # shape and strides settle contiguity too
-
-
-# Signatures of inputs that passed the checks below: they read only these attributes (never tensor contents), so an
-# input with the same signature passes them again. Saves most of validate()'s host time on repeated shapes.
-_VALID_INPUTS: set = set()
-
-
 def validate(data, kv_format: str) -> tuple:
     """Checks everything that can be checked without a device sync; returns
     (q, kv, kv_scale, qo_indptr, kv_indptr, config) for the chosen KV format."""
     if not (isinstance(data, (tuple, list)) and len(data) == 5):
         raise TypeError("data: expected (q, kv_data, qo_indptr, kv_indptr, config)")
     q, kv_data, qo_indptr, kv_indptr, config = data
-    try:
-        kv, scale = kv_data[kv_format]
-        seen = (kv_format, *map(_signature, (q, qo_indptr, kv_indptr, kv, scale)))
-    except (TypeError, KeyError, ValueError, AttributeError):  # not a valid input: the checks below say why
-        seen = None
-    if seen is not None and seen in _VALID_INPUTS:
-        _validate_config(config, qo_indptr.shape[0] - 1)
-        return q, kv, scale, qo_indptr, kv_indptr, config
     q = _expect_tensor(q, "q")
     _expect(q.dtype == torch.bfloat16, "q.dtype", "torch.bfloat16", q.dtype)
     _expect(q.dim() == 3 and q.shape[1] == NUM_HEADS and q.shape[2] == QK_HEAD_DIM, "q.shape",
@@ -222,8 +192,6 @@ def validate(data, kv_format: str) -> tuple:
     _validate_config(config, batch)
     _expect(q.shape[0] == batch, "q.shape[0]", f"{batch} (batch x q_seq_len)", q.shape[0])
     kv, scale = _validate_kv(kv_data, kv_format, q.device)
-    if seen is not None and len(_VALID_INPUTS) < 256:
-        _VALID_INPUTS.add(seen)
     return q, kv, scale, qo_indptr, kv_indptr, config
 
 
@@ -256,6 +224,34 @@ _ANNOUNCED: set = set()  # (device, MLA_BACKEND, choice) already logged
 
 
 @functools.cache
+def _env_keys(names: tuple[str, ...]) -> tuple:
+    return tuple(map(os.environ.encodekey, names))
+
+
+def _env_values(names: tuple[str, ...]) -> tuple:
+    """os.environ's values of `names`, as it stores them (bytes on POSIX), None where unset. os.environ.get costs ~1.5
+    us for an unset name (Mapping.get raises and catches a KeyError inside os.environ's __getitem__) and a call reads
+    several, while CPython's os.environ keeps its values in a dict, _data, under encoded keys, which this reads in
+    ~0.1 us a name: the same values, since os.environ's own methods write that dict."""
+    environ = os.environ
+    try:
+        return tuple(map(environ._data.get, _env_keys(names)))
+    except AttributeError:  # not CPython's os._Environ: no such dict
+        return tuple(map(environ.get, names))
+
+
+def _env(name: str) -> str | None:
+    """os.environ.get(name), at the cost of _env_values."""
+    (value,) = _env_values((name,))
+    return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
+
+
+def _setting(name: str, default: str) -> str:
+    value = _env(name)
+    return default if value is None else value
+
+
+@functools.cache
 def _aiter_importable() -> bool:  # cached: a failed import searches sys.path again on every call (~40 us)
     try:
         import aiter  # noqa: F401
@@ -265,14 +261,14 @@ def _aiter_importable() -> bool:  # cached: a failed import searches sys.path ag
 
 
 def _triton_usable(device: torch.device) -> bool:
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (device.type == "cuda" or _env("TRITON_INTERPRET") == "1")
 
 
 def select_backend(device: torch.device, kv_format: str | None = None, precision: str | None = None) -> str:
     """MLA_BACKEND if set (and usable here), else the best backend available on `device` for `kv_format` (default:
     select_kv_format()) in `precision` (default: select_precision()); logged once."""
     kv_format = kv_format or select_kv_format()
-    forced = os.environ.get("MLA_BACKEND", DEFAULT_BACKEND)
+    forced = _setting("MLA_BACKEND", DEFAULT_BACKEND)
     if forced not in BACKEND_CHOICES:
         source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
         raise ValueError(f"{source}: expected one of {BACKEND_CHOICES}, got {forced!r}")
@@ -344,7 +340,7 @@ def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8", precise: 
 
 
 def select_kv_format() -> str:
-    fmt = os.environ.get("MLA_KV_FORMAT", DEFAULT_KV_FORMAT)
+    fmt = _setting("MLA_KV_FORMAT", DEFAULT_KV_FORMAT)
     if fmt not in KV_FORMATS:  # not _expect: its message would be formatted on every call
         source = "MLA_KV_FORMAT" if "MLA_KV_FORMAT" in os.environ else "DEFAULT_KV_FORMAT"
         raise ValueError(f"{source}: expected one of {KV_FORMATS}, got {fmt!r}")
@@ -357,7 +353,7 @@ def select_precision() -> str:
     offset (a product far above the rest) costs accuracy. "precise": that product in fp16 (exact e4m3 -> fp16 K,
     Q scaled exactly by a power of two) with fp32 accumulation, at some speed: the triton backend's fp16 dot,
     the cuda backend's mma.sync kernel; the torch backend is fp32 either way; aiter has no such kernel."""
-    precision = os.environ.get("MLA_PRECISION", DEFAULT_PRECISION)
+    precision = _setting("MLA_PRECISION", DEFAULT_PRECISION)
     if precision not in PRECISIONS:
         source = "MLA_PRECISION" if "MLA_PRECISION" in os.environ else "DEFAULT_PRECISION"
         raise ValueError(f"{source}: expected one of {PRECISIONS}, got {precision!r}")
@@ -527,7 +523,7 @@ AITER_VARIANTS = {
 def aiter_variant(batch: int, kv_seq_len: int | None) -> str:
     """The variant for this shape: MLA_AITER_VARIANT if set, else AITER_VARIANTS[(batch, kv_seq_len)], else
     AITER_DEFAULT_VARIANT. A name that is not in AITER_VARIANT_SPECS is an error naming where it came from."""
-    forced = os.environ.get("MLA_AITER_VARIANT")
+    forced = _env("MLA_AITER_VARIANT")
     if forced:
         field, name = "MLA_AITER_VARIANT", forced
     else:
@@ -626,9 +622,21 @@ class QQuantizer:
             self.partials = torch.empty(self.blocks, dtype=torch.float32, device=device)
             # BLOCK, PARTIALS, ROUND_FP8 (on the CPU: the interpreter, whose fp8 cast needs help, see _round_to_e4m3)
             self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks), device.type != "cuda")
-            self.compiled = None  # the two kernels as compiled for a 16-byte aligned q (not under the interpreter)
+            self.addresses = (self.partials.data_ptr(), self.q_fp8.data_ptr(), self.scale.data_ptr())
+            self.launchers = None  # the compiled kernels' launchers for a 16-byte aligned q (not under the interpreter)
         else:
             self._use_torch()
+
+    def _launch_jit(self, q: torch.Tensor, aligned: bool) -> None:
+        """The two kernels through Triton's JIT (compiled at the first call); for an aligned q on a GPU, their
+        compiled kernels' launchers are kept, to be called with addresses: the JIT's dispatch, and its launcher's
+        data_ptr() call and pointer query per tensor, cost host time on every call."""
+        n, grid = self.q_fp8.numel(), (self.blocks, 1, 1)  # compiled kernels take the grid as a 3-tuple
+        absmax = _q_absmax_kernel[grid](q, self.partials, n, BLOCK=self.consts[0])
+        quantize = _q_quantize_kernel[grid](q, self.partials, self.blocks, self.q_fp8, self.scale, n, self.fp8_max,
+                                            BLOCK=self.consts[0], PARTIALS=self.consts[1], ROUND_FP8=self.consts[2])
+        if aligned and absmax is not None and quantize is not None:
+            self.launchers = (absmax[grid], quantize[grid])
 
     @property
     def launches(self) -> int:
@@ -644,20 +652,15 @@ class QQuantizer:
 
     def __call__(self, q: torch.Tensor) -> torch.Tensor:
         if self.blocks:
-            n, grid = self.q_fp8.numel(), (self.blocks, 1, 1)  # compiled kernels take the grid as a 3-tuple
-            absmax_args = (q, self.partials, n)
-            quantize_args = (q, self.partials, self.blocks, self.q_fp8, self.scale, n, self.fp8_max)
-            aligned = q.data_ptr() % 16 == 0
+            q_ptr = q.data_ptr()
             try:
-                if self.compiled is not None and aligned:  # launched directly: the JIT's dispatch costs host time
-                    self.compiled[0][grid](*absmax_args, self.consts[0])
-                    self.compiled[1][grid](*quantize_args, *self.consts)
+                if self.launchers is not None and q_ptr % 16 == 0:  # what the compiled kernels were specialized on
+                    absmax, quantize = self.launchers
+                    partials, q_fp8, scale = self.addresses
+                    absmax(q_ptr, partials, self.q_fp8.numel(), self.consts[0])
+                    quantize(q_ptr, partials, self.blocks, q_fp8, scale, self.q_fp8.numel(), self.fp8_max, *self.consts)
                 else:
-                    absmax = _q_absmax_kernel[grid](*absmax_args, BLOCK=self.consts[0])
-                    quantize = _q_quantize_kernel[grid](*quantize_args, BLOCK=self.consts[0], PARTIALS=self.consts[1],
-                                                        ROUND_FP8=self.consts[2])
-                    if aligned and absmax is not None and quantize is not None:
-                        self.compiled = (absmax, quantize)
+                    self._launch_jit(q, q_ptr % 16 == 0)
                 return self.q_fp8
             except Exception as e:  # a triton that cannot build or launch them here: the torch form, for good
                 log.warning("MLA decode: Q quantization falls back to torch ops: the triton kernels failed: %s", e)
@@ -814,7 +817,8 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     must run on the device in the order they are issued: the next call reuses the scratch.
     """
     fns, fp8 = _aiter_api()
-    _expect(kv.dtype == fp8, "kv_data['fp8'][0].dtype", f"aiter.dtypes.fp8 = {fp8} (this GPU's FP8)", kv.dtype)
+    if kv.dtype != fp8:  # not _expect: its message would be formatted on every call
+        _expect(False, "kv_data['fp8'][0].dtype", f"aiter.dtypes.fp8 = {fp8} (this GPU's FP8)", kv.dtype)
     batch, total_kv = q.shape[0], kv.shape[0]
     if total_kv == 0:  # no sequence has a KV row
         return torch.zeros((batch, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
@@ -1121,51 +1125,68 @@ LAUNCH_CACHE_LIMIT = 64  # Triton launch plans kept (cleared when full); the lea
 
 
 class _TritonLaunch:
-    """Everything a call needs besides its tensors: the plan, the split partials' workspace, grids, meta-args,
-    and (after the first call on a GPU) the compiled kernels, launched directly: Triton's JIT dispatch costs
-    host time on every call that the leaderboard's L2 flush does not always hide. Under the interpreter the
-    JIT returns no kernel and every call takes the JIT path. Calls of the same shapes share the partials'
-    workspace: calls on concurrent queues must be serialized by the caller (the leaderboard's are)."""
+    """Everything a call needs besides its tensors: the plan, the split partials' workspace, grids, meta-args, and
+    (after the first call on a GPU whose pointers are all 16-byte aligned) the compiled kernels' launchers, called
+    with the tensors' addresses: Triton's JIT dispatch, and its launcher's per-tensor data_ptr() call and pointer
+    query, cost host time on every call that the leaderboard's L2 flush hides but a serving loop pays. Under the
+    interpreter the JIT returns no kernel and every call takes the JIT path. Calls of the same shapes share the
+    partials' workspace: calls on concurrent queues must be serialized by the caller (the leaderboard's are)."""
 
     def __init__(self, plan, part_o, part_lse, split_grid, split_consts, split_meta, combine_grid, combine_consts,
                  combine_meta):
         self.plan, self.part_o, self.part_lse = plan, part_o, part_lse
+        self.workspace = (part_o.data_ptr(), part_lse.data_ptr())
         self.split_grid, self.combine_grid = split_grid, combine_grid
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())
         self.split_meta = dict(split_consts, **split_meta)
         self.combine_meta = dict(combine_consts, **combine_meta)
-        self.split_kernel = self.combine_kernel = None
+        self.split_run = self.combine_run = None
 
     def launch(self, q, kv, scale, kv_indptr, out, qk_scale) -> None:
-        split_args = (q, kv, scale, scale.stride(0), kv_indptr, out, self.part_o, self.part_lse, kv.shape[0], qk_scale)
-        combine_args = (kv_indptr, out, self.part_o, self.part_lse, kv.shape[0])
-        if self.split_kernel is None:  # first call: the JIT compiles, launches and returns the kernel
-            self.split_kernel = _mla_split_kernel[self.split_grid](*split_args, **self.split_meta)
-            if self.plan[0] > 1:
-                self.combine_kernel = _mla_combine_kernel[self.combine_grid](*combine_args, **self.combine_meta)
+        total_kv, scale_stride = kv.shape[0], scale.stride(0)
+        q_ptr, kv_ptr, scale_ptr, indptr_ptr = q.data_ptr(), kv.data_ptr(), scale.data_ptr(), kv_indptr.data_ptr()
+        aligned = not (q_ptr | kv_ptr | scale_ptr | indptr_ptr) % 16  # what the compiled kernels were specialized on
+        if self.split_run is not None and aligned:
+            part_o, part_lse = self.workspace
+            out_ptr = out.data_ptr()
+            self.split_run(q_ptr, kv_ptr, scale_ptr, scale_stride, indptr_ptr, out_ptr, part_o, part_lse, total_kv,
+                           qk_scale, *self.split_consts)
+            if self.combine_run is not None:
+                self.combine_run(indptr_ptr, out_ptr, part_o, part_lse, total_kv, *self.combine_consts)
             return
-        # the compiled kernels take every parameter in order, constexprs included
-        self.split_kernel[self.split_grid](*split_args, *self.split_consts)
+        if self.split_meta["KV_FORMAT"] == "mxfp4":  # the kernel reads the codes and the E8M0 scales as bytes
+            kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
+        split = _mla_split_kernel[self.split_grid](q, kv, scale, scale_stride, kv_indptr, out, self.part_o,
+                                                   self.part_lse, total_kv, qk_scale, **self.split_meta)
+        combine = None
         if self.plan[0] > 1:
-            self.combine_kernel[self.combine_grid](*combine_args, *self.combine_consts)
+            combine = _mla_combine_kernel[self.combine_grid](kv_indptr, out, self.part_o, self.part_lse, total_kv,
+                                                             **self.combine_meta)
+        if aligned and split is not None and (combine is not None or self.plan[0] == 1):
+            # the compiled kernels' launchers, with their grids bound once
+            self.split_run = split[self.split_grid]
+            self.combine_run = combine[self.combine_grid] if combine is not None else None
 
 
-def _triton_launch(q, kv, scale, kv_indptr, config, kv_format: str, precise: bool,
-                   plan: tuple | None) -> _TritonLaunch:
-    """The launch for one (device, shapes, dtypes, strides, 16-byte alignments, format, plan): built on the first
-    call, then looked up (no allocation, no host sync). The plan reads kv_seq_len, or total_kv / batch when it
-    is None, on the host: never the device's kv_indptr."""
-    batch = q.shape[0]
-    key = (q.device, q.shape, kv.shape, kv.dtype, scale.shape, scale.dtype, scale.stride(0), kv_format,
-           precise, config["kv_seq_len"], plan, tuple(t.data_ptr() % 16 == 0 for t in (q, kv, scale, kv_indptr)))
+def _triton_key(q, kv, scale, config, kv_format: str, precise: bool, plan: tuple | None) -> tuple:
+    """What a launch depends on: (device, batch, the KV cache's and its scale's shapes, dtypes and row stride (the
+    compiled kernels are specialized on them), format, precision, kv_seq_len, plan). The plan reads kv_seq_len, or
+    total_kv / batch when it is None, on the host: never the device's kv_indptr."""
+    return (q.device, q.shape[0], kv.shape, kv.dtype, scale.shape, scale.dtype, scale.stride(0), kv_format, precise,
+            config["kv_seq_len"], plan)
+
+
+def _triton_launch(key: tuple) -> _TritonLaunch:
+    """The launch for one _triton_key: built on the first call, then looked up (no allocation, no host sync)."""
     launch = _TRITON_LAUNCH.get(key)
     if launch is not None:
         return launch
-    on_gpu = q.device.type == "cuda"
+    device, batch, kv_shape, _, _, _, _, kv_format, precise, kv_seq_len, plan = key
+    on_gpu = device.type == "cuda"
     if plan is None:
-        seq_len = config["kv_seq_len"] if config["kv_seq_len"] is not None else -(-kv.shape[0] // batch)
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu else 132
+        seq_len = kv_seq_len if kv_seq_len is not None else -(-kv_shape[0] // batch)
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 132
         plan = triton_plan(batch, seq_len, num_sms, kv_format)
     nvidia = on_gpu and torch.version.hip is None
     splits, block_n, num_warps, num_stages = plan
@@ -1178,8 +1199,8 @@ def _triton_launch(q, kv, scale, kv_indptr, config, kv_format: str, precise: boo
     combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, USE_PDL=nvidia)
     launch = _TritonLaunch(
         plan=plan,
-        part_o=torch.empty((workspace_rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=q.device),
-        part_lse=torch.empty((workspace_rows, NUM_HEADS), dtype=torch.float32, device=q.device),
+        part_o=torch.empty((workspace_rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=device),
+        part_lse=torch.empty((workspace_rows, NUM_HEADS), dtype=torch.float32, device=device),
         split_grid=(splits, batch, 1),
         split_consts=split_consts,
         split_meta=dict(num_warps=num_warps, num_stages=num_stages),
@@ -1193,16 +1214,21 @@ def _triton_launch(q, kv, scale, kv_indptr, config, kv_format: str, precise: boo
     return launch
 
 
+def _triton_run(key: tuple, q, kv, scale, kv_indptr, qk_scale: float) -> torch.Tensor:
+    """The decode by the launch of `key` (_triton_key of these inputs); qk_scale = sm_scale * log2(e)."""
+    launch = _triton_launch(key)
+    out = q.new_empty((q.shape[0], NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
+    launch.launch(q, kv, scale, kv_indptr, out, qk_scale)
+    return out
+
+
 def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, *, precise: bool = False,
                     plan: tuple | None = None) -> torch.Tensor:
-    """`precise`: the FP8 cache's score product in DOT_DTYPE (see select_precision); MXFP4's always is.
-    `plan` (num_splits, block_n, num_warps, num_stages) overrides triton_plan (tests, bench/tune_triton.py)."""
-    launch = _triton_launch(q, kv, scale, kv_indptr, config, kv_format, precise, plan)
-    if kv_format == "mxfp4":
-        kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
-    out = torch.empty((q.shape[0], NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
-    launch.launch(q, kv, scale, kv_indptr, out, float(config["sm_scale"]) * LOG2E)
-    return out
+    """The triton backend on validated inputs. `precise`: the FP8 cache's score product in DOT_DTYPE (see
+    select_precision); MXFP4's always is. `plan` (num_splits, block_n, num_warps, num_stages) overrides triton_plan
+    (tests, bench/tune_triton.py)."""
+    key = _triton_key(q, kv, scale, config, kv_format, precise, plan)
+    return _triton_run(key, q, kv, scale, kv_indptr, float(config["sm_scale"]) * LOG2E)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1282,24 +1308,98 @@ def _several_gpus() -> bool:
     return torch.cuda.device_count() > 1
 
 
-def custom_kernel(data):
-    """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
-    kv_format, precision = select_kv_format(), select_precision()
-    q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
+class _Dispatch(NamedTuple):
+    """custom_kernel's decision for one kind of input, made once after validate and select_backend (_new_dispatch),
+    then looked up by the input's kind (see custom_kernel)."""
+
+    backend: str
+    kv_format: str
+    check_contents: bool  # MLA_VALIDATE=1 on a GPU backend: the indptr contents checked on the host (a device sync)
+    several_gpus: bool  # the input's GPU may not be the current one, on which the launches go
+    launch_key: tuple | None  # the cuda or the triton backend's launch plan (None for the others)
+    qk_scale: float  # sm_scale * log2(e): the kernels' score scale
+
+
+# What a call's choices read besides its input: the environment (a changed variable is another kind of call) and the
+# DEFAULT_* constants.
+_SETTING_VARIABLES = ("MLA_BACKEND", "MLA_KV_FORMAT", "MLA_PRECISION", "MLA_VALIDATE", "TRITON_INTERPRET")
+_KV_FORMAT_OF: dict = {}  # those settings -> the KV format they select (select_kv_format)
+_DISPATCH: dict = {}  # (settings, every input attribute validate reads, the config's items) -> _Dispatch
+DISPATCH_LIMIT = 256  # kinds of call kept (cleared when full); the leaderboard makes 8 or so
+
+
+def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
+    precision = select_precision()
     device = q.device
     backend = select_backend(device, kv_format, precision)
-    if device.type == "cuda" and _several_gpus() and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):  # ctypes, Triton and aiter launch on the current device
-            return custom_kernel(data)
-    if backend != "torch" and os.environ.get("MLA_VALIDATE") == "1":
-        validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
     if backend == "aiter":
         _expect(kv_format == "fp8", "MLA_KV_FORMAT", "fp8 with the aiter backend", repr(kv_format))
-        return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config)
+    precise = precision == "precise"
     if backend == "cuda":
-        return _cuda_package()[0].forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format,
-                                          precision == "precise")
+        launch_key = _cuda_package()[0].launch_key(device, q.shape[0], kv.shape[0], config["kv_seq_len"], kv_format,
+                                                   precise)
+    elif backend == "triton":
+        launch_key = _triton_key(q, kv, scale, config, kv_format, precise, None)
+    else:
+        launch_key = None
+    return _Dispatch(backend, kv_format, check_contents=backend != "torch" and _env("MLA_VALIDATE") == "1",
+                     several_gpus=device.type == "cuda" and _several_gpus(), launch_key=launch_key,
+                     qk_scale=float(config["sm_scale"]) * LOG2E)
+
+
+def dispatch(data) -> tuple:
+    """(decision, q, kv, kv_scale, qo_indptr, kv_indptr, config): custom_kernel's first half, everything before a
+    backend runs. The first call of a kind (the settings, each tensor's shape, strides, dtype and device, the config's
+    items) validates it and picks the backend; later calls of that kind look the decision up: validate reads nothing
+    else, so an input of the same kind passes it again."""
+    settings = (_env_values(_SETTING_VARIABLES), DEFAULT_BACKEND, DEFAULT_KV_FORMAT, DEFAULT_PRECISION)
+    kv_format = _KV_FORMAT_OF.get(settings)
+    if kv_format is None:
+        kv_format = select_kv_format()  # raises on a bad value
+        if len(_KV_FORMAT_OF) >= DISPATCH_LIMIT:
+            _KV_FORMAT_OF.clear()
+        _KV_FORMAT_OF[settings] = kv_format
+    try:
+        if not isinstance(data, (tuple, list)):
+            raise TypeError
+        q, kv_data, qo_indptr, kv_indptr, config = data
+        kv, scale = kv_data[kv_format]
+        # Contiguity is all validate asks of the strides, but of the scale's (the MXFP4 scales' row stride is read);
+        # the config's value types tell 6.0 from 6, which compare and hash equal.
+        key = (settings, q.shape, q.dtype, q.device, q.is_contiguous(), qo_indptr.shape, qo_indptr.dtype,
+               qo_indptr.device, qo_indptr.is_contiguous(), kv_indptr.shape, kv_indptr.dtype, kv_indptr.device,
+               kv_indptr.is_contiguous(), kv.shape, kv.dtype, kv.device, kv.is_contiguous(), scale.shape,
+               scale.stride(), scale.dtype, scale.device, tuple(config.items()), tuple(map(type, config.values())))
+        decision = _DISPATCH.get(key)
+    except (TypeError, ValueError, KeyError, AttributeError):  # not a valid input: validate says why
+        key = decision = None
+    if decision is None:
+        q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
+        decision = _new_dispatch(q, kv, scale, config, kv_format)
+        if key is not None:
+            if len(_DISPATCH) >= DISPATCH_LIMIT:
+                _DISPATCH.clear()
+            _DISPATCH[key] = decision
+    return decision, q, kv, scale, qo_indptr, kv_indptr, config
+
+
+def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
+    """custom_kernel's second half: the decided backend on dispatch's outputs."""
+    if decision.several_gpus and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # ctypes, Triton and aiter launch on the current device
+            return forward(decision, q, kv, scale, qo_indptr, kv_indptr, config)
+    if decision.check_contents:
+        validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
+    backend = decision.backend
+    if backend == "cuda":
+        return _cuda_package()[0].run(decision.launch_key, q, kv, scale, kv_indptr, decision.qk_scale)
     if backend == "triton":
-        return _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format,
-                               precise=precision == "precise")
-    return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
+        return _triton_run(decision.launch_key, q, kv, scale, kv_indptr, decision.qk_scale)
+    if backend == "aiter":
+        return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config)
+    return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, decision.kv_format)
+
+
+def custom_kernel(data):
+    """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
+    return forward(*dispatch(data))

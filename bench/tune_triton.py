@@ -145,7 +145,7 @@ def main() -> None:
             fn_default = functools.partial(S._triton_forward, q, kv, scale, qo, kvp, cfg, fmt)
             out = fn_default()
             ok, msg = R.check_implementation(data, out)
-            plan = S._triton_launch(q, kv, scale, kvp, cfg, fmt, False, None).plan
+            plan = S._triton_launch(S._triton_key(q, kv, scale, cfg, fmt, False, None)).plan
             us = statistics.median(timer.leaderboard(fn_default, args.reps))
             b2b, host = timer.back_to_back(fn_default, 200), timer.host(fn_default, 200)
             rec = dict(shape=[batch, kv_len], fmt=fmt, default_plan=plan, us=us, b2b_us=b2b, host_us=host,

@@ -59,7 +59,7 @@ MAIN_SOURCE = "mla_decode.cu"  # the one translation unit; it includes the .cuh 
 log = logging.getLogger("mla_decode")  # submission.py's logger
 
 _LIBS: dict = {}  # (device capability, precise) -> ctypes library, or the build error (str) when it could not be built
-_LAUNCH: dict = {}  # (device, batch, kv_seq_len, format, precise) -> Launch
+_LAUNCH: dict = {}  # launch_key(...) -> Launch
 
 
 def find_nvcc() -> str | None:
@@ -203,12 +203,15 @@ class DecodeCall(ctypes.Structure):
 
 
 class Launch(NamedTuple):
-    """One plan: its DecodeCall (and the call's address), and the workspace the call points into, kept alive here:
-    part_o (batch * splits, 16, 512) bf16 and part_lse (batch * splits, 16) fp32, the splits' partials, and sync
-    (batch,) int32, the per-sequence barrier's arrival counts (all empty with one split)."""
+    """One plan: its DecodeCall (and the call's address), the library's entry point, the device's index, and the
+    workspace the call points into, kept alive here: part_o (batch * splits, 16, 512) bf16 and part_lse (batch *
+    splits, 16) fp32, the splits' partials, and sync (batch,) int32, the per-sequence barrier's arrival counts (all
+    empty with one split)."""
 
     call: DecodeCall
     address: int
+    decode: object  # lib.mla_decode
+    device_index: int
     part_o: torch.Tensor
     part_lse: torch.Tensor
     sync: torch.Tensor
@@ -217,13 +220,64 @@ class Launch(NamedTuple):
 _GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
 
 
-def current_raw_stream(device: torch.device) -> int:
-    """The current stream's handle. torch.cuda.current_stream(device).cuda_stream builds a Stream object: 4.5 us
-    of host time per call on the H200's host, against 0.2 for the raw handle (the private call Triton and Inductor
-    make)."""
+def current_raw_stream(device_index: int) -> int:
+    """The current stream's handle on that GPU. torch.cuda.current_stream(device).cuda_stream builds a Stream object:
+    4.5 us of host time per call on the H200's host, against 0.2 for the raw handle (the private call Triton and
+    Inductor make)."""
     if _GET_RAW_STREAM is not None:
-        return _GET_RAW_STREAM(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
+        return _GET_RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def launch_key(device: torch.device, batch: int, total_kv: int, kv_seq_len: int | None, kv_format: str,
+               precise: bool = False) -> tuple:
+    """What a launch plan depends on: (device, batch, the split plan's sequence length: kv_seq_len, or total_kv /
+    batch where it is None, format, precision). run() takes it; submission.py computes it once per kind of call."""
+    seq_len = kv_seq_len if kv_seq_len is not None else -(-total_kv // max(batch, 1))
+    return (device, batch, seq_len, kv_format, precise)
+
+
+def _new_launch(key: tuple) -> Launch:
+    device, batch, seq_len, kv_format, precise = key
+    lib = library(capability(device), precise)
+    splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(device).multi_processor_count,
+                       lib.mla_ctas_per_sm())
+    rows = batch * splits if splits > 1 else 0
+    part_o = torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+    part_lse = torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device)
+    sync = torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device)
+    call = DecodeCall(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), sync=sync.data_ptr(), batch=batch,
+                      num_splits=splits, kv_format=int(kv_format == "mxfp4"))
+    launch = Launch(call, ctypes.addressof(call), lib.mla_decode, device.index, part_o, part_lse, sync)
+    if len(_LAUNCH) >= LAUNCH_CACHE_LIMIT:
+        _LAUNCH.clear()
+    _LAUNCH[key] = launch
+    return launch
+
+
+def run(key: tuple, q, kv, scale, kv_indptr, qk_scale: float) -> torch.Tensor:
+    """The decode by the launch plan of `key` (launch_key of these inputs; built at its first call), inputs as forward
+    takes them; qk_scale = sm_scale * log2(e). The host path a call repeats: one dictionary lookup, the output's
+    allocation, the DecodeCall's input fields and one ctypes call."""
+    launch = _LAUNCH.get(key)
+    if launch is None:
+        launch = _new_launch(key)
+    q_ptr, kv_ptr, indptr_ptr = q.data_ptr(), kv.data_ptr(), kv_indptr.data_ptr()
+    if (q_ptr | kv_ptr | indptr_ptr) % 16:
+        raise ValueError(f"cuda backend: q, the KV cache ({kv.dtype}) and kv_indptr must start on 16-byte boundaries")
+    out = q.new_empty((q.shape[0], NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
+    call = launch.call
+    call.q, call.kv, call.kv_indptr, call.out = q_ptr, kv_ptr, indptr_ptr, out.data_ptr()
+    if call.kv_format:
+        call.kv_block_scales, call.scale_stride = scale.data_ptr(), scale.stride(0)
+    else:
+        call.kv_scale = scale.data_ptr()
+    call.total_kv, call.qk_scale = kv.shape[0], qk_scale
+    call.stream = current_raw_stream(launch.device_index)
+    err = launch.decode(launch.address)
+    if err:
+        raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")
+    return out
 
 
 def forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, precise: bool = False) -> torch.Tensor:
@@ -237,39 +291,7 @@ def forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, precise:
       config:    sm_scale, and kv_seq_len (None, or the length of every sequence / the maximum) for the split plan
       precise:   the mma.sync kernel's fp16 score product (see library); FP8 cache only
     Output: (batch, 16, 512) bfloat16. One ctypes call launches the split kernel (which merges the splits too) on the
-    current stream; the workspace (partials, the per-sequence barrier's counters) is cached by (device, batch,
-    kv_seq_len, format, precision): calls with the same key must be issued in order on one stream."""
-    device = q.device
-    lib = library(capability(device), precise)
-    batch = q.shape[0]
-    seq_len = config["kv_seq_len"] if config["kv_seq_len"] is not None else -(-kv.shape[0] // max(batch, 1))
-    key = (device, batch, seq_len, kv_format, precise)
-    launch = _LAUNCH.get(key)
-    if launch is None:
-        splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(device).multi_processor_count,
-                           lib.mla_ctas_per_sm())
-        rows = batch * splits if splits > 1 else 0
-        part_o = torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
-        part_lse = torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device)
-        sync = torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device)
-        call = DecodeCall(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), sync=sync.data_ptr(), batch=batch,
-                          num_splits=splits, kv_format=int(kv_format == "mxfp4"))
-        launch = Launch(call, ctypes.addressof(call), part_o, part_lse, sync)
-        if len(_LAUNCH) >= LAUNCH_CACHE_LIMIT:
-            _LAUNCH.clear()
-        _LAUNCH[key] = launch
-    call, address = launch.call, launch.address
-    if (q.data_ptr() | kv.data_ptr() | kv_indptr.data_ptr()) % 16:
-        raise ValueError(f"cuda backend: q, kv_data[{kv_format!r}][0] and kv_indptr must start on 16-byte boundaries")
-    out = q.new_empty((batch, NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
-    call.q, call.kv, call.kv_indptr, call.out = q.data_ptr(), kv.data_ptr(), kv_indptr.data_ptr(), out.data_ptr()
-    if call.kv_format:
-        call.kv_block_scales, call.scale_stride = scale.data_ptr(), scale.stride(0)
-    else:
-        call.kv_scale = scale.data_ptr()
-    call.total_kv, call.qk_scale = kv.shape[0], float(config["sm_scale"]) * LOG2E
-    call.stream = current_raw_stream(device)
-    err = lib.mla_decode(address)
-    if err:
-        raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")
-    return out
+    current stream; the workspace (partials, the per-sequence barrier's counters) is cached by launch_key: calls with
+    the same key must be issued in order on one stream."""
+    key = launch_key(q.device, q.shape[0], kv.shape[0], config["kv_seq_len"], kv_format, precise)
+    return run(key, q, kv, scale, kv_indptr, float(config["sm_scale"]) * LOG2E)

@@ -113,6 +113,9 @@ def test_q_quantization_falls_back_to_torch_when_triton_fails(monkeypatch, caplo
         def __getitem__(self, grid):
             raise RuntimeError("no compiler for this GPU")
 
+        def __call__(self, *args):
+            raise RuntimeError("the launch failed")
+
     if S.triton is None:
         pytest.skip("no triton here")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton form is chosen on the CPU, then fails to launch
@@ -121,7 +124,7 @@ def test_q_quantization_falls_back_to_torch_when_triton_fails(monkeypatch, caplo
     if failing == "jit":
         monkeypatch.setattr(S, "_q_absmax_kernel", Broken())
     else:
-        quant.compiled = (Broken(), Broken())
+        quant.launchers = (Broken(), Broken())
     assert_quantized_as_the_reference(scaled_q(2, 4.0), quant, E4M3FN, exact=True)
     assert quant.blocks == 0 and "falls back to torch" in caplog.text
 

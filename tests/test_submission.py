@@ -1,5 +1,6 @@
 """submission.py: input validation, backend selection, and the torch backend against the BF16 reference."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,54 @@ def test_bad_input_names_the_field(name):
     with pytest.raises(exc) as info:
         S.custom_kernel(make())
     assert str(info.value).startswith(field), str(info.value)
+
+
+def test_env_reads_what_os_environ_holds(monkeypatch):
+    """submission._env (its cheap read of the environment) against os.environ, as it is set, changed and unset."""
+    name = "MLA_TEST_SETTING"
+    monkeypatch.delenv(name, raising=False)
+    assert S._env(name) is None
+    for value in ("fp8", "", "é/ü x"):
+        monkeypatch.setenv(name, value)
+        assert S._env(name) == os.environ.get(name) == value
+    del os.environ[name]
+    assert S._env(name) is None
+
+
+def test_a_call_follows_the_settings_of_its_time(monkeypatch):
+    """The decision for a kind of input is remembered; a setting changed since is a new kind, checked again."""
+    data = R.generate_varlen_input([300, 257], seed=3, device=CPU)  # long enough for MXFP4 to pass the gate
+    S.custom_kernel(data)
+    monkeypatch.setenv("MLA_BACKEND", "rocm")
+    with pytest.raises(ValueError, match="MLA_BACKEND"):
+        S.custom_kernel(data)
+    monkeypatch.setenv("MLA_BACKEND", "torch")
+    monkeypatch.setenv("MLA_KV_FORMAT", "int4")
+    with pytest.raises(ValueError, match="MLA_KV_FORMAT"):
+        S.custom_kernel(data)
+    monkeypatch.setenv("MLA_KV_FORMAT", "mxfp4")
+    assert_matches(data, S.custom_kernel(data), fp32_attention(data, "mxfp4"), 4e-3)
+    monkeypatch.delenv("MLA_BACKEND")
+    monkeypatch.setattr(S, "DEFAULT_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda"):
+        S.custom_kernel(data)
+
+
+def test_a_repeated_kind_of_input_is_validated_by_its_kind(monkeypatch):
+    """What the remembered decision is keyed on covers every check: an input of the same kind but for one attribute
+    (a view with other strides, another config value) is checked again, and each kind's memo stays bounded."""
+    data = base()
+    S.custom_kernel(data)
+    q, kv, qo, kvp, config = clone(data)
+    with pytest.raises(ValueError, match="^q: expected a contiguous tensor"):
+        S.custom_kernel((q.transpose(1, 2).contiguous().transpose(1, 2), kv, qo, kvp, config))
+    with pytest.raises(TypeError, match="^config\\['kv_seq_len'\\]"):
+        S.custom_kernel((q, kv, qo, kvp, dict(config, kv_seq_len=6.0)))
+    S.custom_kernel((q, kv, qo, kvp, dict(config, extra=[1])))  # an unhashable value: validated, not remembered
+    monkeypatch.setattr(S, "DISPATCH_LIMIT", 2)
+    for scale in (0.01, 0.02, 0.03):
+        S.custom_kernel((q, kv, qo, kvp, dict(config, sm_scale=scale)))
+        assert len(S._DISPATCH) <= 2
 
 
 MXFP4_BAD = {

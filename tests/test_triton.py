@@ -83,6 +83,17 @@ def _interpreted_checks() -> dict:
 
         _check(results, f"custom_kernel-{kv_format}", via_custom_kernel)
 
+        def new_sm_scale(kv_format=kv_format):  # the same kind of input but its config: a decision of its own
+            q, kv_data, qo, kvp, config = R.generate_varlen_input([70, 66], seed=5, device=CPU, ties="even",
+                                                                  padded_scales=False)
+            first, second = (q, kv_data, qo, kvp, config), (q, kv_data, qo, kvp, dict(config, sm_scale=0.01))
+            S.custom_kernel(first)
+            exact = triton_reference(second, kv_format)
+            assert R.worst_row_relative_l2(triton_reference(first, kv_format), exact) > 10 * KERNEL_REL_L2
+            return assert_matches(second, S.custom_kernel(second), exact, KERNEL_REL_L2)
+
+        _check(results, f"custom_kernel_new_sm_scale-{kv_format}", new_sm_scale)
+
     data = R.generate_varlen_input([10, 20, 5, 7], seed=3, device=CPU)
     q, kv_data, qo, kvp, config = data
     for name, (indptr, bad) in INVALID.items():
@@ -117,7 +128,7 @@ def interpreted():
 
 
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
-@pytest.mark.parametrize("case", sorted(CASES) + ["custom_kernel"])
+@pytest.mark.parametrize("case", sorted(CASES) + ["custom_kernel", "custom_kernel_new_sm_scale"])
 def test_interpreted_matches_fp32_and_passes_the_gate(interpreted, kv_format, case):
     ok, msg = interpreted[f"{case}-{kv_format}"]
     assert ok, msg
