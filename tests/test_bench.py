@@ -206,11 +206,13 @@ def test_q_quant_script_checks_and_times_both_forms():
     assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), proc.stdout
 
 
-def test_host_path_dry_run_splits_a_call_into_its_stages(tmp_path):
+def test_host_path_dry_run_splits_a_call_and_times_a_baseline_beside_it(tmp_path):
+    """The dry run on the CPU: every scenario and column, with this repo's submission.py as the baseline."""
     out = tmp_path / "host.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "host_path.py"), "--dry-run", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "host_path.py"), "--dry-run", "--json", str(out),
+                           "--baseline", str(ROOT / "submission.py")],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())["results"]["torch 2x64"]
-    assert set(result) == {"repeated", "fresh", "fresh gc off"}
-    assert all(stages[s] > 0 for stages in result.values() for s in ("validate", "forward", "call"))
+    assert set(result) == {"repeated", "fresh", "control"}
+    assert all(row[c] > 0 for row in result.values() for c in ("dispatch", "forward", "call", "baseline"))
