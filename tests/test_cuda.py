@@ -307,6 +307,20 @@ def test_gpu_invalid_ranges_give_nan_rows(cuda_backend, kv_seq_len):
     assert torch.isfinite(out[0]).all()
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_an_input_off_a_16_byte_boundary_is_refused(monkeypatch):
+    """The kernel's loads are 16 bytes wide: a q one element past a boundary (a valid contiguous tensor) is refused
+    by name, after an aligned input of the same kind was run (the remembered decision does not skip the check)."""
+    monkeypatch.setenv("MLA_BACKEND", "cuda")
+    monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
+    q, kv_data, qo, kvp, config = R.generate_varlen_input([37, 5], seed=2)
+    S.custom_kernel((q, kv_data, qo, kvp, config))
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
+    with pytest.raises(ValueError, match="must start on 16-byte boundaries"):
+        S.custom_kernel((shifted, kv_data, qo, kvp, config))
+
+
 @needs_nvcc
 def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cannot_build(fresh_build, edited_sources,
                                                                                            monkeypatch, caplog):

@@ -45,6 +45,11 @@ INVALID = {  # kv_indptr over KV lengths [10, 20, 5, 7] (total_kv 42) -> the seq
 # --- the interpreted checks (run in the subprocess) --------------------------------------------------------
 
 
+def shifted(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """A contiguous copy of t that starts `elements` elements past a 16-byte boundary (of a dtype copy_ takes)."""
+    return torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)[elements:].view(t.shape).copy_(t)
+
+
 def _check(results: dict, name: str, fn) -> None:
     try:
         msg = fn()
@@ -94,6 +99,19 @@ def _interpreted_checks() -> dict:
 
         _check(results, f"custom_kernel_new_sm_scale-{kv_format}", new_sm_scale)
 
+        def off_a_boundary(kv_format=kv_format):  # the refusal the GPU test checks, before any kernel runs
+            data = R.generate_varlen_input([3, 66], seed=5, device=CPU)
+            q, kv_data, qo, kvp, config = data
+            S.custom_kernel(data)
+            try:
+                S.custom_kernel((shifted(q), kv_data, qo, kvp, config))
+            except ValueError as e:
+                assert "must start on 16-byte boundaries" in str(e), e
+            else:
+                raise AssertionError("a q off a 16-byte boundary was not refused")
+
+        _check(results, f"custom_kernel_off_a_boundary-{kv_format}", off_a_boundary)
+
     data = R.generate_varlen_input([10, 20, 5, 7], seed=3, device=CPU)
     q, kv_data, qo, kvp, config = data
     for name, (indptr, bad) in INVALID.items():
@@ -128,7 +146,8 @@ def interpreted():
 
 
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
-@pytest.mark.parametrize("case", sorted(CASES) + ["custom_kernel", "custom_kernel_new_sm_scale"])
+@pytest.mark.parametrize("case", sorted(CASES) + ["custom_kernel", "custom_kernel_new_sm_scale",
+                                                  "custom_kernel_off_a_boundary"])
 def test_interpreted_matches_fp32_and_passes_the_gate(interpreted, kv_format, case):
     ok, msg = interpreted[f"{case}-{kv_format}"]
     assert ok, msg
@@ -219,6 +238,29 @@ def test_gpu_invalid_ranges_give_nan_rows(on_gpu, splits):
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
     assert torch.isfinite(out[0]).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+def test_gpu_inputs_off_a_16_byte_boundary(on_gpu, monkeypatch, kv_format):
+    """q, the cache or kv_indptr off a 16-byte boundary is refused by name (the FP8 kernel compiled for such a cache
+    was measured wrong), after an aligned input of the same kind has bound the compiled launchers; scales anywhere
+    are read through the JIT, and every call gives the aligned call's output."""
+    monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    q, kv_data, qo, kvp, config = R.generate_varlen_input([37, 5, 300], seed=4)
+    kv, scale = kv_data[kv_format]
+    aligned = (q, kv_data, qo, kvp, config)
+    out = on_gpu.custom_kernel(aligned)
+    assert R.relative_l2(out, triton_reference(aligned, kv_format)) < KERNEL_REL_L2
+    for bad in ((shifted(q), kv_data, qo, kvp, config), (q, kv_data, qo, shifted(kvp), config),
+                (q, dict(kv_data, **{kv_format: (shifted(kv.view(torch.uint8)).view(kv.dtype), scale)}), qo, kvp,
+                 config)):
+        with pytest.raises(ValueError, match="must start on 16-byte boundaries"):
+            on_gpu.custom_kernel(bad)
+    scale_off = shifted(scale.view(torch.uint8).view(-1), 4).view(scale.dtype).view(scale.shape)
+    moved_scale = (q, dict(kv_data, **{kv_format: (kv, scale_off)}), qo, kvp, config)
+    assert all(torch.equal(on_gpu.custom_kernel(data), out) for data in (moved_scale, aligned, moved_scale))
 
 
 if __name__ == "__main__":  # the interpreted checks, run by the `interpreted` fixture
