@@ -15,6 +15,8 @@ Contract (the leaderboard's input_t, see task.py):
              kv_seq_len (every sequence's length in a uniform batch; None or the maximum otherwise; when
              batch * kv_seq_len == total_kv every sequence has exactly kv_seq_len rows), sm_scale
 Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros.
+The cuda and triton backends need q, the cache and kv_indptr to start on 16-byte boundaries (torch's allocations
+do) and refuse others.
 
 Backends (MLA_BACKEND=auto|aiter|cuda|triton|torch, default DEFAULT_BACKEND below; a forced one that is
 unavailable fails):
