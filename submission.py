@@ -659,8 +659,9 @@ class QQuantizer:
                 if self.launchers is not None and q_ptr % 16 == 0:  # what the compiled kernels were specialized on
                     absmax, quantize = self.launchers
                     partials, q_fp8, scale = self.addresses
-                    absmax(q_ptr, partials, self.q_fp8.numel(), self.consts[0])
-                    quantize(q_ptr, partials, self.blocks, q_fp8, scale, self.q_fp8.numel(), self.fp8_max, *self.consts)
+                    n = self.q_fp8.numel()
+                    absmax(q_ptr, partials, n, self.consts[0])
+                    quantize(q_ptr, partials, self.blocks, q_fp8, scale, n, self.fp8_max, *self.consts)
                 else:
                     self._launch_jit(q, q_ptr % 16 == 0)
                 return self.q_fp8
@@ -1317,7 +1318,7 @@ def _several_gpus() -> bool:
 
 class _Dispatch(NamedTuple):
     """custom_kernel's decision for one kind of input, made once after validate and select_backend (_new_dispatch),
-    then looked up by the input's kind (see custom_kernel)."""
+    then looked up by the input's kind (see dispatch)."""
 
     backend: str
     kv_format: str
@@ -1356,9 +1357,9 @@ def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
 
 def dispatch(data) -> tuple:
     """(decision, q, kv, kv_scale, qo_indptr, kv_indptr, config): custom_kernel's first half, everything before a
-    backend runs. The first call of a kind (the settings, each tensor's shape, strides, dtype and device, the config's
-    items) validates it and picks the backend; later calls of that kind look the decision up: validate reads nothing
-    else, so an input of the same kind passes it again."""
+    backend runs. The first call of a kind (the settings, each tensor's shape, dtype, device and contiguity, the
+    scale's strides, the config's items and their types) validates it and picks the backend; later calls of that
+    kind look the decision up: validate reads nothing else, so an input of the same kind passes it again."""
     settings = (_env_values(_SETTING_VARIABLES), DEFAULT_BACKEND, DEFAULT_KV_FORMAT, DEFAULT_PRECISION)
     kv_format = _KV_FORMAT_OF.get(settings)
     if kv_format is None:
