@@ -10,7 +10,11 @@ FILE ?= submission.py
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi || command -v rocminfo),,https://download.pytorch.org/whl/cpu)
 
-.PHONY: torch eval test test-deps presubmit
+# The AMD compile check compiles with the MI355X runner's Triton too, installed beside the project's (pip --target).
+AMD_TRITON ?= 3.6.0
+AMD_TRITON_DIR ?= .amd-triton/$(AMD_TRITON)
+
+.PHONY: torch eval test test-deps presubmit amd-check amd-check-run
 
 torch:
 	$(PYTHON) -c "import torch" 2>/dev/null || \
@@ -24,7 +28,7 @@ eval: torch
 test-deps: torch
 	$(PYTHON) -m pip install -q -e ".[test]"
 
-test: test-deps
+test: test-deps amd-check-run
 	$(PYTHON) -m ruff check .
 	$(PYTHON) tools/presubmit.py submission.py
 	$(PYTHON) -m pytest
@@ -32,3 +36,12 @@ test: test-deps
 # The checks of tools/presubmit.py on the file the leaderboard would receive.
 presubmit: test-deps
 	$(PYTHON) tools/presubmit.py $(FILE)
+
+# Every Triton kernel of submission.py compiled for gfx950 (MI355X) and gfx942 (MI300X) on this CPU through its own
+# launch path, with the runner's Triton and the tests' (tools/amd_check.py says what it checks).
+amd-check: amd-check-run
+
+amd-check-run: test-deps
+	test -d $(AMD_TRITON_DIR)/triton || $(PYTHON) -m pip install -q --no-deps --target $(AMD_TRITON_DIR) \
+		triton==$(AMD_TRITON)
+	$(PYTHON) tools/amd_check.py --triton $(AMD_TRITON_DIR) --triton env

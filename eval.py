@@ -261,7 +261,7 @@ def _time_calls(custom_kernel, args: dict, data, recheck: bool, rule: StopRule) 
             reference_view = clone_data(data)
         duration_us, output = timer.call(custom_kernel, data)
         if recheck:
-            good, message = check_implementation(reference_view, output)
+            good, message = check_implementation(reference_view, output, _kv_format_read())
             if not good:
                 return message
         del output
@@ -271,6 +271,14 @@ def _time_calls(custom_kernel, args: dict, data, recheck: bool, rule: StopRule) 
     return calculate_stats(durations)
 
 
+def _kv_format_read() -> str:
+    """The KV format the submission reads (its select_kv_format, which sees its DEFAULT_KV_FORMAT), whose bound the
+    check applies; a submission without one: the environment's (kv_format_under_test)."""
+    import submission
+
+    return getattr(submission, "select_kv_format", kv_format_under_test)()
+
+
 def _worker_test(case: Case) -> tuple[bool, str]:
     from submission import custom_kernel
 
@@ -278,7 +286,7 @@ def _worker_test(case: Case) -> tuple[bool, str]:
     _synchronize()
     output = custom_kernel(clone_data(data))
     _synchronize()
-    return check_implementation(data, output)
+    return check_implementation(data, output, _kv_format_read())
 
 
 def _worker_benchmark(case: Case, recheck: bool, rule: StopRule) -> Stats | str:
@@ -287,7 +295,7 @@ def _worker_benchmark(case: Case, recheck: bool, rule: StopRule) -> Stats | str:
 
     data = generate_input(**case.args)
     reference_view = clone_data(data)
-    good, message = check_implementation(reference_view, custom_kernel(data))
+    good, message = check_implementation(reference_view, custom_kernel(data), _kv_format_read())
     if not good:
         return message
     del reference_view
@@ -510,7 +518,7 @@ def _worker_evaluate(case: Case, kind: str, task_spec: str, rule: StopRule | Non
     output = submission.custom_kernel(clone_data(data))
     _synchronize()
     expected = ref_kernel(data)
-    passed, message = check_against(data, output, expected)
+    passed, message = check_against(data, output, expected, kv_format)
     result = CaseResult(kind=kind, spec=case.spec, task_spec=task_spec, backend=backend, kv_format=kv_format,
                         passed=passed, message=message)
     if isinstance(output, torch.Tensor) and output.shape == expected.shape:

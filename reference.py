@@ -310,14 +310,17 @@ def worst_row_relative_l2(output: torch.Tensor, expected: torch.Tensor) -> float
 
 
 @torch.no_grad()
-def check_implementation(data: input_t, output: output_t) -> tuple[bool, str]:
+def check_implementation(data: input_t, output: output_t, kv_format: str | None = None) -> tuple[bool, str]:
     """The leaderboard's rule (rtol = atol = 0.1, at most 5% of elements may miss) and a strict gate it lacks:
-    exact shape and dtype, no NaN/Inf, every sequence's relative L2 error under the bound of the KV format in use."""
-    return check_against(data, output, None)
+    exact shape and dtype, no NaN/Inf, every sequence's relative L2 error under the bound of the KV format the
+    submission read: `kv_format` (eval.py passes the submission's own select_kv_format()), else
+    kv_format_under_test()."""
+    return check_against(data, output, None, kv_format)
 
 
 @torch.no_grad()
-def check_against(data: input_t, output: output_t, expected: torch.Tensor | None) -> tuple[bool, str]:
+def check_against(data: input_t, output: output_t, expected: torch.Tensor | None,
+                  kv_format: str | None = None) -> tuple[bool, str]:
     """check_implementation with the BF16 ground truth already computed (ref_kernel(data)), or None to compute it
     here: a caller that also reports error numbers runs the reference once."""
     q = data[0]
@@ -333,7 +336,9 @@ def check_against(data: input_t, output: output_t, expected: torch.Tensor | None
         return False, f"output has {nonfinite} NaN/Inf elements"
     if expected is None:
         expected = ref_kernel(data)
-    fmt = kv_format_under_test()
+    fmt = kv_format or kv_format_under_test()
+    if fmt not in REL_L2_BOUND:
+        raise ValueError(f"kv_format: expected one of {sorted(REL_L2_BOUND)}, got {fmt!r}")
     ok_lb, ratio, max_abs = leaderboard_match(output, expected, LEADERBOARD_RTOL, LEADERBOARD_ATOL,
                                               LEADERBOARD_MAX_MISMATCH)
     rel = relative_l2(output, expected)

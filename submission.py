@@ -222,7 +222,7 @@ def validate_indptr_contents(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, t
 # ---------------------------------------------------------------------------------------------------------
 
 
-_ANNOUNCED: set = set()  # (device, MLA_BACKEND, choice) already logged
+_ANNOUNCED: set = set()  # (device, MLA_BACKEND, choice, KV format, precise) already logged
 
 
 @functools.cache
@@ -266,41 +266,24 @@ def _triton_usable(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or _env("TRITON_INTERPRET") == "1")
 
 
-def select_backend(device: torch.device, kv_format: str | None = None, precision: str | None = None) -> str:
-    """MLA_BACKEND if set (and usable here), else the best backend available on `device` for `kv_format` (default:
-    select_kv_format()) in `precision` (default: select_precision()); logged once."""
-    kv_format = kv_format or select_kv_format()
-    forced = _setting("MLA_BACKEND", DEFAULT_BACKEND)
-    if forced not in BACKEND_CHOICES:
-        source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
-        raise ValueError(f"{source}: expected one of {BACKEND_CHOICES}, got {forced!r}")
-    precise = (precision or select_precision()) == "precise"
-    if forced == "aiter" and not _aiter_importable():
-        raise RuntimeError("MLA_BACKEND=aiter: the aiter package (ROCm/aiter, built from source) is not importable")
-    if forced == "aiter" and precise:
-        raise RuntimeError("MLA_BACKEND=aiter: aiter's kernels take FP8 Q (no precise mode); use MLA_PRECISION=fast")
-    if forced == "triton" and triton is None:
-        raise RuntimeError(f"MLA_BACKEND=triton: triton does not import: {TRITON_IMPORT_ERROR!r}")
-    if forced == "triton" and not _triton_usable(device):
-        raise RuntimeError(f"MLA_BACKEND=triton: needs a GPU (or TRITON_INTERPRET=1); device is {device}")
-    if forced == "cuda":
-        reason = cuda_unusable_reason(device, kv_format, precise)
-        if reason is not None:
-            raise RuntimeError(f"MLA_BACKEND=cuda: {reason}")
-    if forced != "auto":
-        choice = forced
-    elif device.type == "cuda" and torch.version.hip is not None and _aiter_importable() and not precise:
-        choice = "aiter"
-    elif device.type == "cuda" and _cuda_auto_usable(device, kv_format, precise):
-        choice = "cuda"
-    elif device.type == "cuda" and _triton_usable(device):
-        choice = "triton"
-    else:
-        choice = "torch"
-    if (device, forced, choice) not in _ANNOUNCED:
-        _ANNOUNCED.add((device, forced, choice))
-        log.info("MLA decode on %s: %s backend (MLA_BACKEND=%s)", device, choice, forced)
-    return choice
+def _aiter_unusable_reason(device: torch.device, kv_format: str, precise: bool) -> str | None:
+    """None when the aiter backend takes this call (aiter importable, the FP8 cache, the fast mode), else why not;
+    its signatures are checked at the first call (_aiter_api)."""
+    if not _aiter_importable():
+        return "the aiter package (ROCm/aiter, built from source) is not importable"
+    if precise:
+        return "aiter's kernels take FP8 Q (no precise mode); use MLA_PRECISION=fast"
+    if kv_format != "fp8":
+        return f"aiter reads the FP8 cache only, not {kv_format} (the triton backend reads MXFP4)"
+    return None
+
+
+def _triton_unusable_reason(device: torch.device, kv_format: str, precise: bool) -> str | None:
+    if triton is None:
+        return f"triton does not import: {TRITON_IMPORT_ERROR!r}"
+    if not _triton_usable(device):
+        return f"needs a GPU (or TRITON_INTERPRET=1); device is {device}"
+    return None
 
 
 @functools.cache
@@ -341,6 +324,68 @@ def cuda_unusable_reason(device: torch.device, kv_format: str = "fp8", precise: 
     return missing if package is None else package.unusable_reason(device, kv_format, precise)
 
 
+def _cuda_unusable_for_auto(device: torch.device, kv_format: str, precise: bool) -> str | None:
+    return None if _cuda_auto_usable(device, kv_format, precise) else cuda_unusable_reason(device, kv_format, precise)
+
+
+class BackendChoice(NamedTuple):
+    """One backend as select_backend weighs it."""
+
+    name: str
+    unusable_reason: object  # (device, kv_format, precise) -> None when it runs this call there, else why not
+    auto_on: object  # device -> whether auto considers it on that device
+    forced_reason: object = None  # unusable_reason for MLA_BACKEND=name, where it differs (cuda: not cached)
+
+
+def _on_rocm(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is not None
+
+
+def _on_nvidia(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is None
+
+
+# auto's order of preference: the first that auto considers on the device and that can run the call wins.
+BACKEND_PREFERENCE = (
+    BackendChoice("aiter", _aiter_unusable_reason, _on_rocm),
+    BackendChoice("cuda", _cuda_unusable_for_auto, _on_nvidia, cuda_unusable_reason),
+    BackendChoice("triton", _triton_unusable_reason, lambda device: device.type == "cuda"),
+    BackendChoice("torch", lambda device, kv_format, precise: None, lambda device: True),
+)
+
+
+def select_backend(device: torch.device, kv_format: str | None = None, precision: str | None = None) -> str:
+    """MLA_BACKEND if set (and able to run `kv_format` in `precision` here: else a RuntimeError saying why), else the
+    first of BACKEND_PREFERENCE that auto considers on `device` and that can (kv_format default: select_kv_format();
+    precision default: select_precision()); the choice and the reasons the ones before it were passed over are logged
+    once."""
+    kv_format = kv_format or select_kv_format()
+    forced = _setting("MLA_BACKEND", DEFAULT_BACKEND)
+    if forced not in BACKEND_CHOICES:
+        source = "MLA_BACKEND" if "MLA_BACKEND" in os.environ else "DEFAULT_BACKEND"
+        raise ValueError(f"{source}: expected one of {BACKEND_CHOICES}, got {forced!r}")
+    precise = (precision or select_precision()) == "precise"
+    passed_over = []
+    for backend in BACKEND_PREFERENCE:
+        if forced == backend.name:
+            reason = (backend.forced_reason or backend.unusable_reason)(device, kv_format, precise)
+            if reason is not None:
+                raise RuntimeError(f"MLA_BACKEND={forced}: {reason}")
+            choice = forced
+            break
+        if forced == "auto" and backend.auto_on(device):
+            reason = backend.unusable_reason(device, kv_format, precise)
+            if reason is None:
+                choice = backend.name
+                break
+            passed_over.append(f"{backend.name}: {reason}")
+    if (device, forced, choice, kv_format, precise) not in _ANNOUNCED:
+        _ANNOUNCED.add((device, forced, choice, kv_format, precise))
+        log.info("MLA decode on %s: %s backend (MLA_BACKEND=%s, %s KV, %s)%s", device, choice, forced, kv_format,
+                 "precise" if precise else "fast", "; passed over: " + "; ".join(passed_over) if passed_over else "")
+    return choice
+
+
 def select_kv_format() -> str:
     fmt = _setting("MLA_KV_FORMAT", DEFAULT_KV_FORMAT)
     if fmt not in KV_FORMATS:  # not _expect: its message would be formatted on every call
@@ -360,6 +405,77 @@ def select_precision() -> str:
         source = "MLA_PRECISION" if "MLA_PRECISION" in os.environ else "DEFAULT_PRECISION"
         raise ValueError(f"{source}: expected one of {PRECISIONS}, got {precision!r}")
     return precision
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton targets: what the Triton kernels (the triton backend's, the aiter path's Q quantizer) depend on per device
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TritonTarget(NamedTuple):
+    """What the triton backend's plans and launch options depend on besides the input, read once per device
+    (triton_target)."""
+
+    vendor: str  # "nvidia", "amd", or "interpreter" (TRITON_INTERPRET=1 on the CPU)
+    arch: str  # "sm_90", "gfx950", "gfx942", ...; "cpu" under the interpreter
+    num_sms: int  # SMs (NVIDIA) or CUs (AMD) that the split count fills
+    shared_bytes: int  # shared memory (LDS on AMD) one program may use
+
+
+# LDS per CU by AMD architecture (the CDNA3 and CDNA4 ISA guides); an architecture not listed is assumed to have the
+# smallest. torch's device properties on ROCm do not report the LDS size.
+AMD_LDS_BYTES = {"gfx950": 160 * 1024, "gfx942": 64 * 1024, "gfx941": 64 * 1024, "gfx940": 64 * 1024,
+                 "gfx90a": 64 * 1024}
+# Programs of the split kernel resident per SM or CU, which the split count aims to fill. NVIDIA: 2 fit an H200 SM
+# (~255 registers x 128 threads, ~90-110 KB of shared memory; triton_plan's measurements). AMD: the waves per SIMD
+# of the offline compile with the runner's Triton 3.6.0 (tools/amd_check.py: gfx950 FP8 2, gfx942 1), a 4-warp
+# program being one wave on each of a CU's 4 SIMDs.
+PROGRAMS_PER_SM = {"gfx950": 2, "gfx942": 1}
+NVIDIA_PROGRAMS_PER_SM = 2
+INTERPRETER_TARGET = TritonTarget("interpreter", "cpu", 132, 228 * 1024)  # plans as on an H200
+
+
+def amd_triton_target(arch: str, num_cus: int) -> TritonTarget:
+    """An AMD GPU's target from its architecture ("gfx950") and CU count (tools/amd_check.py builds them so)."""
+    return TritonTarget("amd", arch, num_cus, AMD_LDS_BYTES.get(arch, 64 * 1024))
+
+
+@functools.cache
+def triton_target(device: torch.device) -> TritonTarget:
+    if device.type != "cuda":
+        return INTERPRETER_TARGET
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        return amd_triton_target(props.gcnArchName.split(":")[0], props.multi_processor_count)  # "gfx950:sramecc+"
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return TritonTarget("nvidia", f"sm_{props.major}{props.minor}", props.multi_processor_count, shared)
+
+
+def triton_launch_options(target: TritonTarget, num_warps: int, num_stages: int | None = None,
+                          pdl: bool = False) -> dict:
+    """The launch options Triton's JIT takes on `target`: AMD's backend refuses NVIDIA's launch_pdl (a KeyError when
+    the arguments are packed), so it is named only on NVIDIA."""
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if target.vendor == "nvidia":
+        options["launch_pdl"] = pdl
+    return options
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to_e4m3(x):
+        """fp32 x (|x| <= 448) rounded to the nearest E4M3 value, ties to even, still fp32: its cast to fp8 is then
+        exact. Only for Triton's interpreter (ROUND_FP8), whose fp32 -> fp8 cast loses the carry of a mantissa that
+        rounds up into the exponent in half the binades (126.2 -> 64, not 128) and rounds ties up; compiled
+        kernels cast with the hardware's round-to-nearest-even."""
+        bits = x.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6
+        ulp = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): three mantissa bits
+        magnitude = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds to an integer
+        return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -575,18 +691,6 @@ Q_QUANT_BLOCK = 4096
 if triton is not None:
 
     @triton.jit
-    def _round_to_e4m3(x):
-        """fp32 x (|x| <= 448) rounded to the nearest E4M3 value, ties to even, still fp32: its cast to fp8 is then
-        exact. Only for Triton's interpreter (ROUND_FP8), whose fp32 -> fp8 cast loses the carry of a mantissa that
-        rounds up into the exponent in half the binades (126.2 -> 64, not 128) and rounds ties up; compiled
-        kernels cast with the hardware's round-to-nearest-even."""
-        bits = x.to(tl.int32, bitcast=True)
-        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6
-        ulp = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): three mantissa bits
-        magnitude = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds to an integer
-        return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
-
-    @triton.jit
     def _q_absmax_kernel(q_ptr, partial_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
@@ -610,20 +714,24 @@ if triton is not None:
 class QQuantizer:
     """q (batch, 16, 576) bf16, contiguous -> self.q_fp8 (same shape, `fp8`) and self.scale (1,) float32, on the
     device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be issued in order on one queue. The Triton form
-    where it can run (allow_triton=False: the torch form; self.blocks == 0 tells which)."""
+    where it can run (allow_triton=False: the torch form; self.blocks == 0 tells which). `target`: the Triton target the
+    kernels are built for (default: triton_target(device) where Triton runs; tools/amd_check.py names an AMD one)."""
 
-    def __init__(self, batch: int, fp8: torch.dtype, device: torch.device, allow_triton: bool = True):
+    def __init__(self, batch: int, fp8: torch.dtype, device: torch.device, allow_triton: bool = True,
+                 target: TritonTarget | None = None):
         self.q_fp8 = torch.empty((batch, NUM_HEADS, QK_HEAD_DIM), dtype=fp8, device=device)
         self.scale = torch.empty(1, dtype=torch.float32, device=device)
         self.fp8_max = torch.finfo(fp8).max  # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942)
+        if target is None and _triton_usable(device):
+            target = triton_target(device)
         # The triton kernels for e4m3fn (gfx950) only: e4m3fnuz (gfx942) casts are neither in Triton's interpreter
         # nor on NVIDIA GPUs, so nothing here could test them.
-        triton_ok = allow_triton and fp8 == torch.float8_e4m3fn and _triton_usable(device)
+        triton_ok = allow_triton and fp8 == torch.float8_e4m3fn and target is not None
         self.blocks = triton.cdiv(self.q_fp8.numel(), Q_QUANT_BLOCK) if triton_ok else 0
         if self.blocks:
             self.partials = torch.empty(self.blocks, dtype=torch.float32, device=device)
-            # BLOCK, PARTIALS, ROUND_FP8 (on the CPU: the interpreter, whose fp8 cast needs help, see _round_to_e4m3)
-            self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks), device.type != "cuda")
+            # BLOCK, PARTIALS, ROUND_FP8 (the interpreter's fp8 cast needs help, see _round_to_e4m3)
+            self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks), target.vendor == "interpreter")
             self.addresses = (self.partials.data_ptr(), self.q_fp8.data_ptr(), self.scale.data_ptr())
             self.launchers = None  # the compiled kernels' launchers for a 16-byte aligned q (not under the interpreter)
         else:
@@ -894,6 +1002,14 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
 LOG2E = 1.4426950408889634
 
 if triton is not None:
+    # The problem's sizes as the kernels see them (a jit function reads only constexpr globals).
+    _HEADS = tl.constexpr(NUM_HEADS)
+    _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
+    _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
+    _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
+    _FP4_ROW_BYTES = tl.constexpr(QK_HEAD_DIM // 2)  # an MXFP4 row: two codes a byte, 288
+    _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
+
     # 4 packed bytes ($4) -> the e4m3 bytes of their low nibbles (even elements) and high nibbles (odd elements)
     # -> f16x2 pairs: $0, $1 = even elements of bytes 0-1, 2-3; $2, $3 = odd elements.
     _MXFP4_PTX = tl.constexpr("""{
@@ -926,28 +1042,28 @@ if triton is not None:
     def _kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr,
                  TRANS: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
         """Columns COL0:COL0+WIDTH of the KV rows n0 + arange(BLOCK_N), (BLOCK_N, WIDTH), or their transpose when
-        TRANS (the V^T operand), in DOT_DTYPE. fp8: the e4m3 tile (e4m3 itself for the fast score product);
+        TRANS (the V^T operand), in DOT_DTYPE. fp8: the cache's own FP8 tile (itself for the fast score product);
         mxfp4: the values * 2^-6. Rows with row_ok False read as 0."""
         BLOCK_N: tl.constexpr = row_ok.shape[0]
         r = tl.arange(0, BLOCK_N)
         if KV_FORMAT == "fp8":
             c = tl.arange(0, WIDTH)
-            x = tl.load(kv_ptr + tl.cast(n0, tl.int64) * 576 + COL0 + r[:, None] * 576 + c[None, :],
+            x = tl.load(kv_ptr + tl.cast(n0, tl.int64) * _QK_DIM + COL0 + r[:, None] * _QK_DIM + c[None, :],
                         mask=row_ok[:, None], other=0.0)
             if TRANS:  # the same load as the K operand: Triton reads both from one shared-memory tile
                 x = tl.trans(x)
-            return x.to(DOT_DTYPE)  # e4m3 -> fp16 is exact; to e4m3 (the fast score product) it is no conversion
+            return x.to(DOT_DTYPE)  # fp8 -> fp16 is exact; to the cache's FP8 type (the fast product) no conversion
         else:
-            NB: tl.constexpr = WIDTH // 32
-            tile = kv_ptr + tl.cast(n0, tl.int64) * 288 + COL0 // 2
+            NB: tl.constexpr = WIDTH // _MX_BLOCK
+            tile = kv_ptr + tl.cast(n0, tl.int64) * _FP4_ROW_BYTES + COL0 // 2
             c = tl.arange(0, WIDTH // 2)
             if TRANS:  # another cache modifier keeps this read apart from the K read (no CSE): see above
-                packed = tl.load(tile + r[:, None] * 288 + c[None, :], mask=row_ok[:, None], other=0,
+                packed = tl.load(tile + r[:, None] * _FP4_ROW_BYTES + c[None, :], mask=row_ok[:, None], other=0,
                                  cache_modifier=".ca")
             else:
-                packed = tl.load(tile + r[:, None] * 288 + c[None, :], mask=row_ok[:, None], other=0)
+                packed = tl.load(tile + r[:, None] * _FP4_ROW_BYTES + c[None, :], mask=row_ok[:, None], other=0)
             sbytes = tl.load(kscale_ptr + tl.cast(n0, tl.int64) * kscale_stride + r[:, None] * kscale_stride
-                             + (COL0 // 32 + tl.arange(0, NB))[None, :], mask=row_ok[:, None], other=127)
+                             + (tl.arange(0, NB) + COL0 // _MX_BLOCK)[None, :], mask=row_ok[:, None], other=127)
             bscale = tl.exp2(sbytes.to(tl.float32) - 127.0).to(tl.float16)
             if USE_ASM:
                 even, odd = tl.inline_asm_elementwise(_MXFP4_PTX, "=r,=r,=r,=r,r", [packed],
@@ -955,7 +1071,7 @@ if triton is not None:
             else:
                 even = _e2m1_as_fp16(packed & 0xF)
                 odd = _e2m1_as_fp16(packed >> 4)
-            x = tl.join(even, odd).reshape(BLOCK_N, NB, 32) * bscale[:, :, None]
+            x = tl.join(even, odd).reshape(BLOCK_N, NB, _MX_BLOCK) * bscale[:, :, None]
             x = x.reshape(BLOCK_N, WIDTH).to(DOT_DTYPE)
             if TRANS:
                 x = tl.trans(x)
@@ -963,14 +1079,14 @@ if triton is not None:
 
     @triton.jit
     def _q_cols(q_ptr, b, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
-                ROUND_FP8: tl.constexpr):
-        """Q^T rows COL0:COL0+WIDTH of sequence b, (WIDTH, 16), times the per-head q_scale (16,), as Q_DTYPE
-        (fp8 values are clamped to the E4M3 range)."""
+                FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr):
+        """Q^T rows COL0:COL0+WIDTH of sequence b, (WIDTH, 16), times the per-head q_scale (16,), as Q_DTYPE; FP8_MAX
+        > 0: Q_DTYPE is an FP8 type of that largest value, to which the values are clamped."""
         d = COL0 + tl.arange(0, WIDTH)
-        x = tl.load(q_ptr + b * (16 * 576) + tl.arange(0, 16)[None, :] * 576 + d[:, None])
+        x = tl.load(q_ptr + b * (_HEADS * _QK_DIM) + tl.arange(0, _HEADS)[None, :] * _QK_DIM + d[:, None])
         x = x.to(tl.float32) * q_scale[None, :]
-        if Q_DTYPE == tl.float8e4nv:
-            x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        if FP8_MAX > 0:
+            x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
             if ROUND_FP8:
                 x = _round_to_e4m3(x)
         return x.to(Q_DTYPE)
@@ -980,13 +1096,14 @@ if triton is not None:
         """Writes the (128, 16) O^T chunk acc * inv to ptr[h * 512 + COL0 + d]; NaN where not valid."""
         d = COL0 + tl.arange(0, acc.shape[0])
         o = tl.where(valid, acc * inv[None, :], float("nan"))
-        tl.store(ptr + tl.arange(0, 16)[None, :] * 512 + d[:, None], o.to(OUT_DTYPE))
+        tl.store(ptr + tl.arange(0, _HEADS)[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE))
 
     @triton.jit
     def _mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, kv_indptr_ptr, out_ptr, part_o_ptr,
                           part_lse_ptr, total_kv, qk_scale, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                           KV_FORMAT: tl.constexpr, PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                          USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                          FP8_MAX: tl.constexpr, USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr,
+                          USE_PDL: tl.constexpr):
         split = tl.program_id(0)
         b = tl.program_id(1)
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
@@ -1000,40 +1117,42 @@ if triton is not None:
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, end)
 
-        heads = tl.arange(0, 16)
+        heads = tl.arange(0, _HEADS)
+        q_fp8_max: tl.constexpr = FP8_MAX if KV_FORMAT == "fp8" and not PRECISE else 0.0
         if KV_FORMAT == "fp8":  # one Q scale per head; the fp32 scores get kv_scale * qk_scale / q_scale
-            q_row = q_ptr + b * (16 * 576) + heads[:, None] * 576
-            q_max = tl.maximum(tl.max(tl.abs(tl.load(q_row + tl.arange(0, 512)[None, :]).to(tl.float32)), 1),
-                               tl.max(tl.abs(tl.load(q_row + 512 + tl.arange(0, 64)[None, :]).to(tl.float32)), 1))
+            q_row = q_ptr + b * (_HEADS * _QK_DIM) + heads[:, None] * _QK_DIM
+            q_max = tl.maximum(
+                tl.max(tl.abs(tl.load(q_row + tl.arange(0, _V_DIM)[None, :]).to(tl.float32)), 1),
+                tl.max(tl.abs(tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :]).to(tl.float32)), 1))
             if PRECISE:  # DOT_DTYPE Q scaled by a power of two (exact) so its largest |q| lies in [2^14, 2^15)
                 q_scale = tl.exp2(14.0 - tl.floor(tl.log2(tl.maximum(q_max, 1e-30))))
                 q_dtype: tl.constexpr = DOT_DTYPE
-            else:  # FP8 Q: the score product is an fp8 x fp8 MMA on the tile as it lies
-                q_scale = 448.0 / tl.maximum(q_max, 1e-30)
-                q_dtype: tl.constexpr = tl.float8e4nv
+            else:  # Q in the cache's FP8 type: the score product is an fp8 x fp8 MMA on the tile as it lies
+                q_scale = FP8_MAX / tl.maximum(q_max, 1e-30)
+                q_dtype: tl.constexpr = kv_ptr.dtype.element_ty
             out_scale = tl.load(kscale_ptr)
             s_scale = out_scale * qk_scale / q_scale
         else:  # fp16 Q pre-scaled by sm_scale * log2(e); MXFP4's 2^6 goes into the scores and the output
-            q_scale = tl.full([16], qk_scale, tl.float32)
+            q_scale = tl.full([_HEADS], qk_scale, tl.float32)
             q_dtype: tl.constexpr = DOT_DTYPE
             out_scale = 64.0
-            s_scale = tl.full([16], 64.0, tl.float32)
-        q0 = _q_cols(q_ptr, b, q_scale, 0, 128, q_dtype, ROUND_FP8)
-        q1 = _q_cols(q_ptr, b, q_scale, 128, 128, q_dtype, ROUND_FP8)
-        q2 = _q_cols(q_ptr, b, q_scale, 256, 128, q_dtype, ROUND_FP8)
-        q3 = _q_cols(q_ptr, b, q_scale, 384, 128, q_dtype, ROUND_FP8)
-        q_rope = _q_cols(q_ptr, b, q_scale, 512, 64, q_dtype, ROUND_FP8)
+            s_scale = tl.full([_HEADS], 64.0, tl.float32)
+        q0 = _q_cols(q_ptr, b, q_scale, 0, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q1 = _q_cols(q_ptr, b, q_scale, 128, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q2 = _q_cols(q_ptr, b, q_scale, 256, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q3 = _q_cols(q_ptr, b, q_scale, 384, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q_rope = _q_cols(q_ptr, b, q_scale, _V_DIM, _ROPE_DIM, q_dtype, q_fp8_max, ROUND_FP8)
 
         if KV_FORMAT == "fp8" and not PRECISE:
-            K_DTYPE: tl.constexpr = tl.float8e4nv
+            K_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty
         else:
             K_DTYPE: tl.constexpr = DOT_DTYPE
-        m_i = tl.full([16], float("-inf"), tl.float32)
-        l_i = tl.zeros([16], tl.float32)
-        acc0 = tl.zeros([128, 16], tl.float32)
-        acc1 = tl.zeros([128, 16], tl.float32)
-        acc2 = tl.zeros([128, 16], tl.float32)
-        acc3 = tl.zeros([128, 16], tl.float32)
+        m_i = tl.full([_HEADS], float("-inf"), tl.float32)
+        l_i = tl.zeros([_HEADS], tl.float32)
+        acc0 = tl.zeros([128, _HEADS], tl.float32)
+        acc1 = tl.zeros([128, _HEADS], tl.float32)
+        acc2 = tl.zeros([128, _HEADS], tl.float32)
+        acc3 = tl.zeros([128, _HEADS], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             row_ok = n0 + tl.arange(0, BLOCK_N) < hi
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 0, 128, False, KV_FORMAT, K_DTYPE,
@@ -1044,7 +1163,7 @@ if triton is not None:
                                 K_DTYPE, USE_ASM), q2, s)
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 384, 128, False, KV_FORMAT,
                                 K_DTYPE, USE_ASM), q3, s)
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 512, 64, False, KV_FORMAT,
+            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, _V_DIM, _ROPE_DIM, False, KV_FORMAT,
                                 K_DTYPE, USE_ASM), q_rope, s)
             s = tl.where(row_ok[:, None], s * s_scale[None, :], float("-inf"))  # (BLOCK_N, 16), log2 units
             m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -1064,46 +1183,61 @@ if triton is not None:
 
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         if NUM_SPLITS == 1:
-            dst = out_ptr + b * (16 * 512)
+            dst = out_ptr + b * (_HEADS * _V_DIM)
             _store_chunk(dst, acc0, inv, valid, 0, tl.bfloat16)
             _store_chunk(dst, acc1, inv, valid, 128, tl.bfloat16)
             _store_chunk(dst, acc2, inv, valid, 256, tl.bfloat16)
             _store_chunk(dst, acc3, inv, valid, 384, tl.bfloat16)
         else:  # normalized partial output and its log2-sum-exp; the combine weighs them
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + part * (16 * 512)
+            dst = part_o_ptr + part * (_HEADS * _V_DIM)
             _store_chunk(dst, acc0, inv, True, 0, tl.float32)
             _store_chunk(dst, acc1, inv, True, 128, tl.float32)
             _store_chunk(dst, acc2, inv, True, 256, tl.float32)
             _store_chunk(dst, acc3, inv, True, 384, tl.float32)
-            tl.store(part_lse_ptr + part * 16 + heads, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")))
+            tl.store(part_lse_ptr + part * _HEADS + heads, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")))
 
     @triton.jit
     def _mla_combine_kernel(kv_indptr_ptr, out_ptr, part_o_ptr, part_lse_ptr, total_kv, NUM_SPLITS: tl.constexpr,
                             SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr, USE_PDL: tl.constexpr):
         bh = tl.program_id(0)  # b * 16 + head
-        b = bh // 16
+        b = bh // _HEADS
         dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         start = tl.load(kv_indptr_ptr + b)
         end = tl.load(kv_indptr_ptr + b + 1)
         valid = (start >= 0) & (end >= start) & (end <= total_kv)
         sp = tl.arange(0, SPLITS_P2)
-        row = (b * NUM_SPLITS + sp) * 16 + bh % 16
+        row = (b * NUM_SPLITS + sp) * _HEADS + bh % _HEADS
         if USE_PDL:  # everything above overlapped the split kernel; the partials are read only after it
             tl.extra.cuda.gdc_wait()
         lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
         m = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-        o = tl.load(part_o_ptr + row[:, None] * 512 + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
+        o = tl.load(part_o_ptr + row[:, None] * _V_DIM + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
         denom = tl.sum(w, 0)
         res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
         res = tl.where(valid, res, float("nan"))
-        tl.store(out_ptr + bh * 512 + dv, res.to(tl.bfloat16))
+        tl.store(out_ptr + bh * _V_DIM + dv, res.to(tl.bfloat16))
 
 
-def triton_plan(batch: int, seq_len: int, num_sms: int, kv_format: str) -> tuple[int, int, int, int]:
-    """The launch plan (num_splits, block_n, num_warps, num_stages) for `batch` sequences of about `seq_len` KV
-    rows on `num_sms` SMs.
+class TritonPlan(NamedTuple):
+    num_splits: int  # programs per sequence, each over a contiguous share of its KV rows
+    block_n: int  # KV rows per tile
+    num_warps: int
+    num_stages: int  # Triton's software pipeline: num_stages - 1 tiles in flight in shared memory
+
+
+def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
+    """A model of the split kernel's shared memory: num_stages - 1 buffered KV tiles plus 2 KB of scratch for the
+    reductions. It matches the offline gfx950/gfx942 compiles with Triton 3.6.0 exactly for FP8 at block_n 64
+    (3 stages 75,776 B, 2 stages 38,912 B); tools/amd_check.py checks every plan's real figure against the target's
+    limit."""
+    row_bytes = QK_HEAD_DIM if kv_format == "fp8" else QK_HEAD_DIM // 2 + MXFP4_BLOCKS_PER_ROW
+    return (num_stages - 1) * block_n * row_bytes + 2048
+
+
+def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str) -> TritonPlan:
+    """The launch plan for `batch` sequences of about `seq_len` KV rows on `target`.
 
     Measured on the H200 (bench/tune_triton.py, leaderboard timing; all 8 shapes x splits 1..64, and
     (block_n, warps, stages) among (64, 4, 2|3), (128, 8, 2), (64, 8, 2), (32, 4, 2|3), (64, 4, 1)):
@@ -1115,12 +1249,40 @@ def triton_plan(batch: int, seq_len: int, num_sms: int, kv_format: str) -> tuple
     - block_n 64, 4 warps, 3 stages won or tied everywhere: 2 stages were 1-9% slower; 8 warps with block_n 64
       or 128 were 1.3-1.5x slower at batch >= 64 (the 16-column score tile is then split across warpgroups or
       registers spill); block_n 32 (mma.sync scores) was only tried with fp16 Q, within +-10% of block_n 64.
+    On AMD the same rule fills the CUs with the resident programs the offline compile reports (PROGRAMS_PER_SM),
+    and the stages are the most (3 at most) whose tiles fit the target's LDS (gfx942's 64 KiB holds 2); MXFP4 takes
+    2, since with 3 the AMD builds spill (Triton 3.6.0: 248 B of scratch on gfx950, 192-228 B on gfx942; with 2 none,
+    394 and 403 VGPRs, 1 wave per SIMD as with 3). Untimed on any AMD GPU.
     """
-    block_n = 64
+    block_n, num_warps = 64, 4
     max_splits = 32 if kv_format == "fp8" else 64
-    want = max(1, 2 * num_sms // max(batch, 1))
+    amd = target.vendor == "amd"
+    per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
+    want = max(1, per_sm * target.num_sms // max(batch, 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
-    return splits, block_n, 4, 3
+    stage_choices = (2,) if amd and kv_format == "mxfp4" else (3, 2)
+    stages = next((s for s in stage_choices if split_kernel_shared_bytes(block_n, s, kv_format) <= target.shared_bytes),
+                  1)
+    return TritonPlan(splits, block_n, num_warps, stages)
+
+
+class TritonKey(NamedTuple):
+    """What a triton launch depends on. The compiled kernels are specialized on the cache's and its scale's dtypes
+    and the scale's row stride; the plan reads kv_seq_len, or total_kv / batch when it is None, on the host: never
+    the device's kv_indptr."""
+
+    device: torch.device
+    target: TritonTarget
+    batch: int
+    kv_shape: tuple
+    kv_dtype: torch.dtype
+    scale_shape: tuple
+    scale_dtype: torch.dtype
+    scale_stride: int
+    kv_format: str
+    precise: bool
+    kv_seq_len: int | None
+    plan: TritonPlan | None  # None: triton_plan's
 
 
 _TRITON_LAUNCH: dict = {}
@@ -1128,22 +1290,40 @@ LAUNCH_CACHE_LIMIT = 64  # Triton launch plans kept (cleared when full); the lea
 
 
 class _TritonLaunch:
-    """Everything a call needs besides its tensors: the plan, the split partials' workspace, grids, meta-args, and
-    (after the first call on a GPU whose scales too are 16-byte aligned) the compiled kernels' launchers, called
-    with the tensors' addresses: Triton's JIT dispatch, and its launcher's per-tensor data_ptr() call and pointer
-    query, cost host time on every call that the leaderboard's L2 flush hides but a serving loop pays. Under the
-    interpreter the JIT returns no kernel and every call takes the JIT path. Calls of the same shapes share the
-    partials' workspace: calls on concurrent queues must be serialized by the caller (the leaderboard's are)."""
+    """Everything a call needs besides its tensors, for one TritonKey: the plan, the split partials' workspace, grids,
+    meta-args, and (after the first call on a GPU whose scales too are 16-byte aligned) the compiled kernels'
+    launchers, called with the tensors' addresses: Triton's JIT dispatch, and its launcher's per-tensor data_ptr()
+    call and pointer query, cost host time on every call that the leaderboard's L2 flush hides but a serving loop
+    pays. Under the interpreter the JIT returns no kernel and every call takes the JIT path. Calls of the same shapes
+    share the partials' workspace: calls on concurrent queues must be serialized by the caller (the leaderboard's
+    are)."""
 
-    def __init__(self, plan, part_o, part_lse, split_grid, split_consts, split_meta, combine_grid, combine_consts,
-                 combine_meta):
-        self.plan, self.part_o, self.part_lse = plan, part_o, part_lse
-        self.workspace = (part_o.data_ptr(), part_lse.data_ptr())
-        self.split_grid, self.combine_grid = split_grid, combine_grid
+    def __init__(self, key: TritonKey):
+        target = key.target
+        plan = key.plan
+        if plan is None:
+            seq_len = key.kv_seq_len if key.kv_seq_len is not None else -(-key.kv_shape[0] // key.batch)
+            plan = triton_plan(key.batch, seq_len, target, key.kv_format)
+        self.plan = plan
+        splits = plan.num_splits
+        nvidia, interpreted = target.vendor == "nvidia", target.vendor == "interpreter"
+        splits_p2 = triton.next_power_of_2(splits)
+        block_dv = min(V_HEAD_DIM, max(16, 8192 // splits_p2))  # a (splits, block_dv) fp32 tile: 64 registers/thread
+        workspace_rows = key.batch * splits if splits > 1 else 0
+        self.part_o = torch.empty((workspace_rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=key.device)
+        self.part_lse = torch.empty((workspace_rows, NUM_HEADS), dtype=torch.float32, device=key.device)
+        self.workspace = (self.part_o.data_ptr(), self.part_lse.data_ptr())
+        fp8_max = float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else 0.0  # 448 e4m3fn, 240 fnuz
+        split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, KV_FORMAT=key.kv_format, PRECISE=key.precise,
+                            DOT_DTYPE=tl.float32 if interpreted else tl.float16, FP8_MAX=fp8_max, USE_ASM=nvidia,
+                            ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1)
+        combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, USE_PDL=nvidia)
+        self.split_grid = (splits, key.batch, 1)  # compiled kernels take 3-D grids
+        self.combine_grid = (key.batch * NUM_HEADS, V_HEAD_DIM // block_dv, 1)
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())
-        self.split_meta = dict(split_consts, **split_meta)
-        self.combine_meta = dict(combine_consts, **combine_meta)
+        self.split_meta = dict(split_consts, **triton_launch_options(target, plan.num_warps, plan.num_stages))
+        self.combine_meta = dict(combine_consts, **triton_launch_options(target, 4, pdl=nvidia))
         self.split_run = self.combine_run = None
 
     def launch(self, q, kv, scale, kv_indptr, out, qk_scale) -> None:
@@ -1168,61 +1348,32 @@ class _TritonLaunch:
         split = _mla_split_kernel[self.split_grid](q, kv, scale, scale_stride, kv_indptr, out, self.part_o,
                                                    self.part_lse, total_kv, qk_scale, **self.split_meta)
         combine = None
-        if self.plan[0] > 1:
+        if self.plan.num_splits > 1:
             combine = _mla_combine_kernel[self.combine_grid](kv_indptr, out, self.part_o, self.part_lse, total_kv,
                                                              **self.combine_meta)
-        if aligned and split is not None and (combine is not None or self.plan[0] == 1):
+        if aligned and split is not None and (combine is not None or self.plan.num_splits == 1):
             # the compiled kernels' launchers, with their grids bound once
             self.split_run = split[self.split_grid]
             self.combine_run = combine[self.combine_grid] if combine is not None else None
 
 
-def _triton_key(q, kv, scale, config, kv_format: str, precise: bool, plan: tuple | None) -> tuple:
-    """What a launch depends on: (device, batch, the KV cache's and its scale's shapes, dtypes and row stride (the
-    compiled kernels are specialized on them), format, precision, kv_seq_len, plan). The plan reads kv_seq_len, or
-    total_kv / batch when it is None, on the host: never the device's kv_indptr."""
-    return (q.device, q.shape[0], kv.shape, kv.dtype, scale.shape, scale.dtype, scale.stride(0), kv_format, precise,
-            config["kv_seq_len"], plan)
+def _triton_key(q, kv, scale, config, kv_format: str, precise: bool, plan: TritonPlan | None) -> TritonKey:
+    return TritonKey(q.device, triton_target(q.device), q.shape[0], tuple(kv.shape), kv.dtype, tuple(scale.shape),
+                     scale.dtype, scale.stride(0), kv_format, precise, config["kv_seq_len"],
+                     None if plan is None else TritonPlan(*plan))
 
 
-def _triton_launch(key: tuple) -> _TritonLaunch:
-    """The launch for one _triton_key: built on the first call, then looked up (no allocation, no host sync)."""
+def _triton_launch(key: TritonKey) -> _TritonLaunch:
+    """The launch for one key: built on the first call, then looked up (no allocation, no host sync)."""
     launch = _TRITON_LAUNCH.get(key)
-    if launch is not None:
-        return launch
-    device, batch, kv_shape, _, _, _, _, kv_format, precise, kv_seq_len, plan = key
-    on_gpu = device.type == "cuda"
-    if plan is None:
-        seq_len = kv_seq_len if kv_seq_len is not None else -(-kv_shape[0] // batch)
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 132
-        plan = triton_plan(batch, seq_len, num_sms, kv_format)
-    nvidia = on_gpu and torch.version.hip is None
-    splits, block_n, num_warps, num_stages = plan
-    splits_p2 = triton.next_power_of_2(splits)
-    block_dv = min(V_HEAD_DIM, max(16, 8192 // splits_p2))  # a (splits, block_dv) fp32 tile: 64 registers/thread
-    workspace_rows = batch * splits if splits > 1 else 0
-    split_consts = dict(NUM_SPLITS=splits, BLOCK_N=block_n, KV_FORMAT=kv_format, PRECISE=precise,
-                        DOT_DTYPE=tl.float16 if on_gpu else tl.float32, USE_ASM=nvidia, ROUND_FP8=not on_gpu,
-                        USE_PDL=nvidia and splits > 1)
-    combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, USE_PDL=nvidia)
-    launch = _TritonLaunch(
-        plan=plan,
-        part_o=torch.empty((workspace_rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=device),
-        part_lse=torch.empty((workspace_rows, NUM_HEADS), dtype=torch.float32, device=device),
-        split_grid=(splits, batch, 1),
-        split_consts=split_consts,
-        split_meta=dict(num_warps=num_warps, num_stages=num_stages),
-        combine_grid=(batch * NUM_HEADS, V_HEAD_DIM // block_dv, 1),  # compiled kernels take 3-D grids
-        combine_consts=combine_consts,
-        combine_meta=dict(num_warps=4, launch_pdl=nvidia),
-    )
-    if len(_TRITON_LAUNCH) >= LAUNCH_CACHE_LIMIT:
-        _TRITON_LAUNCH.clear()
-    _TRITON_LAUNCH[key] = launch
+    if launch is None:
+        if len(_TRITON_LAUNCH) >= LAUNCH_CACHE_LIMIT:
+            _TRITON_LAUNCH.clear()
+        launch = _TRITON_LAUNCH[key] = _TritonLaunch(key)
     return launch
 
 
-def _triton_run(key: tuple, q, kv, scale, kv_indptr, qk_scale: float) -> torch.Tensor:
+def _triton_run(key: TritonKey, q, kv, scale, kv_indptr, qk_scale: float) -> torch.Tensor:
     """The decode by the launch of `key` (_triton_key of these inputs); qk_scale = sm_scale * log2(e)."""
     launch = _triton_launch(key)
     out = q.new_empty((q.shape[0], NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
@@ -1233,8 +1384,8 @@ def _triton_run(key: tuple, q, kv, scale, kv_indptr, qk_scale: float) -> torch.T
 def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, *, precise: bool = False,
                     plan: tuple | None = None) -> torch.Tensor:
     """The triton backend on validated inputs. `precise`: the FP8 cache's score product in DOT_DTYPE (see
-    select_precision); MXFP4's always is. `plan` (num_splits, block_n, num_warps, num_stages) overrides triton_plan
-    (tests, bench/tune_triton.py)."""
+    select_precision); MXFP4's always is. `plan` (a TritonPlan or its 4 fields) overrides triton_plan (tests,
+    bench/tune_triton.py)."""
     key = _triton_key(q, kv, scale, config, kv_format, precise, plan)
     return _triton_run(key, q, kv, scale, kv_indptr, float(config["sm_scale"]) * LOG2E)
 
@@ -1340,8 +1491,6 @@ def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
     precision = select_precision()
     device = q.device
     backend = select_backend(device, kv_format, precision)
-    if backend == "aiter":
-        _expect(kv_format == "fp8", "MLA_KV_FORMAT", "fp8 with the aiter backend", repr(kv_format))
     precise = precision == "precise"
     if backend == "cuda":
         launch_key = _cuda_package()[0].launch_key(device, q.shape[0], kv.shape[0], config["kv_seq_len"], kv_format,

@@ -61,3 +61,25 @@ def assert_matches(data, out: torch.Tensor, exact: torch.Tensor, bound: float,
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
     return f"{metric.__name__} {error:.2e} against fp32 over the same data; BF16 truth: {msg}"
+
+
+def nan_outside(data, kv_format: str, keep: int, trailing: int):
+    """data's inputs less its last `trailing` sequences (their rows stay in the cache, past kv_indptr[-1]), with every
+    row of the `kv_format` cache outside sequence `keep`'s range non-finite (FP8: the NaN byte 0x7F; MXFP4: the
+    E8M0 scale byte 0xFF, 2^128): a backend that reads a row outside a sequence's range gives that sequence a
+    non-finite row. Returns (those inputs, the fp32 attention of sequence `keep` over the clean cache)."""
+    q, kv_data, qo_indptr, kv_indptr, config = data
+    batch = q.shape[0] - trailing
+    exact = fp32_attention(data, kv_format)[keep]
+    lo, hi = kv_indptr[keep].item(), kv_indptr[keep + 1].item()
+    outside = torch.ones(kv_indptr[-1].item(), dtype=torch.bool)
+    outside[lo:hi] = False
+    kv, scale = kv_data[kv_format]
+    kv, scale = kv.clone(), scale.clone()
+    if kv_format == "fp8":
+        kv.view(torch.uint8)[outside] = 0x7F
+    else:
+        scale.view(torch.uint8)[:outside.shape[0]][outside] = 0xFF
+    poisoned = (q[:batch].contiguous(), dict(kv_data, **{kv_format: (kv, scale)}), qo_indptr[:batch + 1].clone(),
+                kv_indptr[:batch + 1].clone(), dict(config, batch_size=batch, kv_seq_len=None))
+    return poisoned, exact

@@ -523,3 +523,23 @@ def test_precise_mode_never_runs_aiter(standin, monkeypatch):
         assert S.select_backend(torch.device("cuda", 0), "fp8") == "aiter"
     finally:
         S._cuda_auto_usable.cache_clear()
+
+
+def test_auto_passes_aiter_over_for_mxfp4_and_precise_saying_why(standin, monkeypatch, caplog):
+    """On ROCm with aiter importable, auto takes aiter for the FP8 cache in the fast mode only: for the MXFP4 cache
+    or the precise mode it takes the next backend that can (triton on a GPU), and logs why aiter was passed over; a
+    forced aiter is refused for either, naming the reason."""
+    standin()
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(S, "_ANNOUNCED", set())
+    gpu = torch.device("cuda", 0)
+    next_best = "triton" if S.triton is not None else "torch"
+    with pytest.raises(RuntimeError, match="MLA_BACKEND=aiter: aiter reads the FP8 cache only, not mxfp4"):
+        S.select_backend(gpu, "mxfp4", "fast")
+    monkeypatch.setenv("MLA_BACKEND", "auto")
+    with caplog.at_level("INFO", logger="mla_decode"):
+        assert S.select_backend(gpu, "mxfp4", "fast") == next_best
+        assert S.select_backend(gpu, "fp8", "precise") == next_best
+        assert S.select_backend(gpu, "fp8", "fast") == "aiter"
+    assert "passed over: aiter: aiter reads the FP8 cache only, not mxfp4" in caplog.text, caplog.text
+    assert "passed over: aiter: aiter's kernels take FP8 Q (no precise mode)" in caplog.text, caplog.text

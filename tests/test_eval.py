@@ -74,7 +74,7 @@ def _env(**extra: str) -> dict[str, str]:
     env.update(MLA_BACKEND="torch", MLA_KV_FORMAT="fp8", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                HIP_VISIBLE_DEVICES="")
     env.update(extra)
-    return env
+    return {k: v for k, v in env.items() if v is not None}  # None: unset
 
 
 def run_popcorn(mode: str, cases: Path, cwd: Path = ROOT, **extra_env: str) -> tuple[int, dict[str, str], str]:
@@ -169,6 +169,19 @@ def test_popcorn_rejects_zeros_in_test_mode(zeros_harness):
     assert code == harness.EXIT_CHECK_FAILED, stderr
     assert values["test.0.status"] == "fail" and values["check"] == "fail"
     assert values["test.0.error"].startswith("strict gate failed"), values["test.0.error"]
+
+
+def test_the_check_applies_the_bound_of_the_format_the_submission_reads(tmp_path):
+    """DEFAULT_KV_FORMAT = "mxfp4" in the file, no MLA_KV_FORMAT set (as on the leaderboard): the check applies the
+    MXFP4 bound (0.25), which a correct MXFP4 output meets at kv 4096 where the FP8 bound (0.08) would reject it."""
+    source = (ROOT / "submission.py").read_text()
+    assert source.count('DEFAULT_KV_FORMAT = "fp8"') == 1
+    harness_dir = stand_in_harness(tmp_path, source.replace('DEFAULT_KV_FORMAT = "fp8"', 'DEFAULT_KV_FORMAT = "mxfp4"'))
+    code, values, stderr = run_popcorn("test", harness_dir / "strict.txt", cwd=harness_dir, MLA_KV_FORMAT=None)
+    assert code == 0 and values["check"] == "pass", (values, stderr)
+    assert "bound 0.25 for mxfp4 KV" in values["test.0.message"], values
+    proc = run_cli("--cases", "strict.txt", "--mode", "test", "--full", cwd=harness_dir, MLA_KV_FORMAT=None)
+    assert proc.returncode == 0 and "mxfp4" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_popcorn_checks_a_copy_the_submission_cannot_poison(tmp_path):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from attention_ref import assert_matches, fp32_attention
+from attention_ref import assert_matches, fp32_attention, nan_outside
 
 import reference as R
 import submission as S
@@ -43,6 +43,21 @@ def test_torch_backend_matches_reference(monkeypatch, kv_format, lengths, chunk_
     out = S.custom_kernel(clone(data))
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (len(LENGTHS[lengths]), 16, 512)
     assert_matches(data, out, fp32_attention(data, kv_format), 4e-3)  # bf16 rounding only
+
+
+# Lengths whose last one stays in the cache past kv_indptr[-1] (nan_outside's `trailing`): 0, 1 and odd lengths.
+NAN_OUTSIDE_LENGTHS = [5, 1, 0, 70, 3, 9]
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("keep", range(len(NAN_OUTSIDE_LENGTHS) - 1))
+def test_torch_backend_reads_no_row_outside_a_sequence(monkeypatch, kv_format, keep):
+    """Every cache row outside sequence `keep` is NaN, those past kv_indptr[-1] included: its output stays exact."""
+    monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    data, exact = nan_outside(R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=keep, device=CPU), kv_format, keep, 1)
+    out = S.custom_kernel(data)[keep]
+    assert torch.isfinite(out).all()
+    assert R.worst_row_relative_l2(out[None], exact[None]) < 4e-3
 
 
 def test_torch_backend_leaderboard_case_uniform_1024():

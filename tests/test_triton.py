@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from attention_ref import assert_matches, triton_reference  # noqa: E402
+from attention_ref import assert_matches, nan_outside, triton_reference  # noqa: E402
 
 import reference as R  # noqa: E402
 
@@ -35,6 +35,7 @@ CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages
     "splits_more_than_tiles": ([9, 64], (8, 64, 4, 3)),
     "default_plan": ([100, 37], None),
 }
+NAN_OUTSIDE_LENGTHS = [5, 1, 0, 70, 3, 9]  # the last one past kv_indptr[-1] (attention_ref.nan_outside)
 INVALID = {  # kv_indptr over KV lengths [10, 20, 5, 7] (total_kv 42) -> the sequences that must be NaN
     "end_before_start": ([0, 10, 5, 30, 42], [1]),
     "end_past_total_kv": ([0, 10, 30, 35, 50], [3]),
@@ -124,6 +125,20 @@ def _interpreted_checks() -> dict:
 
             _check(results, f"{name}-splits{splits}", invalid)
 
+    for kv_format in ("fp8", "mxfp4"):
+        for keep in range(len(NAN_OUTSIDE_LENGTHS) - 1):
+            def outside(kv_format=kv_format, keep=keep):
+                clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=keep, device=CPU)
+                data, _ = nan_outside(clean, kv_format, keep, 1)
+                exact = triton_reference(clean, kv_format)[keep]
+                q, kv_data, qo, kvp, config = data
+                out = S._triton_forward(q, *kv_data[kv_format], qo, kvp, config, kv_format, plan=(2, 64, 4, 3))
+                assert torch.isfinite(out[keep]).all(), "a row outside the sequence was read"
+                error = R.worst_row_relative_l2(out[keep][None], exact[None])
+                assert error < KERNEL_REL_L2, f"{error:.3e}"
+
+            _check(results, f"nan_outside-{kv_format}-{keep}", outside)
+
     def q_quantization():  # the aiter path's Q quantization, its triton form (e4m3fn), as its GPU test checks it
         from q_quant_ref import AMAXES, assert_quantized_as_the_reference, scaled_q
 
@@ -153,6 +168,15 @@ def test_interpreted_matches_fp32_and_passes_the_gate(interpreted, kv_format, ca
     assert ok, msg
 
 
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("keep", range(len(NAN_OUTSIDE_LENGTHS) - 1))
+def test_interpreted_reads_no_row_outside_a_sequence(interpreted, kv_format, keep):
+    """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), two splits: its output stays
+    within the kernel bound of the fp32 computation on the clean cache."""
+    ok, msg = interpreted[f"nan_outside-{kv_format}-{keep}"]
+    assert ok, msg
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("case", sorted(INVALID))
 def test_interpreted_invalid_ranges_give_nan_rows(interpreted, case, splits):
@@ -170,14 +194,36 @@ def test_interpreted_q_quantization_is_reference_quantize_fp8(interpreted):
 def test_plan_splits_fill_the_sms():
     import submission as S
 
-    assert S.triton_plan(4, 1024, 132, "fp8") == (16, 64, 4, 3)  # capped: one 64-row tile per split
-    assert S.triton_plan(4, 8192, 132, "fp8")[0] == 32
-    assert S.triton_plan(4, 8192, 132, "mxfp4")[0] == 64
-    assert S.triton_plan(32, 8192, 132, "fp8")[0] == 8
-    assert S.triton_plan(64, 8192, 132, "mxfp4")[0] == 4
-    assert S.triton_plan(256, 8192, 132, "fp8")[0] == 1
-    assert S.triton_plan(3, 10, 132, "fp8")[0] == 1
-    assert S.triton_plan(1, 0, 132, "fp8")[0] == 1
+    h200 = S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
+    assert S.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3)  # capped: one 64-row tile per split
+    assert S.triton_plan(4, 8192, h200, "fp8").num_splits == 32
+    assert S.triton_plan(4, 8192, h200, "mxfp4").num_splits == 64
+    assert S.triton_plan(32, 8192, h200, "fp8").num_splits == 8
+    assert S.triton_plan(64, 8192, h200, "mxfp4").num_splits == 4
+    assert S.triton_plan(256, 8192, h200, "fp8").num_splits == 1
+    assert S.triton_plan(3, 10, h200, "fp8").num_splits == 1
+    assert S.triton_plan(1, 0, h200, "fp8").num_splits == 1
+    assert S.triton_plan(4, 8192, S.INTERPRETER_TARGET, "fp8") == S.triton_plan(4, 8192, h200, "fp8")
+
+
+def test_amd_plans_fit_the_lds_and_fill_the_cus():
+    """gfx950 (MI355X, 256 CUs, 2 programs a CU, 160 KB LDS) keeps 3 stages for FP8; gfx942 (MI300X, 304 CUs, 1 a
+    CU, 64 KiB) takes 2, whose modelled LDS fits; MXFP4 takes 2 on both (3 spill); AMD takes no launch_pdl."""
+    import submission as S
+
+    mi355, mi300 = S.amd_triton_target("gfx950", 256), S.amd_triton_target("gfx942", 304)
+    assert S.triton_plan(4, 8192, mi355, "fp8") == (32, 64, 4, 3)
+    assert S.triton_plan(32, 8192, mi355, "fp8").num_splits == 16  # 2 x 256 / 32
+    assert S.triton_plan(32, 8192, mi300, "fp8") == (8, 64, 4, 2)  # 304 / 32 = 9 -> 8
+    assert S.triton_plan(4, 8192, mi355, "mxfp4").num_stages == S.triton_plan(4, 8192, mi300, "mxfp4").num_stages == 2
+    for target in (mi355, mi300):
+        for kv_format in ("fp8", "mxfp4"):
+            plan = S.triton_plan(64, 1024, target, kv_format)
+            assert S.split_kernel_shared_bytes(plan.block_n, plan.num_stages, kv_format) <= target.shared_bytes
+        assert "launch_pdl" not in S.triton_launch_options(target, 4, 3, pdl=True)
+    assert S.triton_launch_options(S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024), 4, pdl=True) == {
+        "num_warps": 4, "launch_pdl": True}
+    assert S.amd_triton_target("gfx1100", 48).shared_bytes == 64 * 1024  # an unknown one: the smallest LDS
 
 
 # ---------------------------------------------------------------------------------------------------------

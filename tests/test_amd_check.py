@@ -1,0 +1,77 @@
+"""tools/amd_check.py: it passes submission.py through the real launch path for an AMD target, and fails on each way
+the triton backend was once broken there (a launch option AMD's backend refuses, an e4m3fnuz -> e4m3fn conversion,
+a plan over the LDS), each planted in a copy of submission.py. One shape and mode per run, with the tests' Triton."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "amd_check.py"
+
+pytest.importorskip("triton")
+
+
+# The MI355X runner's Triton, as `make amd-check` installs it: its LDS figures are the ones a plan must fit (Triton
+# 3.9 takes less LDS for the same plan, 28,760 B against 75,776 B for the FP8 kernel at 3 stages).
+RUNNER_TRITON = ROOT / ".amd-triton" / "3.6.0"
+
+
+def run_check(submission: Path, target: str, tmp_path: Path, mode: str = "fp8-fast", shape: str = "4x1024",
+              triton: str = "env"):
+    out = tmp_path / f"{target}.json"
+    proc = subprocess.run([sys.executable, str(TOOL), "--triton", triton, "--targets", target, "--shapes", shape,
+                           "--modes", mode, "--submission", str(submission), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    results = json.loads(out.read_text()) if out.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, results
+
+
+def planted(tmp_path: Path, old: str, new: str) -> Path:
+    source = (ROOT / "submission.py").read_text()
+    assert source.count(old) == 1, f"the text to replace is not in submission.py once: {old!r}"
+    path = tmp_path / "submission.py"
+    path.write_text(source.replace(old, new))
+    return path
+
+
+@pytest.mark.parametrize("target", ["gfx950", "gfx942"])
+def test_the_launch_path_runs_for_amd_with_the_combine(tmp_path, target):
+    rc, output, results = run_check(ROOT / "submission.py", target, tmp_path)
+    assert rc == 0, output
+    (result,) = results
+    case = "triton fp8-fast 4x1024"
+    by_name = {k["name"]: k for k in result["kernels"] if case in k["cases"]}
+    assert set(by_name) == {"_mla_split_kernel", "_mla_combine_kernel"}, output  # 4x1024 splits: both launch
+    split = by_name["_mla_split_kernel"]
+    assert split["constexprs"]["NUM_SPLITS"] > 1 and not split["scratch"] and not split["failed"]
+    assert any("fp8" in m or "f8f6f4" in m for m in split["mfma"]), split["mfma"]
+    assert split["lds"] <= result["gpu"]["lds_bytes"]
+    assert result["errors"] == [] and "amd-check: pass" in output
+
+
+def test_fails_on_a_launch_option_amd_refuses(tmp_path):
+    path = planted(tmp_path, '    if target.vendor == "nvidia":\n        options["launch_pdl"] = pdl\n',
+                   '    options["launch_pdl"] = pdl\n')
+    rc, output, _ = run_check(path, "gfx950", tmp_path)
+    assert rc == 1, output
+    assert "launch_pdl" in output and "amd-check: FAIL" in output, output
+
+
+def test_fails_on_an_e4m3fnuz_to_e4m3fn_conversion(tmp_path):
+    path = planted(tmp_path, "            K_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty\n",
+                   "            K_DTYPE: tl.constexpr = tl.float8e4nv\n")
+    rc, output, _ = run_check(path, "gfx942", tmp_path)
+    assert rc == 1, output
+    assert "amd-check: FAIL" in output and "triton fp8-fast 4x1024" in output, output
+
+
+@pytest.mark.skipif(not (RUNNER_TRITON / "triton").is_dir(), reason="the runner's Triton: make amd-check installs it")
+def test_fails_on_a_plan_over_the_lds(tmp_path):
+    path = planted(tmp_path, '"gfx942": 64 * 1024,', '"gfx942": 160 * 1024,')  # the plan then takes 3 stages
+    rc, output, _ = run_check(path, "gfx942", tmp_path, triton=str(RUNNER_TRITON))
+    assert rc == 1, output
+    assert "amd-check: FAIL" in output and ("OutOfResources" in output or "over the MI300X's" in output), output
