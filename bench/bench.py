@@ -310,9 +310,8 @@ def _kernel_plan(ctx: Context, data: tuple, kv_format: str) -> tuple[int, int] |
     if plan_fn is None:
         return None
     q, _, _, _, config = data
-    num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if ctx.device.type == "cuda" else 132
-    splits, block_n, *_ = plan_fn(q.shape[0], config["kv_seq_len"], num_sms, kv_format)
-    return splits, block_n
+    plan = plan_fn(q.shape[0], config["kv_seq_len"], submission.triton_target(ctx.device), kv_format)
+    return plan.num_splits, plan.block_n
 
 
 def _memwalk(kv_format: str):
