@@ -286,6 +286,43 @@ def ref_kernel(data: input_t) -> output_t:
     return attention_reference(q, kv_data["bf16"], qo_indptr, kv_indptr, config["sm_scale"]).to(torch.bfloat16)
 
 
+# What a fast kernel rounds, for kernel_emulation: "cache" none (fp32-exact attention with bf16 Q over the cache, the
+# torch backend's and the precise kernels' computation); "+Q" Q rounded to e4m3 with one scale per head (448 /
+# max|q_h|: the triton kernel's fast FP8 score product); "+Q+P" and the softmax weights rounded to e4m3 as 2^8 p
+# (the cuda backend's wgmma kernel; its row sums are not rounded).
+EMULATIONS = ("cache", "+Q", "+Q+P")
+
+
+def _round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+@torch.no_grad()
+def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8") -> torch.Tensor:
+    """float64 attention over the dequantized `kv_format` cache with the roundings `emulation` names (EMULATIONS):
+    (total_q, 16, 512) float64, what a kernel that rounds just those computes before its output's bf16 rounding."""
+    if emulation not in EMULATIONS:
+        raise ValueError(f"emulation: expected one of {EMULATIONS}, got {emulation!r}")
+    q, kv_data, qo_indptr, kv_indptr, config = data
+    kv, scale = kv_data[kv_format]
+    keys = (kv[:, 0].double() * scale.double() if kv_format == "fp8" else
+            dequantize_mxfp4(kv, scale, torch.float64)[:, 0])  # (total_kv, 576)
+    qd = q.double()
+    if emulation != "cache":
+        q_scale = 448.0 / qd.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+        qd = _round_e4m3(qd * q_scale) / q_scale
+    out = torch.zeros((q.shape[0], NUM_HEADS, V_HEAD_DIM), dtype=torch.float64, device=q.device)
+    bounds = kv_indptr.tolist()
+    for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if hi <= lo:
+            continue
+        scores = qd[b] @ keys[lo:hi].T * config["sm_scale"]  # (16, n)
+        p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        weights = _round_e4m3(p * 256.0) / 256.0 if emulation == "+Q+P" else p
+        out[b] = weights @ keys[lo:hi, :V_HEAD_DIM] / p.sum(dim=-1, keepdim=True)
+    return out
+
+
 def kv_format_under_test() -> str:
     """The KV format the submission is told to read (MLA_KV_FORMAT, default fp8): selects the strict bound."""
     fmt = os.environ.get("MLA_KV_FORMAT", "fp8")

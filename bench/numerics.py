@@ -35,34 +35,6 @@ from utils import scoped_env  # noqa: E402
 
 CASES = [("shift 0", 0.0, False), ("shift 30", 30.0, False), ("shift 100", 100.0, False), ("shift 300", 300.0, False),
          ("shift 1000", 1000.0, False), ("sink 30", 30.0, True), ("sink 100", 100.0, True)]
-EMULATIONS = ("cache", "+Q", "+Q+P")
-
-
-def round_e4m3(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-
-
-def emulate(data, emulation: str) -> torch.Tensor:
-    """float64 attention over the dequantized FP8 cache with the roundings `emulation` names (see the docstring)."""
-    q, kv_data, qo_indptr, kv_indptr, config = data
-    kv8, scale = kv_data["fp8"]
-    keys = kv8[:, 0].double() * scale.double()  # (total_kv, 576)
-    qd = q.double()
-    if emulation != "cache":
-        q_scale = 448.0 / qd.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
-        qd = round_e4m3(qd * q_scale) / q_scale
-    out = torch.zeros((q.shape[0], R.NUM_HEADS, R.V_HEAD_DIM), dtype=torch.float64, device=q.device)
-    bounds = kv_indptr.tolist()
-    for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        if hi == lo:
-            continue
-        scores = qd[b] @ keys[lo:hi].T * config["sm_scale"]  # (16, n)
-        p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-        weights = round_e4m3(p * 256.0) / 256.0 if emulation == "+Q+P" else p
-        out[b] = weights @ keys[lo:hi, :R.V_HEAD_DIM] / p.sum(dim=-1, keepdim=True)
-    return out.to(torch.bfloat16)
-
-
 def run_backend(data, backend: str, precision: str) -> torch.Tensor | str:
     """custom_kernel's output with the backend and precision forced, or why it cannot run here."""
     with scoped_env({"MLA_BACKEND": backend, "MLA_PRECISION": precision, "MLA_KV_FORMAT": "fp8"}):
@@ -78,8 +50,8 @@ def measure(lens: list[int], backends: list[str], device: torch.device) -> dict:
         data = R.generate_shifted_input(lens, seed=len(lens) + int(shift), shift=shift, sink=sink, device=device)
         truth = R.ref_kernel(data)
         row = {"case": name}
-        for emulation in EMULATIONS:
-            row[emulation] = R.worst_row_relative_l2(emulate(data, emulation), truth)
+        for emulation in R.EMULATIONS:
+            row[emulation] = R.worst_row_relative_l2(R.kernel_emulation(data, emulation).to(torch.bfloat16), truth)
         for backend in backends:
             for precision in S.PRECISIONS:
                 out = run_backend(data, backend, precision)
