@@ -103,6 +103,13 @@ def test_zero_output_fails_runs_alone(tmp_path):
     assert "not an fp32 attention over any KV cache" in "\n".join(result.details), result
 
 
+def test_a_one_percent_sm_scale_error_fails_runs_alone(tmp_path):
+    text = GOOD.replace('* config["sm_scale"]', '* config["sm_scale"] * 1.01')
+    assert text != GOOD
+    (result,) = presubmit.run_checks(write(tmp_path, text), ("runs-alone",))
+    assert result.ok is False, result
+
+
 @pytest.mark.parametrize("snippet, guarded", [
     ("import numpy", False),
     ("from . import helpers", False),

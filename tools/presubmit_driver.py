@@ -39,7 +39,9 @@ import torch  # noqa: E402
 
 NUM_HEADS, QK_DIM, V_DIM = 16, 576, 512
 KV_LENS = (1, 67, 130)  # varied, one row included; not uniform, so config["kv_seq_len"] is the maximum
-REL_L2_BOUND = 0.02  # fp32 attention rounded to bf16 is ~0.003 away; a zero or wrong-cache output is >= 0.04
+# fp32 attention over the cache rounded to bf16 was measured 0.0019 away (the torch backend), sm_scale 1% high 0.0114,
+# a zero or wrong-cache output >= 0.04
+REL_L2_BOUND = 0.005
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP8 = torch.float8_e4m3fn
 
