@@ -218,6 +218,24 @@ def validate_indptr_contents(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, t
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Bounded caches: every cache of this module is a dict of plans keyed by named facts, kept to a limit by _remember
+# ---------------------------------------------------------------------------------------------------------
+
+DISPATCH_LIMIT = 256  # kinds of call (dispatch); the leaderboard makes 8 or so
+AITER_PLAN_LIMIT = 64  # aiter plans; the leaderboard uses a handful of shapes
+LAUNCH_CACHE_LIMIT = 64  # Triton launch plans; the leaderboard uses 8 shapes
+
+
+def _remember(cache: dict, key, value, limit: int):
+    """cache[key] = value, after evicting the oldest entries (a dict keeps insertion order) until fewer than `limit`
+    remain; returns value."""
+    while cache and len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Backend selection: one place, env override, fails loudly when a forced backend is unavailable
 # ---------------------------------------------------------------------------------------------------------
 
@@ -518,12 +536,11 @@ AITER_VERSION_NEEDED = ("ROCm/aiter main from 2026-02-02 (commit 739c63177e) or 
                         "(2025-11) is too old, and so is main between 2026-07-13 (fede90f463) and 2026-07-14 "
                         "(028756633e)")
 AITER_KV_GRANULARITY = 16  # KV pages (= tokens at page size 1) per unit of the work split, as the reference uses
-AITER_PLAN_LIMIT = 64  # plans kept (least recently created evicted first); the leaderboard uses a handful of shapes
 
 # (mla_decode_fwd, get_mla_metadata_info_v1, get_mla_metadata_v1) -> the problems found in their signatures
 # (empty: this call fits). Keyed on the function objects, so an aiter replaced in-process is inspected again.
 _AITER_VERDICTS: dict[tuple, tuple[str, ...]] = {}
-_AITER_PLANS: dict[tuple, "_AiterPlan"] = {}
+_AITER_PLANS: dict["AiterKey", "_AiterPlan"] = {}
 
 
 def _aiter_signature_problems(fn, name: str, args: tuple[tuple[str, ...], tuple[str, ...]]) -> list[str]:
@@ -623,9 +640,13 @@ AITER_VARIANT_SPECS = {
     "a16w8_direct_nofast": AiterVariant("bf16", "direct", False),  # 2
 }
 AITER_DEFAULT_VARIANT = "fp8_ps"  # shapes not in AITER_VARIANTS (a batch of other lengths, kv_seq_len None)
+# In AITER_VARIANTS, a shape that auto runs on the triton backend instead of aiter (where a measurement says it wins);
+# a forced MLA_BACKEND=aiter runs AITER_DEFAULT_VARIANT there.
+ROCM_TRITON = "triton"
 _NOT_MEASURED = "default: today's path; no MI355X measurement of the variants exists (bench/aiter_sweep.py makes one)"
-# The choice per leaderboard shape, (batch, kv_seq_len) -> (variant, where the choice came from). Edit it before
-# submitting (bench/aiter_sweep.py prints a replacement); MLA_AITER_VARIANT=<name> overrides it for local runs.
+# The choice per leaderboard shape on ROCm, (batch, kv_seq_len) -> (variant or ROCM_TRITON, where the choice came
+# from). Edit it before submitting (bench/aiter_sweep.py prints a replacement); MLA_AITER_VARIANT=<name> overrides it
+# for local runs.
 AITER_VARIANTS = {
     (4, 1024): ("fp8_ps", _NOT_MEASURED),
     (4, 8192): ("fp8_ps", _NOT_MEASURED),
@@ -639,16 +660,16 @@ AITER_VARIANTS = {
 
 
 def aiter_variant(batch: int, kv_seq_len: int | None) -> str:
-    """The variant for this shape: MLA_AITER_VARIANT if set, else AITER_VARIANTS[(batch, kv_seq_len)], else
-    AITER_DEFAULT_VARIANT. A name that is not in AITER_VARIANT_SPECS is an error naming where it came from."""
+    """The variant for this shape (or ROCM_TRITON): MLA_AITER_VARIANT if set, else AITER_VARIANTS[(batch,
+    kv_seq_len)], else AITER_DEFAULT_VARIANT. Any other name is an error naming where it came from."""
     forced = _env("MLA_AITER_VARIANT")
     if forced:
         field, name = "MLA_AITER_VARIANT", forced
     else:
         field, (name, *_) = f"AITER_VARIANTS[{(batch, kv_seq_len)}]", AITER_VARIANTS.get(
             (batch, kv_seq_len), (AITER_DEFAULT_VARIANT,))
-    if name not in AITER_VARIANT_SPECS:  # not _expect: its message would be formatted on every call
-        raise ValueError(f"{field}: expected one of {tuple(AITER_VARIANT_SPECS)}, got {name!r}")
+    if name not in AITER_VARIANT_SPECS and name != ROCM_TRITON:
+        raise ValueError(f"{field}: expected one of {tuple(AITER_VARIANT_SPECS) + (ROCM_TRITON,)}, got {name!r}")
     return name
 
 
@@ -835,9 +856,33 @@ class _AiterPlan:
         self.invalid = torch.zeros((), dtype=torch.bool, device=device) if refill else None
 
 
-def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, config: dict) -> tuple:
+class AiterKey(NamedTuple):
+    """The whole key of an aiter plan (_aiter_plan_key says when a plan may be reused)."""
+
+    fns: tuple  # (mla_decode_fwd, get_mla_metadata_info_v1, get_mla_metadata_v1) of the aiter checked (_aiter_api)
+    fp8: torch.dtype  # aiter.dtypes.fp8
+    device: torch.device
+    q_shape: tuple
+    q_dtype: torch.dtype
+    kv_shape: tuple
+    kv_dtype: torch.dtype
+    variant: str  # a name of AITER_VARIANT_SPECS
+    uniform_len: int | None  # every sequence's length, proven by the shapes (see _aiter_plan_key); None: read on
+    # the device at every call
+
+    @property
+    def batch(self) -> int:
+        return self.q_shape[0]
+
+    @property
+    def total_kv(self) -> int:
+        return self.kv_shape[0]
+
+
+def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, config: dict,
+                    variant: str | None = None) -> AiterKey:
     """The whole key of a plan: the aiter functions, the device, every shape and dtype the plan depends on, the
-    variant (aiter_variant) and the sequence-length facts.
+    variant (default aiter_variant's; its ROCM_TRITON means AITER_DEFAULT_VARIANT here) and the sequence-length facts.
 
     The rule. A plan's metadata (the work split) is computed by get_mla_metadata_v1 from the sequence lengths in
     kv_indptr. It may be reused WITHOUT reading kv_indptr only when the key proves the lengths are those it was built
@@ -845,26 +890,22 @@ def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Ten
     maximum; the sequences tile the cache (kv_indptr[-1] == total_kv, as in every input the leaderboard and
     reference.py generate); so batch * L == total_kv (L > 0) forces every length to equal L, and (batch, total_kv, L)
     determines the metadata. Any other batch (L None, or batch * L != total_kv) gets a plan keyed "lengths read on
-    device" whose metadata get_mla_metadata_v1 refills from the current kv_indptr on every call, on the device, with
-    no host sync. So two batches with the same batch and total_kv but different lengths never share metadata: at
-    most one of them is uniform, and a non-uniform one is always refilled.
+    device" (uniform_len None) whose metadata get_mla_metadata_v1 refills from the current kv_indptr on every call, on
+    the device, with no host sync. So two batches with the same batch and total_kv but different lengths never share
+    metadata: at most one of them is uniform, and a non-uniform one is always refilled.
     """
     batch, total_kv, kv_seq_len = q.shape[0], kv.shape[0], config["kv_seq_len"]
     uniform = kv_seq_len is not None and kv_seq_len > 0 and batch * kv_seq_len == total_kv
-    lengths = ("uniform", kv_seq_len) if uniform else ("lengths read on device",)
-    return (fns, fp8, q.device, q.dtype, tuple(q.shape), kv.dtype, tuple(kv.shape), batch, total_kv,
-            aiter_variant(batch, kv_seq_len), lengths)
+    variant = variant or aiter_variant(batch, kv_seq_len)
+    return AiterKey(fns, fp8, q.device, tuple(q.shape), q.dtype, tuple(kv.shape), kv.dtype,
+                    AITER_DEFAULT_VARIANT if variant == ROCM_TRITON else variant, kv_seq_len if uniform else None)
 
 
-def _aiter_plan(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, config: dict) -> _AiterPlan:
-    key = _aiter_plan_key(fns, fp8, q, kv, config)
+def _aiter_plan(key: AiterKey) -> _AiterPlan:
     plan = _AITER_PLANS.get(key)
     if plan is None:
-        if len(_AITER_PLANS) >= AITER_PLAN_LIMIT:
-            del _AITER_PLANS[next(iter(_AITER_PLANS))]
-        variant, lengths = key[-2:]
-        plan = _AITER_PLANS[key] = _AiterPlan(fns, fp8, variant, q.shape[0], kv.shape[0], q.device,
-                                              uniform_len=lengths[1] if lengths[0] == "uniform" else None)
+        plan = _remember(_AITER_PLANS, key, _AiterPlan(key.fns, key.fp8, key.variant, key.batch, key.total_kv,
+                                                       key.device, uniform_len=key.uniform_len), AITER_PLAN_LIMIT)
     return plan
 
 
@@ -893,7 +934,16 @@ def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor,
     plan.filled = True
 
 
-def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
+def _aiter_key(q, kv, config, variant: str | None = None) -> AiterKey:
+    """The plan key of these validated inputs, after the installed aiter's check (_aiter_api) and the cache's dtype
+    against its FP8."""
+    fns, fp8 = _aiter_api()
+    if kv.dtype != fp8:
+        _expect(False, "kv_data['fp8'][0].dtype", f"aiter.dtypes.fp8 = {fp8} (this GPU's FP8)", kv.dtype)
+    return _aiter_plan_key(fns, fp8, q, kv, config, variant)
+
+
+def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config, key: AiterKey | None = None) -> torch.Tensor:
     """Q x FP8 KV through aiter's MLA decode, by the variant aiter_variant picks for the shape (AITER_VARIANT_SPECS
     says what each launches; today's, "fp8_ps", is FP8 Q into one persistent aiter.mla.mla_decode_fwd call).
 
@@ -926,14 +976,16 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     are allocated once and kept in _AITER_PLANS; the six buffers stay alive together (work_metadata_ptrs holds raw
     addresses of work_indptr and work_info_set, and the kernel walks the work list through those addresses). Calls
     must run on the device in the order they are issued: the next call reuses the scratch.
+
+    `key`: the plan's key (_aiter_key, made once per kind of input by dispatch); None: made here.
     """
-    fns, fp8 = _aiter_api()
-    if kv.dtype != fp8:  # not _expect: its message would be formatted on every call
-        _expect(False, "kv_data['fp8'][0].dtype", f"aiter.dtypes.fp8 = {fp8} (this GPU's FP8)", kv.dtype)
+    if key is None:
+        key = _aiter_key(q, kv, config)
     batch, total_kv = q.shape[0], kv.shape[0]
     if total_kv == 0:  # no sequence has a KV row
         return torch.zeros((batch, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
-    plan = _aiter_plan(fns, fp8, q, kv, config)
+    plan = _aiter_plan(key)
+    fns, fp8 = key.fns, key.fp8
     if plan.refill:
         _aiter_safe_indptr(plan, kv_indptr, total_kv)
     if plan.metadata is not None and (plan.refill or not plan.filled):
@@ -1286,7 +1338,6 @@ class TritonKey(NamedTuple):
 
 
 _TRITON_LAUNCH: dict = {}
-LAUNCH_CACHE_LIMIT = 64  # Triton launch plans kept (cleared when full); the leaderboard uses 8 shapes
 
 
 class _TritonLaunch:
@@ -1367,9 +1418,7 @@ def _triton_launch(key: TritonKey) -> _TritonLaunch:
     """The launch for one key: built on the first call, then looked up (no allocation, no host sync)."""
     launch = _TRITON_LAUNCH.get(key)
     if launch is None:
-        if len(_TRITON_LAUNCH) >= LAUNCH_CACHE_LIMIT:
-            _TRITON_LAUNCH.clear()
-        launch = _TRITON_LAUNCH[key] = _TritonLaunch(key)
+        launch = _remember(_TRITON_LAUNCH, key, _TritonLaunch(key), LAUNCH_CACHE_LIMIT)
     return launch
 
 
@@ -1475,16 +1524,16 @@ class _Dispatch(NamedTuple):
     kv_format: str
     check_contents: bool  # MLA_VALIDATE=1 on a GPU backend: the indptr contents checked on the host (a device sync)
     several_gpus: bool  # the input's GPU may not be the current one, on which the launches go
-    launch_key: tuple | None  # the cuda or the triton backend's launch plan (None for the others)
+    launch_key: tuple | None  # the cuda or triton backend's launch key, the aiter backend's plan key (torch: None)
     qk_scale: float  # sm_scale * log2(e): the kernels' score scale
 
 
 # What a call's choices read besides its input: the environment (a changed variable is another kind of call) and the
 # DEFAULT_* constants.
-_SETTING_VARIABLES = ("MLA_BACKEND", "MLA_KV_FORMAT", "MLA_PRECISION", "MLA_VALIDATE", "TRITON_INTERPRET")
+_SETTING_VARIABLES = ("MLA_BACKEND", "MLA_KV_FORMAT", "MLA_PRECISION", "MLA_VALIDATE", "MLA_AITER_VARIANT",
+                      "TRITON_INTERPRET")
 _KV_FORMAT_OF: dict = {}  # those settings -> the KV format they select (select_kv_format)
 _DISPATCH: dict = {}  # (settings, every input attribute validate reads, the config's items) -> _Dispatch
-DISPATCH_LIMIT = 256  # kinds of call kept (cleared when full); the leaderboard makes 8 or so
 
 
 def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
@@ -1492,13 +1541,21 @@ def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
     device = q.device
     backend = select_backend(device, kv_format, precision)
     precise = precision == "precise"
+    aiter_key = None
+    if backend == "aiter":
+        variant = aiter_variant(q.shape[0], config["kv_seq_len"])
+        if variant == ROCM_TRITON and _setting("MLA_BACKEND", DEFAULT_BACKEND) == "auto":  # measured faster here
+            backend = "triton"
+            log.info("MLA decode: %s x %s runs the triton backend (AITER_VARIANTS)", q.shape[0], config["kv_seq_len"])
+        else:
+            aiter_key = _aiter_key(q, kv, config, variant)
     if backend == "cuda":
         launch_key = _cuda_package()[0].launch_key(device, q.shape[0], kv.shape[0], config["kv_seq_len"], kv_format,
                                                    precise)
     elif backend == "triton":
         launch_key = _triton_key(q, kv, scale, config, kv_format, precise, None)
     else:
-        launch_key = None
+        launch_key = aiter_key
     return _Dispatch(backend, kv_format, check_contents=backend != "torch" and _env("MLA_VALIDATE") == "1",
                      several_gpus=device.type == "cuda" and _several_gpus(), launch_key=launch_key,
                      qk_scale=float(config["sm_scale"]) * LOG2E)
@@ -1512,10 +1569,7 @@ def dispatch(data) -> tuple:
     settings = (_env_values(_SETTING_VARIABLES), DEFAULT_BACKEND, DEFAULT_KV_FORMAT, DEFAULT_PRECISION)
     kv_format = _KV_FORMAT_OF.get(settings)
     if kv_format is None:
-        kv_format = select_kv_format()  # raises on a bad value
-        if len(_KV_FORMAT_OF) >= DISPATCH_LIMIT:
-            _KV_FORMAT_OF.clear()
-        _KV_FORMAT_OF[settings] = kv_format
+        kv_format = _remember(_KV_FORMAT_OF, settings, select_kv_format(), DISPATCH_LIMIT)  # raises on a bad value
     try:
         if not isinstance(data, (tuple, list)):
             raise TypeError
@@ -1534,9 +1588,7 @@ def dispatch(data) -> tuple:
         q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
         decision = _new_dispatch(q, kv, scale, config, kv_format)
         if key is not None:
-            if len(_DISPATCH) >= DISPATCH_LIMIT:
-                _DISPATCH.clear()
-            _DISPATCH[key] = decision
+            _remember(_DISPATCH, key, decision, DISPATCH_LIMIT)
     return decision, q, kv, scale, qo_indptr, kv_indptr, config
 
 
@@ -1553,7 +1605,7 @@ def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> 
     if backend == "triton":
         return _triton_run(decision.launch_key, q, kv, scale, kv_indptr, decision.qk_scale)
     if backend == "aiter":
-        return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config)
+        return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config, decision.launch_key)
     return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, decision.kv_format)
 
 

@@ -89,8 +89,7 @@ def install_standin() -> str:
 def ran_as(data: tuple) -> str:
     """The call form the plan of this input runs (after the first call built it)."""
     q, kv_data, _, _, config = data
-    fns, fp8 = submission._aiter_api()
-    plan = submission._AITER_PLANS[submission._aiter_plan_key(fns, fp8, q, kv_data["fp8"][0], config)]
+    plan = submission._AITER_PLANS[submission._aiter_key(q, kv_data["fp8"][0], config)]
     wanted = submission.AITER_VARIANT_SPECS[plan.variant].call
     return plan.call if plan.call == wanted else f"{plan.call} (fallback)"
 

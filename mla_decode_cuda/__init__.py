@@ -229,25 +229,33 @@ def current_raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+class LaunchKey(NamedTuple):
+    """What a launch plan depends on. run() takes it; submission.py computes it once per kind of call."""
+
+    device: torch.device
+    batch: int
+    seq_len: int  # the split plan's sequence length: kv_seq_len, or total_kv / batch where that is None
+    kv_format: str
+    precise: bool
+
+
 def launch_key(device: torch.device, batch: int, total_kv: int, kv_seq_len: int | None, kv_format: str,
-               precise: bool = False) -> tuple:
-    """What a launch plan depends on: (device, batch, the split plan's sequence length: kv_seq_len, or total_kv /
-    batch where it is None, format, precision). run() takes it; submission.py computes it once per kind of call."""
+               precise: bool = False) -> LaunchKey:
     seq_len = kv_seq_len if kv_seq_len is not None else -(-total_kv // max(batch, 1))
-    return (device, batch, seq_len, kv_format, precise)
+    return LaunchKey(device, batch, seq_len, kv_format, precise)
 
 
-def _new_launch(key: tuple) -> Launch:
-    device, batch, seq_len, kv_format, precise = key
-    lib = library(capability(device), precise)
-    splits = cuda_plan(batch, seq_len, torch.cuda.get_device_properties(device).multi_processor_count,
+def _new_launch(key: LaunchKey) -> Launch:
+    device, batch = key.device, key.batch
+    lib = library(capability(device), key.precise)
+    splits = cuda_plan(batch, key.seq_len, torch.cuda.get_device_properties(device).multi_processor_count,
                        lib.mla_ctas_per_sm())
     rows = batch * splits if splits > 1 else 0
     part_o = torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
     part_lse = torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device)
     sync = torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device)
     call = DecodeCall(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), sync=sync.data_ptr(), batch=batch,
-                      num_splits=splits, kv_format=int(kv_format == "mxfp4"))
+                      num_splits=splits, kv_format=int(key.kv_format == "mxfp4"))
     launch = Launch(call, ctypes.addressof(call), lib.mla_decode, device.index, part_o, part_lse, sync)
     if len(_LAUNCH) >= LAUNCH_CACHE_LIMIT:
         _LAUNCH.clear()
@@ -255,7 +263,7 @@ def _new_launch(key: tuple) -> Launch:
     return launch
 
 
-def run(key: tuple, q, kv, scale, kv_indptr, qk_scale: float) -> torch.Tensor:
+def run(key: LaunchKey, q, kv, scale, kv_indptr, qk_scale: float) -> torch.Tensor:
     """The decode by the launch plan of `key` (launch_key of these inputs; built at its first call), inputs as forward
     takes them; qk_scale = sm_scale * log2(e). The host path a call repeats: one dictionary lookup, the output's
     allocation, the DecodeCall's input fields and one ctypes call."""

@@ -24,6 +24,7 @@ def standin(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(submission, "_AITER_PLANS", {})
     monkeypatch.setattr(submission, "_AITER_VERDICTS", {})
+    monkeypatch.setattr(submission, "_DISPATCH", {})  # its decisions hold the aiter functions of their time
     submission._aiter_importable.cache_clear()  # the import probe is cached per process; each test installs its own
 
     def install(version="RUNNER", **kwargs) -> StandinAiter:

@@ -247,9 +247,9 @@ def test_plan_key_rule():
     q = torch.empty((4, 16, 576), dtype=torch.bfloat16)
     kv = torch.empty((400, 1, 576), dtype=fp8)
     key = lambda kv_seq_len: S._aiter_plan_key(fns, fp8, q, kv, {"kv_seq_len": kv_seq_len})  # noqa: E731
-    assert key(100)[-1] == ("uniform", 100)  # 4 x 100 == 400: every length is 100
-    for not_proven in (None, 150, 99, 0):  # None, a maximum with 4 x max != 400, or nonsense
-        assert key(not_proven)[-1] == ("lengths read on device",)
+    assert key(100).uniform_len == 100  # 4 x 100 == 400: every length is 100
+    for not_proven in (None, 150, 99, 0):  # None, a maximum with 4 x max != 400, or nonsense: read on the device
+        assert key(not_proven).uniform_len is None
     assert key(100) != S._aiter_plan_key(fns, fp8, q[:2], kv, {"kv_seq_len": 200})  # batch is in the key
     other_device = torch.empty((4, 16, 576), dtype=torch.bfloat16, device="meta")
     assert key(100) != S._aiter_plan_key(fns, fp8, other_device, kv, {"kv_seq_len": 100})  # and the device
@@ -263,7 +263,8 @@ def test_a_stale_plan_would_be_caught(standin, monkeypatch):
     assert tight_error(data, S.custom_kernel(data)) < TIGHT
     real_key = S._aiter_plan_key
     monkeypatch.setattr(S, "_AITER_PLANS", {})
-    monkeypatch.setattr(S, "_aiter_plan_key", lambda *args: real_key(*args)[:-1] + (("uniform", 20),))
+    monkeypatch.setattr(S, "_aiter_plan_key", lambda *args: real_key(*args)._replace(uniform_len=20))
+    monkeypatch.setattr(S, "_DISPATCH", {})  # the key is made once per kind of input, by dispatch
     out = S.custom_kernel(data)  # metadata of lengths 20, 20, 20
     assert tight_error(data, out) > 0.3
     ok, msg = R.check_implementation(data, out)
@@ -295,7 +296,7 @@ def test_plan_cache_is_bounded(standin, monkeypatch):
     monkeypatch.setattr(S, "AITER_PLAN_LIMIT", 2)
     for batch in (1, 2, 3):
         S.custom_kernel(make([8] * batch, seed=batch))
-    assert [key[7] for key in S._AITER_PLANS] == [2, 3]
+    assert [key.batch for key in S._AITER_PLANS] == [2, 3]
 
 
 # --- page size 2: the negative control the design started from -----------------------------------------------

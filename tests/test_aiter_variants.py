@@ -235,7 +235,7 @@ def test_plans_are_reused_across_shapes_and_variants(standin, monkeypatch):
     for seed in range(3):
         for lengths, variant in (([64] * 4, "a16w8_direct"), ([1000] * 2, "fp8_direct"), ([64] * 3, "fp8_ps")):
             assert_right(data := make(lengths, seed), S.custom_kernel(data), variant)
-    assert sorted(key[9] for key in S._AITER_PLANS) == ["a16w8_direct", "fp8_direct", "fp8_ps"]
+    assert sorted(key.variant for key in S._AITER_PLANS) == ["a16w8_direct", "fp8_direct", "fp8_ps"]
     assert len(aiter.calls_to("get_mla_metadata_info_v1")) == 3 and aiter.stats["metadata_fills"] == 3
     assert len(aiter.calls_to("mla_decode_stage1_asm_fwd")) == 6 and len(aiter.calls_to("mla_decode_fwd")) == 3
 
@@ -246,7 +246,7 @@ def test_the_same_shape_under_another_variant_gets_its_own_plan(standin, monkeyp
     for variant in ("fp8_ps", "a16w8_ps", "fp8_ps"):
         monkeypatch.setenv("MLA_AITER_VARIANT", variant)
         assert_right(data, S.custom_kernel(data), variant)
-    assert [key[9] for key in S._AITER_PLANS] == ["fp8_ps", "a16w8_ps"]
+    assert [key.variant for key in S._AITER_PLANS] == ["fp8_ps", "a16w8_ps"]
 
 
 # --- selection -----------------------------------------------------------------------------------------------
@@ -439,3 +439,18 @@ def test_gpu_every_variant_on_the_real_aiter(monkeypatch, variant, lengths):
         assert tight_error(data, out, variant) < 0.04
         ok, msg = R.check_implementation(data, out)
         assert ok, msg
+
+
+def test_a_shape_chosen_for_triton_runs_triton_under_auto_only(standin, monkeypatch):
+    """AITER_VARIANTS can send a shape to the triton backend (ROCM_TRITON): auto on ROCm then runs triton there; a
+    forced MLA_BACKEND=aiter runs the default variant."""
+    standin()
+    data = make([8] * 4, seed=1)
+    monkeypatch.setattr(S, "AITER_VARIANTS", {(4, 8): (S.ROCM_TRITON, "test")})
+    S.custom_kernel(data)
+    assert [key.variant for key in S._AITER_PLANS] == [S.AITER_DEFAULT_VARIANT]
+    monkeypatch.setenv("MLA_BACKEND", "auto")
+    monkeypatch.setattr(S, "select_backend", lambda *args: "aiter")  # as on ROCm with aiter importable
+    q, kv, scale, _, _, config = S.validate(data, "fp8")
+    decision = S._new_dispatch(q, kv, scale, config, "fp8")
+    assert decision.backend == "triton" and isinstance(decision.launch_key, S.TritonKey), decision
