@@ -1,8 +1,10 @@
-"""Times every variant of the aiter path on the leaderboard's shapes and prints the AITER_VARIANTS table to paste.
+"""Times every variant of the aiter path and the triton backend on the leaderboard's shapes, prints one table and the
+AITER_VARIANTS table to paste (a shape can go to triton), and draws the chart.
 
     python3 bench/aiter_sweep.py [--shapes 4x1024,256x8192] [--variants fp8_ps,a16w8_ps] [--iters 50]
-                                 [--min-gain 0.03] [--json PATH]
-    python3 bench/aiter_sweep.py --dry-run     # the CPU, against tests/aiter_standin.py: tiny shapes, wall clock
+                                 [--min-gain 0.03] [--no-triton] [--json PATH] [--chart PNG]
+    python3 bench/aiter_sweep.py --dry-run     # the CPU, against tests/aiter_standin.py and the Triton interpreter:
+                                               # tiny shapes, wall clock
 
 On a ROCm GPU with aiter (an MI355X, for the leaderboard's choice), for each shape of task.yml's benchmarks
 (reference.generate_input, the leaderboard's seeds) and each variant of submission.AITER_VARIANT_SPECS:
@@ -13,17 +15,23 @@ On a ROCm GPU with aiter (an MI355X, for the leaderboard's choice), for each sha
              after --warmup untimed ones (bench/bench.py's Timer)
   ran as     the call form the plan actually runs: a "direct" variant on an aiter whose stage 1 / reduce
              signatures differ from the runner's runs mla_decode_fwd ("decode_fwd (fallback)")
-and, per shape, the Q quantization alone (submission.QQuantizer, the FP8 variants' first two launches) timed the
-same way and compared bit for bit with reference.quantize_fp8.
+and the triton backend's paths (TRITON_PATHS: MLA_BACKEND=triton in each KV format and precision, checked with
+that format's bound), and, per shape, the Q quantization alone (submission.QQuantizer, the FP8 variants' first two
+launches) timed the same way and compared bit for bit with reference.quantize_fp8.
 
-The recommendation per shape is the fastest variant that passed, unless it beats the default (today's path,
+The recommendation per shape is the fastest variant that passed (the triton backend on the FP8 cache in the fast
+mode, which computes what the aiter variants compute, among them, as ROCM_TRITON; the other triton paths change
+the cache or the precision and are shown, never recommended), unless it beats the default (today's path,
 submission.AITER_DEFAULT_VARIANT) by less than --min-gain (then the default stays: noise is not a reason to
 switch). It is printed as the AITER_VARIANTS block to paste into submission.py, each entry saying where its
 choice came from. The exit status is 1 when any row is FAIL or ERROR (everything is printed first).
 
---dry-run installs the stand-in aiter of tests/aiter_standin.py (the runner's signatures) and runs two tiny shapes
-on the CPU with wall-clock timing, no flush: it exercises the whole script (tests/test_aiter_sweep.py runs it),
-and its numbers mean nothing.
+The chart (--chart, matplotlib): median µs per shape and path, log scale, with the FP8 read floor (the FP8 cache's
+bytes over the read ceiling bench.py's kernels measure first on the same GPU).
+
+--dry-run installs the stand-in aiter of tests/aiter_standin.py (the runner's signatures), runs Triton's
+interpreter, and runs two tiny shapes on the CPU with wall-clock timing, no flush: it exercises the whole script
+(tests/test_aiter_sweep.py runs it), and its numbers mean nothing.
 """
 
 import argparse
@@ -41,6 +49,8 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 sys.path[:0] = [str(ROOT)]  # the harness's top-level modules, imported by name as the harness does
+if "--dry-run" in sys.argv[1:]:  # before triton is first imported: the triton rows run in its interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
@@ -56,7 +66,11 @@ def _load_bench():
     return module
 
 
-bench = _load_bench()  # shapes, scoped_env and the leaderboard timer: one definition of each
+bench = _load_bench()  # shapes, scoped_env, the leaderboard timer and the read ceiling: one definition of each
+# The triton backend's paths: row name -> (KV format, precision). Only ROCM_TRITON (the FP8 cache, the fast mode) can
+# be recommended for a shape.
+TRITON_PATHS = {submission.ROCM_TRITON: ("fp8", "fast"), "triton-fp8-precise": ("fp8", "precise"),
+                "triton-mxfp4": ("mxfp4", "fast")}
 
 
 def leaderboard_times(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:
@@ -78,10 +92,13 @@ class Row:
 
 
 def install_standin() -> str:
-    """The dry run's aiter: the stand-in of tests/aiter_standin.py at the runner's commit, in sys.modules."""
+    """The dry run's aiter: the stand-in of tests/aiter_standin.py at the runner's commit, in sys.modules; and the
+    tests' patch of Triton's interpreter (tests/triton_interpreter.py)."""
     sys.path.insert(0, str(ROOT / "tests"))
+    import triton_interpreter
     from aiter_standin import StandinAiter
 
+    triton_interpreter.patch()
     sys.modules.update(StandinAiter("RUNNER").modules)
     return "stand-in aiter (tests/aiter_standin.py, RUNNER signatures)"
 
@@ -112,6 +129,30 @@ def sweep_variant(shape, variant: str, data: tuple, expected: torch.Tensor, devi
     return row
 
 
+def sweep_triton(shape, name: str, data: tuple, expected: torch.Tensor, device, args) -> Row:
+    """One of TRITON_PATHS: custom_kernel with the triton backend forced, checked with its format's bound."""
+    kv_format, precision = TRITON_PATHS[name]
+    row = Row(shape.name, name)
+    with bench.scoped_env({"MLA_BACKEND": "triton", "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}):
+        try:
+            ok, msg = reference.check_against(data, submission.custom_kernel(data), expected, kv_format)
+            q, kv_data, _, _, config = data
+            kv, scale = kv_data[kv_format]
+            plan = submission._triton_launch(submission._triton_key(q, kv, scale, config, kv_format,
+                                                                    precision == "precise", None)).plan
+            row.launches, row.ran_as = 1 + (plan.num_splits > 1), f"triton, {plan.num_splits} splits"
+            for _ in range(args.warmup):
+                submission.custom_kernel(data)
+            row.times_us = leaderboard_times(lambda: submission.custom_kernel(data), device, args.iters)
+        except Exception as e:  # a path this machine cannot run: reported, never recommended
+            row.reason = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            return row
+    row.median_us, row.min_us = statistics.median(row.times_us), min(row.times_us)
+    row.status, row.reason = ("OK", "") if ok else ("FAIL", msg)
+    return row
+
+
 def sweep_q_quant(shape, data: tuple, device, args) -> dict:
     """The Q quantization alone, as the FP8 variants run it, timed the same way; bit-exact vs the reference?"""
     fp8 = submission._aiter_api()[1]
@@ -129,9 +170,10 @@ def recommend(rows: list[Row], shapes, min_gain: float, label: str) -> dict:
     """(batch, kv) -> (variant, where the choice came from): the fastest variant that passed its check, unless the
     default passed too and is within `min_gain` of it; the default where nothing passed (it runs anyway)."""
     default = submission.AITER_DEFAULT_VARIANT
+    candidates = set(submission.AITER_VARIANT_SPECS) | {submission.ROCM_TRITON}
     chosen = {}
     for shape in shapes:
-        ok = {r.variant: r for r in rows if r.shape == shape.name and r.status == "OK"}
+        ok = {r.variant: r for r in rows if r.shape == shape.name and r.status == "OK" and r.variant in candidates}
         key = (shape.batch, shape.kv)
         if not ok:
             chosen[key] = (default, f"{label}: no variant passed its check")
@@ -157,7 +199,7 @@ def render_table(chosen: dict) -> str:
 
 
 def render_rows(rows: list[Row], quants: list[dict]) -> str:
-    out = ["| shape | variant | ran as | launches | median µs | min µs | check |", "|---|---|---|---|---|---|---|"]
+    out = ["| shape | path | ran as | launches | median µs | min µs | check |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         timed = (f"{r.median_us:.1f} | {r.min_us:.1f}" if r.median_us is not None else "- | -")
         out.append(f"| {r.shape} | {r.variant} | {r.ran_as or '-'} | {r.launches} | {timed} | "
@@ -170,6 +212,16 @@ def render_rows(rows: list[Row], quants: list[dict]) -> str:
     return "\n".join(out)
 
 
+def draw_chart(rows: list[Row], shapes, floors: dict, out: Path, title: str) -> None:
+    """bench/chart.py's bars: each path's median µs per shape, the FP8 read floor beside them."""
+    spec = importlib.util.spec_from_file_location("bench_chart", BENCH_DIR / "chart.py")
+    chart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chart)
+    times = {(r.shape, r.variant): r.median_us for r in rows if r.status == "OK"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chart.draw([s.name for s in shapes], times, floors, out, title)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", help="comma-separated BATCHxKV of task.yml's benchmarks (e.g. 4x1024,256x8k)")
@@ -179,6 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-gain", type=float, default=0.03,
                    help="a variant replaces the default only when its median is this fraction faster (0.03)")
     p.add_argument("--json", type=Path, help="write every row (and each call's time) here")
+    p.add_argument("--chart", type=Path, help="draw the median µs of every path per shape here (PNG; matplotlib)")
+    p.add_argument("--no-triton", action="store_true", help="time the aiter variants only")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU against the stand-in aiter")
     args = p.parse_args(argv)
     args.iters = args.iters if args.iters is not None else (3 if args.dry_run else 50)
@@ -220,16 +274,24 @@ def main(argv: list[str] | None = None) -> int:
         # reference.generate_input's data, on the device the sweep runs on (the CPU for a dry run anywhere)
         data = reference.generate_varlen_input([shape.kv] * shape.batch, shape.seed, device=device)
         expected = reference.ref_kernel(data)
-        for variant in args.variant_list:
-            rows.append(row := sweep_variant(shape, variant, data, expected, device, args))
+        runs = [(variant, sweep_variant) for variant in args.variant_list]
+        runs += [] if args.no_triton else [(name, sweep_triton) for name in TRITON_PATHS]
+        for name, sweep_one in runs:
+            rows.append(row := sweep_one(shape, name, data, expected, device, args))
             timed = f"{row.median_us:9.1f} µs" if row.median_us is not None else ""
-            print(f"  {shape.name:>9} {variant:<20} {row.status:<5} {timed} {row.reason}", flush=True)
+            print(f"  {shape.name:>9} {name:<20} {row.status:<5} {timed} {row.reason}", flush=True)
         quants.append(sweep_q_quant(shape, data, device, args))
         submission._AITER_PLANS.clear()  # a shape's plans (partials up to GBs with fast_mode=False) go with it
         del data, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()
     chosen = recommend(rows, shapes, args.min_gain, f"aiter_sweep {date} {gpu}")
+    ceiling = bench.measure_read_ceiling(bench.Context(argparse.Namespace(
+        ceiling_gib=1 / 1024 if args.dry_run else 4, iters=args.iters), device))
+    floors = {s.name: s.batch * s.kv * bench.BYTES_PER_ROW["fp8"] / ceiling["gbps"] / 1e3 for s in shapes}
+    if args.chart:
+        draw_chart(rows, shapes, floors, args.chart, f"aiter_sweep {date}, {gpu}: µs per call")
+        print(f"chart: {args.chart}")
     print("\n" + render_rows(rows, quants))
     print("\n# Paste into submission.py (replacing AITER_VARIANTS):\n" + render_table(chosen))
     if args.json:
@@ -238,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             "meta": {"date": date, "device": gpu, "aiter": aiter_label, "iters": args.iters, "warmup": args.warmup,
                      "min_gain": args.min_gain, "dry_run": args.dry_run, "env": {k: v for k, v in os.environ.items()
                                                                               if k.startswith("MLA_")}},
-            "rows": [dataclasses.asdict(r) for r in rows], "q_quant": quants,
+            "rows": [dataclasses.asdict(r) for r in rows], "q_quant": quants, "read_ceiling": ceiling,
+            "fp8_floor_us": floors,
             "recommended": [[batch, kv, variant, source] for (batch, kv), (variant, source) in chosen.items()],
         }, indent=1))
     bad = [r for r in rows if r.status != "OK"] + [q for q in quants if not q["exact"]]

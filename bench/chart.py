@@ -40,7 +40,8 @@ def draw(shapes, times, floors, out: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(min(14, max(8, 1.6 * len(shapes))), 5.5))
     for i, method in enumerate(methods):
         xs = [s + (i - (len(methods) - 1) / 2) * width for s in range(len(shapes))]
-        ax.bar(xs, [times.get((shape, method), math.nan) for shape in shapes], width, label=method)
+        ax.bar(xs, [times.get((shape, method), math.nan) for shape in shapes], width, label=method,
+               color=plt.cm.tab20(i % 20))
     if floors:
         ax.plot(range(len(shapes)), [floors.get(shape, math.nan) for shape in shapes], "k_", markersize=30,
                 markeredgewidth=2, label="FP8 read floor")
@@ -49,7 +50,7 @@ def draw(shapes, times, floors, out: Path, title: str) -> None:
     ax.set_ylabel("µs per call (median, L2 flushed)")
     ax.set_xlabel("batch x kv length")
     ax.set_title(title)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

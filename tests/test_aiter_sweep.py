@@ -22,6 +22,7 @@ BROKEN = """
 import os, runpy, sys
 root = sys.argv[1]
 sys.path.insert(0, root)
+os.environ["TRITON_INTERPRET"] = "1"  # as the sweep's dry run sets it, before triton is first imported
 import submission
 forward = submission._aiter_forward
 submission._aiter_forward = lambda *a: forward(*a) * (os.environ["MLA_AITER_VARIANT"] != "fp8_nps")
@@ -49,25 +50,35 @@ def pasted_table(stdout: str) -> dict:
     return ast.literal_eval(assign.value)
 
 
+TRITON_PATHS = (S.ROCM_TRITON, "triton-fp8-precise", "triton-mxfp4")
+
+
 def test_dry_run_sweeps_every_variant_and_prints_a_table_to_paste(tmp_path):
-    proc, result = run_sweep(tmp_path)
+    chart = tmp_path / "sweep.png"
+    proc, result = run_sweep(tmp_path, "--chart", str(chart))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {(r["shape"], r["variant"]): r for r in result["rows"]}
-    assert set(rows) == {(shape, v) for shape in ("2x64", "3x37") for v in S.AITER_VARIANT_SPECS}
+    assert set(rows) == {(shape, v) for shape in ("2x64", "3x37") for v in (*S.AITER_VARIANT_SPECS, *TRITON_PATHS)}
     for (_, variant), row in rows.items():
-        spec = S.AITER_VARIANT_SPECS[variant]
-        assert row["status"] == "OK" and row["ran_as"] == spec.call and row["launches"] == spec.launches
+        if variant in TRITON_PATHS:  # the triton backend beside them, in the interpreter
+            assert row["status"] == "OK" and row["ran_as"].startswith("triton, ") and row["launches"] in (1, 2)
+        else:
+            spec = S.AITER_VARIANT_SPECS[variant]
+            assert row["status"] == "OK" and row["ran_as"] == spec.call and row["launches"] == spec.launches
         assert len(row["times_us"]) == 3 and row["median_us"] > 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["read_ceiling"]["gbps"] > 0
+    assert set(result["fp8_floor_us"]) == {"2x64", "3x37"}
     assert [q["exact"] for q in result["q_quant"]] == [True, True]
     table = pasted_table(proc.stdout)
     assert set(table) == {(2, 64), (3, 37)}
     for variant, source in table.values():
-        assert variant in S.AITER_VARIANT_SPECS and source.startswith("aiter_sweep ") and "CPU (dry run)" in source
+        assert variant in (*S.AITER_VARIANT_SPECS, S.ROCM_TRITON), variant
+        assert source.startswith("aiter_sweep ") and "CPU (dry run)" in source
     assert [[b, kv, *table[(b, kv)]] for b, kv in table] == result["recommended"]
 
 
 def test_a_variant_with_a_wrong_output_fails_and_is_never_recommended(tmp_path):
-    proc, result = run_sweep(tmp_path, "--variants", "fp8_nps,a16w8_ps", "--min-gain", "0", broken=True)
+    proc, result = run_sweep(tmp_path, "--variants", "fp8_nps,a16w8_ps", "--min-gain", "0", "--no-triton", broken=True)
     assert proc.returncode == 1, proc.stderr[-3000:]
     statuses = {(r["shape"], r["variant"]): r["status"] for r in result["rows"]}
     assert statuses == {(shape, v): ("FAIL" if v == "fp8_nps" else "OK")
