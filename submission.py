@@ -959,7 +959,7 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config, key: AiterKey | N
 
     Page size 1, on purpose. The KV is viewed (total_kv, 1, 1, 576) with kv_indptr in tokens, kv_indices =
     arange(total_kv) and kv_last_page_lens = ones. On gfx950 every dispatched MLA decode kernel ignores the page
-    size (the project's aiter contract, SPEC.md section 1: the disassembled mla_a8w8_qh16_qseqlen1_gqaratio16_ps,
+    size (docs/aiter-contract.md, "Page size 1, on purpose": the disassembled mla_a8w8_qh16_qseqlen1_gqaratio16_ps,
     our kernel, loads log2(page_size) and overwrites it with 0 before its only use, so a KV row is page_id x page
     stride with no in-page term, in every version of that blob from 2025-11 to 2026-08; aiter issues #2996 and
     #3095, sglang PR #25556). With page_size 2 the kernel would attend to the even tokens only, half the cache, and

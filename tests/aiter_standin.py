@@ -1,14 +1,14 @@
 """A stand-in for ROCm/aiter's MLA decode API, for testing the aiter backend on the CPU.
 
-Built from the recorded signatures in tests/data/aiter_signatures.json (a copy of the aiter contract's
-signatures.json; SPEC.md there has the semantics). For a recorded version it creates the modules `aiter`,
+Built from the recorded signatures in tests/data/aiter_signatures.json (docs/aiter-contract.md has the
+semantics and where each fact was read). For a recorded version it creates the modules `aiter`,
 `aiter.mla`, `aiter.ops`, `aiter.ops.attention` and `aiter.dtypes`, whose functions:
 
 - take arguments exactly as the recorded signature does: each function carries an inspect.Signature built from the
   record and binds every call with it, so a wrong keyword, a missing argument or one too many fails with the
   TypeError Python would raise (and inspect.signature(fn) shows the recorded signature, as functools.wraps makes the
   real compiled ops do);
-- enforce the checks SPEC.md section 6 (and sections 3-4) lists: dtypes (the arch's FP8 flavour only), contiguity
+- enforce the checks docs/aiter-contract.md lists: dtypes (the arch's FP8 flavour only), contiguity
   and unit strides, head counts, float32 scales, a 4-D kv_buffer and a 3-D o (the unpacking ValueError), Python
   int/float scalars, powers of two, the six buffers' shapes and dtypes from the info function;
 - model get_mla_metadata_v1's persistent split (v1.2 with fast_mode=True; fast_mode=False, v1.1, gets the same
@@ -23,7 +23,7 @@ signatures.json; SPEC.md there has the semantics). For a recorded version it cre
   only (the a16w8 kernel, looked up with max_seqlen_q padded to 4; Q is not padded). Every kernel run is appended
   to `launches`, by name, so tests count launches per call;
 - model the dispatched gfx950 kernels as PAGE-SIZE-1-ONLY: each kv_indices entry is one KV row at page_id x page
-  stride, whatever page_size says (SPEC.md section 1). The persistent kernel walks the work list through the
+  stride, whatever page_size says (docs/aiter-contract.md, "Page size 1, on purpose"). The persistent kernel walks the work list through the
   addresses in work_meta_data, as the kernel does, so buffers that were freed or come from different metadata
   fills fail; the reduce faults on partial slots stage 1 did not write into the buffers it is given, or maps of
   another fill. The non-persistent kernel reads kv_last_page_lens (only ones are modelled). Attention is computed
@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 import reference
 
 SIGNATURES_PATH = Path(__file__).parent / "data" / "aiter_signatures.json"
-# Labels of SPEC.md section 0 -> keys of signatures.json.
+# Labels of docs/aiter-contract.md's versions -> keys of signatures.json.
 VERSIONS = {
     "RUNNER": "f3be04a12a0cfd6b5e2c7a94edc774f1bc24460d",  # pinned by the leaderboard's MI355X runner, 2026-03-04
     "MAR15": "856b644b061ed8f9697b7fca03c1b8f317b09859",  # last main commit before 2026-03-15

@@ -379,7 +379,7 @@ def swap_work_buffers(params):
     params[i], params[j] = params[j], params[i]
 
 
-INCOMPATIBLE = {  # the hazards of SPEC.md section 2, on otherwise recorded signatures
+INCOMPATIBLE = {  # the version hazards of docs/aiter-contract.md, on otherwise recorded signatures
     "dtype_q dropped (main 2026-07-13..14)": ("NEWEST", "get_mla_metadata_v1", drop("dtype_q", "dtype_kv"),
                                               "dtype_q"),
     "work buffers swapped (before 2025-12-11)": ("RUNNER", "get_mla_metadata_v1", swap_work_buffers,
