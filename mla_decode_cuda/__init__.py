@@ -192,7 +192,7 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> i
 
 
 class DecodeCall(ctypes.Structure):
-    """mla_decode's one argument (csrc/mla_decode.cu, struct DecodeCall: the same fields in the same order). A plan
+    """mla_decode's one argument (csrc/common.cuh, struct DecodeCall: the same fields in the same order). A plan
     holds one with its own fields set (workspace, batch, splits, format); a call sets its inputs' and passes the
     address: one converted argument instead of 16."""
 

@@ -23,14 +23,14 @@ semantics and where each fact was read). For a recorded version it creates the m
   only (the a16w8 kernel, looked up with max_seqlen_q padded to 4; Q is not padded). Every kernel run is appended
   to `launches`, by name, so tests count launches per call;
 - model the dispatched gfx950 kernels as PAGE-SIZE-1-ONLY: each kv_indices entry is one KV row at page_id x page
-  stride, whatever page_size says (docs/aiter-contract.md, "Page size 1, on purpose"). The persistent kernel walks the work list through the
-  addresses in work_meta_data, as the kernel does, so buffers that were freed or come from different metadata
-  fills fail; the reduce faults on partial slots stage 1 did not write into the buffers it is given, or maps of
-  another fill. The non-persistent kernel reads kv_last_page_lens (only ones are modelled). Attention is computed
-  in fp32 from exactly what the kernel is given: raw FP8 (or bf16) values, the softmax scale times q_scale *
-  kv_scale (q_scale only for FP8 Q), the output times kv_scale, unsplit work written into `o` as bf16, split work
-  into the fp32 partials and merged by log-sum-exp. A work item with no KV rows produces NaN (0/0), the pessimistic
-  assumption for an empty sequence.
+  stride, whatever page_size says (docs/aiter-contract.md, "Page size 1, on purpose"). The persistent kernel walks the
+  work list through the addresses in work_meta_data, as the kernel does, so buffers that were freed or come from
+  different metadata fills fail; the reduce faults on partial slots stage 1 did not write into the buffers it is
+  given, or maps of another fill. The non-persistent kernel reads kv_last_page_lens (only ones are modelled).
+  Attention is computed in fp32 from exactly what the kernel is given: raw FP8 (or bf16) values, the softmax scale
+  times q_scale * kv_scale (q_scale only for FP8 Q), the output times kv_scale, unsplit work written into `o` as bf16,
+  split work into the fp32 partials and merged by log-sum-exp. A work item with no KV rows produces NaN (0/0), the
+  pessimistic assumption for an empty sequence.
 
 Only the paths the backend's variants take are modelled (16 heads, one query per sequence); anything else raises
 NotImplementedError rather than guess. The WHEEL's functions have its signatures but no

@@ -10,7 +10,8 @@ from attention_ref import fp32_attention
 
 import reference as R
 
-# docs/aiter-contract.md, MXFP4: one row of 128 bf16 values (4 blocks of 32) and what aiter's dynamic_mxfp4_quant writes.
+# The aiter contract's MXFP4 example: one row of 128 bf16 values (4 blocks of 32) and what aiter's
+# dynamic_mxfp4_quant writes.
 SPEC_BLOCK0 = [3.703125, -3.703125, 2.5, -2.5, 1.25, -1.25, 0.75, 0.25, -0.25, 0.2001953125, -0.10009765625, 3.5,
                1.75, 0.0, 1.25, 0.6015625, -0.8984375, 1.1015625, 2.203125, -2.90625, 3.203125, 0.050048828125,
                -0.400390625, 1.6015625, 2.75, -3.25, 0.125, 0.375, -1.75, 2.0, -0.0, 1.0]

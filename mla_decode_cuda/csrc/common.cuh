@@ -11,6 +11,29 @@ constexpr int D = 576;                 // key width = bytes per FP8 row
 constexpr int DV = 512;                // value width
 constexpr int BN = 64;                 // KV rows per tile
 
+// One call's arguments, the one list from the Python launcher to the kernels: mla_decode_cuda.DecodeCall is a ctypes
+// Structure of the same fields in the same order (mla_decode_call_layout lets it check the layout), a plan sets its
+// own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it by value.
+// q (batch, 16, 576) bf16; kv: kv_format 0, the FP8 cache (total_kv, 576) e4m3 with kv_scale (1,) fp32; 1, the
+// MXFP4 codes (total_kv, 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride; kv_indptr (batch +
+// 1,) int32; out (batch, 16, 512) bf16; part_o (batch * num_splits, 16, 512) bf16, part_lse (batch * num_splits,
+// 16) fp32 and sync (batch,) uint32: the splits' partials and barrier (unused with one split); stream: the
+// cudaStream_t to launch on; qk_scale = sm_scale * log2(e).
+struct DecodeCall {
+  const __nv_bfloat16* q;
+  const uint8_t* kv;
+  const float* kv_scale;
+  const uint8_t* kv_block_scales;
+  const int* kv_indptr;
+  __nv_bfloat16* out;
+  __nv_bfloat16* part_o;
+  float* part_lse;
+  unsigned* sync;
+  void* stream;
+  int scale_stride, kv_format, batch, total_kv, num_splits;
+  float qk_scale;
+};
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -111,17 +111,16 @@ __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat1
                  make_float4(acc[w].x * scale, acc[w].y * scale, acc[w].z * scale, acc[w].w * scale));
 }
 
-// When the splits of sequence b have all written their partials, split `split` merges its share (num_splits: a
-// power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on b's range (false: NaN rows).
-__device__ __forceinline__ void merge_splits(unsigned* sync, unsigned base, int b, int split, int num_splits,
-                                             bool valid, __nv_bfloat16* out, const __nv_bfloat16* part_o,
-                                             const float* part_lse) {
-  wait_for_splits(sync, b, num_splits, base);
+// When the splits of sequence b have all written their partials, split `split` merges its share (call.num_splits:
+// a power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on b's range (false: NaN rows).
+__device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned base, int b, int split, bool valid) {
+  const int num_splits = call.num_splits;
+  wait_for_splits(call.sync, b, num_splits, base);
   // TUNE: barrier
   if (threadIdx.x >= MERGE_THREADS) return;
-  const float* lse = part_lse + static_cast<size_t>(b) * num_splits * H;
-  const __nv_bfloat16* po = part_o + static_cast<size_t>(b) * num_splits * H * DV;
-  __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV;
+  const float* lse = call.part_lse + static_cast<size_t>(b) * num_splits * H;
+  const __nv_bfloat16* po = call.part_o + static_cast<size_t>(b) * num_splits * H * DV;
+  __nv_bfloat16* o = call.out + static_cast<size_t>(b) * H * DV;
   switch (num_splits) {
     case 2: merge_quads<8>(lse, po, o, num_splits, split, valid); break;
     case 4: merge_quads<4>(lse, po, o, num_splits, split, valid); break;

@@ -5,9 +5,8 @@
 //
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX>: grid (num_splits, batch) of CTAs of NTHREADS threads; q (batch, 16, 576) bf16; kv
-// (total_kv, 576) e4m3; kv_scale (1,) fp32; kv_indptr (batch + 1,) int32; out (batch, 16, 512) bf16.
-// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
+// split_kernel<STAGES, MX>(DecodeCall): grid (num_splits, batch) of CTAs of NTHREADS threads, the call's fields as
+// common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
 // its normalised partial output, and part_lse (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
 // sequence meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
 // each merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
@@ -19,6 +18,8 @@
 #else
 #include "mma_sync.cuh"
 #endif
+
+using mla::DecodeCall;
 
 // Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), and whether this build reads
 // the MXFP4 cache.
@@ -47,21 +48,6 @@ extern "C" int mla_limit_shared_memory(int bytes) {
 }
 #endif
 
-struct SplitArgs {
-  const __nv_bfloat16* q;
-  const uint8_t* kv;
-  const float* kv_scale;
-  const uint8_t* kv_block_scales;
-  int scale_stride;
-  const int* kv_indptr;
-  __nv_bfloat16* out;
-  __nv_bfloat16* part_o;
-  float* part_lse;
-  unsigned* sync;
-  int batch, total_kv, num_splits;
-  float qk_scale;
-};
-
 // With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
 // split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
 // The KV cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its
@@ -69,7 +55,7 @@ struct SplitArgs {
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
 template <int STAGES, bool MX>
-static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a, int max_window) {
+static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
   constexpr int smem = mla::smem_bytes<STAGES, MX>();
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
   if (!(configured & (1u << dev))) {
@@ -82,7 +68,7 @@ static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a
   cfg.gridDim = dim3(a.num_splits, a.batch);
   cfg.blockDim = dim3(mla::NTHREADS);
   cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
+  cfg.stream = static_cast<cudaStream_t>(a.stream);
   cudaLaunchAttribute attrs[2];
   int n = 0;
   if (max_window > 0) {
@@ -101,30 +87,8 @@ static cudaError_t launch_split(int dev, cudaStream_t stream, const SplitArgs& a
   }
   cfg.attrs = attrs;
   cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a.q, a.kv, a.kv_scale, a.kv_block_scales,
-                            a.scale_stride, a.kv_indptr, a.out, a.part_o, a.part_lse, a.sync, a.total_kv,
-                            a.num_splits, a.qk_scale);
+  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a);
 }
-
-// One call's arguments, as mla_decode_cuda.DecodeCall (a ctypes Structure of the same layout) holds them: the plan's
-// fields set once, the inputs' each call, so that Python passes one pointer instead of 16 converted arguments (each
-// costs host time). kv_format 0: kv is the FP8 cache (total_kv, 576) with kv_scale (1,) fp32; 1: kv is the MXFP4
-// codes (total_kv, 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride. part_o, part_lse and sync
-// as split_kernel's (unused with one split).
-struct DecodeCall {
-  const void* q;
-  const void* kv;
-  const void* kv_scale;
-  const void* kv_block_scales;
-  const void* kv_indptr;
-  void* out;
-  void* part_o;
-  void* part_lse;
-  void* sync;
-  void* stream;
-  int scale_stride, kv_format, batch, total_kv, num_splits;
-  float qk_scale;
-};
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[16] = its size.
@@ -153,25 +117,19 @@ extern "C" int mla_decode(const DecodeCall* c) {
     cudaDeviceGetAttribute(&smem_per_block[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     cudaDeviceGetAttribute(&max_window[dev], cudaDevAttrMaxAccessPolicyWindowSize, dev);
   }
-  const SplitArgs args = {static_cast<const __nv_bfloat16*>(c->q), static_cast<const uint8_t*>(c->kv),
-                          static_cast<const float*>(c->kv_scale), static_cast<const uint8_t*>(c->kv_block_scales),
-                          c->scale_stride, static_cast<const int*>(c->kv_indptr), static_cast<__nv_bfloat16*>(c->out),
-                          static_cast<__nv_bfloat16*>(c->part_o), static_cast<float*>(c->part_lse),
-                          static_cast<unsigned*>(c->sync), batch, c->total_kv, num_splits, c->qk_scale};
-  const cudaStream_t s = static_cast<cudaStream_t>(c->stream);
   cudaError_t e;
 #if MLA_WGMMA
   if (kv_format == 1)
-    e = launch_split<mla::MX_STAGES, true>(dev, s, args, max_window[dev]);
+    e = launch_split<mla::MX_STAGES, true>(dev, *c, max_window[dev]);
   else if (batch * num_splits > sms[dev])
-    e = launch_split<mla::STAGES_SHARED, false>(dev, s, args, max_window[dev]);
+    e = launch_split<mla::STAGES_SHARED, false>(dev, *c, max_window[dev]);
   else
-    e = launch_split<mla::STAGES_ALONE, false>(dev, s, args, max_window[dev]);
+    e = launch_split<mla::STAGES_ALONE, false>(dev, *c, max_window[dev]);
 #else
   switch (mma_sync_stages(smem_per_block[dev])) {
-    case 4: e = launch_split<4, false>(dev, s, args, max_window[dev]); break;
-    case 3: e = launch_split<3, false>(dev, s, args, max_window[dev]); break;
-    default: e = launch_split<2, false>(dev, s, args, max_window[dev]);
+    case 4: e = launch_split<4, false>(dev, *c, max_window[dev]); break;
+    case 3: e = launch_split<3, false>(dev, *c, max_window[dev]); break;
+    default: e = launch_split<2, false>(dev, *c, max_window[dev]);
   }
 #endif
   return static_cast<int>(e);

@@ -45,11 +45,7 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 
 template <int STAGES, bool MX>  // MX: not supported here (the launcher never instantiates it)
 __global__ void __launch_bounds__(NTHREADS, 1)
-split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
-             const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
-             const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ part_o,
-             float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
-             float qk_scale) {
+split_kernel(const DecodeCall call) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ks = smem;
   uint8_t* const tail = smem + STAGES * BN * KROW;
@@ -59,8 +55,8 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
-  const unsigned base = arrival_base(sync, b, num_splits);
+  const SplitRange range = split_range(call.kv_indptr, b, split, call.num_splits, call.total_kv);
+  const unsigned base = arrival_base(call.sync, b, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
   const bool valid = range.valid;
 
@@ -70,7 +66,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
     for (int c = tid; c < BN * (D / 16); c += NTHREADS) {
       const int r = c / (D / 16), col = (c % (D / 16)) * 16;
       const int n = n0 + r;
-      const uint8_t* src = kv + static_cast<size_t>(n < hi ? n : lo) * D + col;
+      const uint8_t* src = call.kv + static_cast<size_t>(n < hi ? n : lo) * D + col;
       const uint32_t d = smem_u32(dst + r * KROW + col);
       asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n < hi ? 16 : 0));
     }
@@ -85,11 +81,12 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   // A operand of every k16 step. Within each 16-dim chunk, lane t4 takes dims 4*t4 + {0,1} as the k-pair t4*2 and
   // 4*t4 + {2,3} as the k-pair t4*2 + 8: the products run over that permutation of the dims, the same for K (whose
   // ldmatrix fragments come out in exactly this order).
-  const float kv_scale = *kv_scale_ptr;
+  const float kv_scale = *call.kv_scale;
   for (int c = tid; c < H * D / 2; c += NTHREADS) {
     const int h = c / (D / 2), j = c % (D / 2);
-    const float2 v = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(q + static_cast<size_t>(b) * H * D)[c]);
-    *reinterpret_cast<__half2*>(qs + h * QROW + 2 * j) = __floats2half2_rn(v.x * qk_scale, v.y * qk_scale);
+    const float2 v =
+        __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(call.q + static_cast<size_t>(b) * H * D)[c]);
+    *reinterpret_cast<__half2*>(qs + h * QROW + 2 * j) = __floats2half2_rn(v.x * call.qk_scale, v.y * call.qk_scale);
   }
   __syncthreads();
   uint32_t qa[KSTEPS][4];
@@ -222,7 +219,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   }
   const float inv0 = l0 > 0.f ? kv_scale / l0 : 0.f, inv1 = l1 > 0.f ? kv_scale / l1 : 0.f;  // no rows: zeros
   // Group `grp` holds dims base + 4*t4 + {0, 1, 2, 3} as (even c0, odd c0, even c1, odd c1) for head g (c2, c3: g + 8).
-  const size_t part = static_cast<size_t>(b) * num_splits + split;
+  const size_t part = static_cast<size_t>(b) * call.num_splits + split;
 #pragma unroll
   for (int grp = 0; grp < VCOLS / 16; ++grp) {
     const float* ev = acc[2 * grp];
@@ -230,22 +227,22 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
     const int col = warp * VCOLS + grp * 16 + 4 * t4;
     float4 v0 = make_float4(ev[0] * inv0, od[0] * inv0, ev[1] * inv0, od[1] * inv0);
     float4 v1 = make_float4(ev[2] * inv1, od[2] * inv1, ev[3] * inv1, od[3] * inv1);
-    if (num_splits == 1) {
+    if (call.num_splits == 1) {
       if (!valid) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
-      __nv_bfloat16* o = out + static_cast<size_t>(b) * H * DV + col;
+      __nv_bfloat16* o = call.out + static_cast<size_t>(b) * H * DV + col;
       store_bf16x4(o + g * DV, v0);
       store_bf16x4(o + (g + 8) * DV, v1);
     } else {
-      __nv_bfloat16* o = part_o + part * H * DV + col;
+      __nv_bfloat16* o = call.part_o + part * H * DV + col;
       store_bf16x4(o + g * DV, v0);
       store_bf16x4(o + (g + 8) * DV, v1);
     }
   }
-  if (num_splits > 1 && warp == 0 && t4 == 0) {
-    part_lse[part * H + g] = l0 > 0.f ? m0 + log2f(l0) : -INFINITY;
-    part_lse[part * H + g + 8] = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
+  if (call.num_splits > 1 && warp == 0 && t4 == 0) {
+    call.part_lse[part * H + g] = l0 > 0.f ? m0 + log2f(l0) : -INFINITY;
+    call.part_lse[part * H + g + 8] = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
   }
-  if (num_splits > 1) merge_splits(sync, base, b, split, num_splits, valid, out, part_o, part_lse);
+  if (call.num_splits > 1) merge_splits(call, base, b, split, valid);
 }
 
 }  // namespace mla

@@ -157,11 +157,7 @@ __device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, flo
 
 template <int STAGES, bool MX>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
-split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
-             const float* __restrict__ kv_scale_ptr, const uint8_t* __restrict__ kv_block_scales, int scale_stride,
-             const int* __restrict__ kv_indptr, __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ part_o,
-             float* __restrict__ part_lse, unsigned* __restrict__ sync, int total_kv, int num_splits,
-             float qk_scale) {
+split_kernel(const DecodeCall call) {
   extern __shared__ __align__(1024) uint8_t smem[];
   // TUNE: entry
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -172,8 +168,8 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   float* qscale = red + NWARPS * H;
 
   const int split = blockIdx.x, b = blockIdx.y;
-  const SplitRange range = split_range(kv_indptr, b, split, num_splits, total_kv);
-  const unsigned base = arrival_base(sync, b, num_splits);
+  const SplitRange range = split_range(call.kv_indptr, b, split, call.num_splits, call.total_kv);
+  const unsigned base = arrival_base(call.sync, b, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
   const bool valid = range.valid;
   // TUNE: start
@@ -195,7 +191,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   auto load_tile = [&](int i) {
     const uint32_t dst = ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE);
     const int n0 = lo + i * BN;
-    const uint8_t* src = kv + static_cast<size_t>(n0) * (MX ? MX_ROW : D) + tid * 16;
+    const uint8_t* src = call.kv + static_cast<size_t>(n0) * (MX ? MX_ROW : D) + tid * 16;
     const int rows = hi - n0;
     if (rows >= BN) {
 #pragma unroll
@@ -207,7 +203,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       for (int it = 0; it < COPIES; ++it) {
         const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
         asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
-                     "l"(in ? src + it * NTHREADS * 16 : kv), "r"(in ? 16 : 0));
+                     "l"(in ? src + it * NTHREADS * 16 : call.kv), "r"(in ? 16 : 0));
       }
     }
   };
@@ -219,7 +215,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
   for (int j = 0; j < H / NWARPS; ++j) {
     const __nv_bfloat162* src =
-        reinterpret_cast<const __nv_bfloat162*>(q + (static_cast<size_t>(b) * H + warp + j * NWARPS) * D);
+        reinterpret_cast<const __nv_bfloat162*>(call.q + (static_cast<size_t>(b) * H + warp + j * NWARPS) * D);
 #pragma unroll
     for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
   }
@@ -231,7 +227,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) load_group(i);
   // TUNE: issued
-  const float kv_scale = MX ? 1.f : *kv_scale_ptr;
+  const float kv_scale = MX ? 1.f : *call.kv_scale;
   // MXFP4: this thread dequantizes blocks c = tid + 128 j (j < 9) of each tile, row c / 18, block c % 18; their
   // E8M0 scales are loaded one tile ahead, into registers (rows past hi: 127, a scale of 1 over zero codes).
   constexpr int MX_JOBS = MX ? BN * MX_BLOCKS / NTHREADS : 1;
@@ -240,8 +236,9 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll
     for (int j = 0; j < MX_JOBS; ++j) {
       const int c = tid + NTHREADS * j, n = lo + i * BN + c / MX_BLOCKS;
-      next_scales[j] = i < ntiles && n < hi ? kv_block_scales[static_cast<size_t>(n) * scale_stride + c % MX_BLOCKS]
-                                            : 127u;
+      next_scales[j] = i < ntiles && n < hi
+                           ? call.kv_block_scales[static_cast<size_t>(n) * call.scale_stride + c % MX_BLOCKS]
+                           : 127u;
     }
   };
   if constexpr (MX) load_scales(0);
@@ -263,7 +260,7 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
       const int d = 2 * (lane + 32 * i);
       *reinterpret_cast<uint16_t*>(qs + (d >> 4) * QCHUNK + h * 16 + (d & 15)) = to_e4m3x2(v[i].x * inv, v[i].y * inv);
     }
-    if (lane == 0) qscale[h] = (amax > 0.f ? amax / 448.f : 1.f) * qk_scale * kv_scale;
+    if (lane == 0) qscale[h] = (amax > 0.f ? amax / 448.f : 1.f) * call.qk_scale * kv_scale;
   }
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
@@ -412,11 +409,11 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
   float scale[4];  // kv_scale / the sum (no rows: zeros)
 #pragma unroll
   for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
-  const size_t part = static_cast<size_t>(b) * num_splits + split;
-  if (num_splits > 1 && tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
+  const size_t part = static_cast<size_t>(b) * call.num_splits + split;
+  if (call.num_splits > 1 && tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      part_lse[part * H + heads[e]] = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
+      call.part_lse[part * H + heads[e]] = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
   // that each warp store writes whole 128-byte lines; from the fragments, each store wrote four 64-byte pieces and
@@ -440,11 +437,13 @@ split_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv
 #pragma unroll 4
   for (int h = 0; h < H; ++h) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
-    if (num_splits == 1 && !valid) v = make_float4(NAN, NAN, NAN, NAN);
-    store_bf16x4((num_splits == 1 ? out + static_cast<size_t>(b) * H * DV : part_o + part * H * DV) + h * DV + col, v);
+    if (call.num_splits == 1 && !valid) v = make_float4(NAN, NAN, NAN, NAN);
+    __nv_bfloat16* dst =
+        call.num_splits == 1 ? call.out + static_cast<size_t>(b) * H * DV : call.part_o + part * H * DV;
+    store_bf16x4(dst + h * DV + col, v);
   }
   // TUNE: partial
-  if (num_splits > 1) merge_splits(sync, base, b, split, num_splits, valid, out, part_o, part_lse);
+  if (call.num_splits > 1) merge_splits(call, base, b, split, valid);
   // TUNE: merged
 }
 
