@@ -111,46 +111,48 @@ def ran_as(data: tuple) -> str:
     return plan.call if plan.call == wanted else f"{plan.call} (fallback)"
 
 
-def sweep_variant(shape, variant: str, data: tuple, expected: torch.Tensor, device, args) -> Row:
-    row = Row(shape.name, variant, launches=submission.AITER_VARIANT_SPECS[variant].launches)
-    with bench.scoped_env({"MLA_BACKEND": "aiter", "MLA_AITER_VARIANT": variant}):
+def measured_row(row: Row, env: dict, data: tuple, expected: torch.Tensor, kv_format: str, ran_as_of, device,
+                 args) -> Row:
+    """`row` filled for custom_kernel under `env`: its first output checked against the BF16 truth with the bound
+    of `kv_format`, ran_as_of(data) -> what the plan runs, then --warmup calls and the leaderboard's timing of
+    --iters. An exception (a path this machine cannot run) makes it ERROR, never recommended."""
+    with bench.scoped_env(env):
         try:
-            ok, msg = reference.check_against(data, submission.custom_kernel(data), expected)
-            row.ran_as = ran_as(data)
+            ok, msg = reference.check_against(data, submission.custom_kernel(data), expected, kv_format)
+            row.ran_as = ran_as_of(data)
             for _ in range(args.warmup):
                 submission.custom_kernel(data)
             row.times_us = leaderboard_times(lambda: submission.custom_kernel(data), device, args.iters)
-        except Exception as e:  # a variant this aiter cannot run: reported, never recommended
+        except Exception as e:
             row.reason = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             return row
     row.median_us, row.min_us = statistics.median(row.times_us), min(row.times_us)
     row.status, row.reason = ("OK", "") if ok else ("FAIL", msg)
     return row
+
+
+def sweep_variant(shape, variant: str, data: tuple, expected: torch.Tensor, device, args) -> Row:
+    row = Row(shape.name, variant, launches=submission.AITER_VARIANT_SPECS[variant].launches)
+    return measured_row(row, {"MLA_BACKEND": "aiter", "MLA_AITER_VARIANT": variant}, data, expected, "fp8", ran_as,
+                        device, args)
 
 
 def sweep_triton(shape, name: str, data: tuple, expected: torch.Tensor, device, args) -> Row:
-    """One of TRITON_PATHS: custom_kernel with the triton backend forced, checked with its format's bound."""
+    """One of TRITON_PATHS: custom_kernel with the triton backend forced."""
     kv_format, precision = TRITON_PATHS[name]
     row = Row(shape.name, name)
-    with bench.scoped_env({"MLA_BACKEND": "triton", "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}):
-        try:
-            ok, msg = reference.check_against(data, submission.custom_kernel(data), expected, kv_format)
-            q, kv_data, _, _, config = data
-            kv, scale = kv_data[kv_format]
-            plan = submission._triton_launch(submission._triton_key(q, kv, scale, config, kv_format,
-                                                                    precision == "precise", None)).plan
-            row.launches, row.ran_as = 1 + (plan.num_splits > 1), f"triton, {plan.num_splits} splits"
-            for _ in range(args.warmup):
-                submission.custom_kernel(data)
-            row.times_us = leaderboard_times(lambda: submission.custom_kernel(data), device, args.iters)
-        except Exception as e:  # a path this machine cannot run: reported, never recommended
-            row.reason = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-            return row
-    row.median_us, row.min_us = statistics.median(row.times_us), min(row.times_us)
-    row.status, row.reason = ("OK", "") if ok else ("FAIL", msg)
-    return row
+
+    def triton_ran_as(data: tuple) -> str:
+        q, kv_data, _, _, config = data
+        kv, scale = kv_data[kv_format]
+        plan = submission._triton_launch(submission._triton_key(q, kv, scale, config, kv_format,
+                                                                precision == "precise", None)).plan
+        row.launches = 1 + (plan.num_splits > 1)
+        return f"triton, {plan.num_splits} splits"
+
+    env = {"MLA_BACKEND": "triton", "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}
+    return measured_row(row, env, data, expected, kv_format, triton_ran_as, device, args)
 
 
 def sweep_q_quant(shape, data: tuple, device, args) -> dict:

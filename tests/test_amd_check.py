@@ -53,25 +53,27 @@ def test_the_launch_path_runs_for_amd_with_the_combine(tmp_path, target):
     assert result["errors"] == [] and "amd-check: pass" in output
 
 
+def assert_fails(path: Path, target: str, tmp_path: Path, *wanted: str, triton: str = "env") -> None:
+    """The check of `path` on `target` exits 1, with FAIL and each of `wanted` (any one of a tuple) in its output."""
+    rc, output, _ = run_check(path, target, tmp_path, triton=triton)
+    assert rc == 1 and "amd-check: FAIL" in output, output
+    for want in wanted:
+        assert any(w in output for w in ((want,) if isinstance(want, str) else want)), (want, output)
+
+
 def test_fails_on_a_launch_option_amd_refuses(tmp_path):
     path = planted(tmp_path, '    if target.vendor == "nvidia":\n        options["launch_pdl"] = pdl\n',
                    '    options["launch_pdl"] = pdl\n')
-    rc, output, _ = run_check(path, "gfx950", tmp_path)
-    assert rc == 1, output
-    assert "launch_pdl" in output and "amd-check: FAIL" in output, output
+    assert_fails(path, "gfx950", tmp_path, "launch_pdl")
 
 
 def test_fails_on_an_e4m3fnuz_to_e4m3fn_conversion(tmp_path):
     path = planted(tmp_path, "            K_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty\n",
                    "            K_DTYPE: tl.constexpr = tl.float8e4nv\n")
-    rc, output, _ = run_check(path, "gfx942", tmp_path)
-    assert rc == 1, output
-    assert "amd-check: FAIL" in output and "triton fp8-fast 4x1024" in output, output
+    assert_fails(path, "gfx942", tmp_path, "triton fp8-fast 4x1024")
 
 
 @pytest.mark.skipif(not (RUNNER_TRITON / "triton").is_dir(), reason="the runner's Triton: make amd-check installs it")
 def test_fails_on_a_plan_over_the_lds(tmp_path):
     path = planted(tmp_path, '"gfx942": 64 * 1024,', '"gfx942": 160 * 1024,')  # the plan then takes 3 stages
-    rc, output, _ = run_check(path, "gfx942", tmp_path, triton=str(RUNNER_TRITON))
-    assert rc == 1, output
-    assert "amd-check: FAIL" in output and ("OutOfResources" in output or "over the MI300X's" in output), output
+    assert_fails(path, "gfx942", tmp_path, ("OutOfResources", "over the MI300X's"), triton=str(RUNNER_TRITON))
