@@ -18,21 +18,23 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from numerics import EMULATION_OF  # noqa: E402
 
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
 from utils import scoped_env  # noqa: E402
 
-# name -> (backend, KV format, precision, the emulation of what it rounds)
-KERNELS = {
-    "cuda wgmma fp8": ("cuda", "fp8", "fast", "+Q+P"),
-    "cuda mma.sync fp8": ("cuda", "fp8", "precise", "cache"),
-    "cuda mxfp4": ("cuda", "mxfp4", "fast", "+Q+P"),
-    "triton fp8 fast": ("triton", "fp8", "fast", "+Q"),
-    "triton fp8 precise": ("triton", "fp8", "precise", "cache"),
-    "triton mxfp4": ("triton", "mxfp4", "fast", "cache"),
-}
+# name -> (backend, KV format, precision, the emulation of what it rounds: numerics.EMULATION_OF)
+KERNELS = {name: (*path, EMULATION_OF[path]) for name, path in {
+    "cuda wgmma fp8": ("cuda", "fp8", "fast"),
+    "cuda mma.sync fp8": ("cuda", "fp8", "precise"),
+    "cuda mxfp4": ("cuda", "mxfp4", "fast"),
+    "triton fp8 fast": ("triton", "fp8", "fast"),
+    "triton fp8 precise": ("triton", "fp8", "precise"),
+    "triton mxfp4": ("triton", "mxfp4", "fast"),
+}.items()}
 BATCHES = {"mixed": [8191, 1, 4096, 0, 517, 33], "uniform 64x1024": [1024] * 64}
 BUGS = ("correct", "sm_scale x 1.01", "out x 1.02", "last row dropped")
 

@@ -61,7 +61,6 @@ def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
         assert 0 < ours["rel_l2"] < R.REL_L2_BOUND["fp8"]
         assert ours["vs_best_peer"] == pytest.approx(ours["median_us"] / rows[(s, "torch-ref")]["median_us"])
         assert ours["kv_bytes"] == ours["kv_rows"] * 576 and ours["kv_rows"] == ours["batch"] * ours["kv"]
-        assert rows[(s, "torch-ref")]["rel_l2"] == 0.0
         assert rows[(s, "triton-mxfp4")]["kv_bytes"] == ours["kv_rows"] * (288 + 18)
         for name in ("cuda-mxfp4", "triton-fp8", "flashinfer-bf16", "flashinfer-fp8", "memwalk-fp8"):
             assert rows[(s, name)]["status"] == "skipped"

@@ -6,6 +6,7 @@ float64 emulation of exactly what it rounds (fast: Q to e4m3 per head; precise: 
 GPU (`pytest -m gpu`): every backend on the real hardware, against the strict gate.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,10 @@ import torch
 import reference as R
 
 ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("numerics_script", ROOT / "bench" / "numerics.py")
+_numerics = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_numerics)
+EMULATION_OF = _numerics.EMULATION_OF  # (backend, KV format, precision) -> the emulation of what the kernel rounds
 LENS = [10, 118, 64, 64, 1, 33]
 MARGIN_BOUND = 0.9 * R.REL_L2_BOUND["fp8"]  # no case may sit within 10% of the strict gate
 
@@ -62,8 +67,11 @@ def interpreted(tmp_path_factory) -> dict:
 def test_interpreted_kernels_round_only_what_they_say(interpreted):
     assert not interpreted["skipped"], interpreted["skipped"]
     for row in interpreted["rows"]:
-        assert abs(row["triton fast"] - row["+Q"]) < 2e-3, row
-        assert abs(row["triton precise"] - row["cache"]) < 2e-3, row
+        # the outputs themselves against the emulation of what each kernel rounds: the interpreter's dots are exact
+        # fp32, so what remains is the output's bf16 rounding (~2-3e-3) and fp32 sums
+        assert row["triton fast vs emulation"] < 5e-3, row
+        assert row["triton precise vs emulation"] < 5e-3, row
+        assert row["torch fast vs emulation"] < 5e-3, row
         assert row["torch fast"] == row["torch precise"], row  # fp32 either way
         assert all(row[c] < MARGIN_BOUND for c in row if c != "case"), row
 
@@ -96,9 +104,10 @@ def test_gpu_stress_passes_the_strict_gate(monkeypatch, backend, precision, case
     out = S.custom_kernel(data)
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
-    if precision == "precise":  # nothing rounded beyond the cache, fp16 products, fp32 sums and bf16 output
-        q, kv_data, qo, kvp, config = data
-        kv, scale = kv_data["fp8"]
-        exact = R.attention_reference(q.double(), kv.double() * scale.double(), qo, kvp, config["sm_scale"],
-                                      torch.float64)
-        assert R.relative_l2(out, exact) < 5e-3
+    # The output itself against the emulation of what the kernel rounds, worst sequence (bounds as
+    # tests/test_negative_controls.py measured them on random data). Not for the cuda wgmma kernel (cuda fast): its
+    # emulation leaves out the FP8 MMA's accumulation, 2.5e-2 away on random data.
+    bound = {("triton", "fast"): 1e-2}.get((backend, precision), 6e-3)
+    if (backend, precision) != ("cuda", "fast"):
+        exact = R.kernel_emulation(data, EMULATION_OF[(backend, "fp8", precision)])
+        assert R.worst_row_relative_l2(out, exact) < bound

@@ -23,11 +23,13 @@ from attention_ref import assert_matches, nan_outside, triton_reference  # noqa:
 import reference as R  # noqa: E402
 
 CPU = torch.device("cpu")
-# vs fp32 attention over what the kernel reads: bf16 output rounding is ~2-3e-3. Per sequence in the interpreter,
-# whose fp32 division is exact like the model's; over the whole output on a GPU, where Triton's fp32 `/` may be an
-# ulp off (div.full.f32 on NVIDIA), and an ulp of a head's 448 / max|q_h| moves its Q values that sit at an E4M3
-# rounding tie by a whole step (a head 1-2e-2 off the model then).
+# vs fp32 attention over what the kernel reads, per sequence (the worst one): bf16 output rounding is ~2-3e-3 in the
+# interpreter, whose fp32 division is exact like the model's. On a GPU Triton's fp32 `/` may be an ulp off
+# (div.full.f32 on NVIDIA), and an ulp of a head's 448 / max|q_h| moves its Q values that sit at an E4M3 rounding tie
+# by a whole step: measured worst sequence 4.5-6.5e-3 for the fast FP8 path, 1.7e-3 for MXFP4 (H200,
+# bench/negative_controls.py), where sm_scale x 1.01 gives >= 1.37e-2.
 KERNEL_REL_L2 = 5e-3
+GPU_KERNEL_REL_L2 = 1e-2
 CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages) or None for triton_plan)
     "varlen_0_1_odd": ([5, 0, 1, 70, 33], (1, 64, 4, 3)),
     "splits3_varlen": ([130, 0, 1, 67], (3, 64, 4, 3)),
@@ -36,6 +38,11 @@ CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages
     "default_plan": ([100, 37], None),
 }
 NAN_OUTSIDE_LENGTHS = [5, 1, 0, 70, 3, 9]  # the last one past kv_indptr[-1] (attention_ref.nan_outside)
+# Data where a softmax without its max subtraction overflows and a merge that weighs the splits wrongly shows:
+# name -> (KV lengths, reference.generate_shifted_input's shift and sink; shift None: one sequence's q all zero, so
+# its scores are all equal).
+HOSTILE = {"shift100": ([8191, 1, 0, 33], 100.0, False), "shift30": ([1, 0, 257, 33], 30.0, False),
+           "sink30": ([8191, 1, 0, 33], 30.0, True), "equal_scores": ([1, 0, 257, 33], None, False)}
 INVALID = {  # kv_indptr over KV lengths [10, 20, 5, 7] (total_kv 42) -> the sequences that must be NaN
     "end_before_start": ([0, 10, 5, 30, 42], [1]),
     "end_past_total_kv": ([0, 10, 30, 35, 50], [3]),
@@ -57,6 +64,27 @@ def _check(results: dict, name: str, fn) -> None:
         results[name] = [True, msg or ""]
     except Exception as e:  # reported by the test of that name
         results[name] = [False, f"{type(e).__name__}: {e}"]
+
+
+def hostile_checks(S, results: dict) -> None:
+    """HOSTILE through the triton backend's default plan (splits on the long sequences), both formats, against the
+    fp32 computation over what the kernel reads, per sequence."""
+    for name, (lens, shift, sink) in HOSTILE.items():
+        for kv_format in ("fp8", "mxfp4"):
+            def hostile(lens=lens, shift=shift, sink=sink, kv_format=kv_format):
+                if shift is None:
+                    data = R.generate_varlen_input(lens, seed=9, device=CPU)
+                    data[0][2].zero_()
+                else:
+                    data = R.generate_shifted_input(lens, seed=9, shift=shift, sink=sink, device=CPU)
+                q, kv_data, qo, kvp, config = data
+                out = S._triton_forward(q, *kv_data[kv_format], qo, kvp, config, kv_format)
+                assert torch.isfinite(out).all(), "NaN/Inf in the output"
+                error = R.worst_row_relative_l2(out, triton_reference(data, kv_format))
+                assert error < KERNEL_REL_L2, f"worst sequence {error:.3e} against fp32 (bound {KERNEL_REL_L2:g})"
+                return f"worst sequence {error:.2e}"
+
+            _check(results, f"hostile_{name}-{kv_format}", hostile)
 
 
 def _interpreted_checks() -> dict:
@@ -149,6 +177,7 @@ def _interpreted_checks() -> dict:
                 assert_quantized_as_the_reference(scaled_q(batch, amax), quant, torch.float8_e4m3fn, exact=True)
 
     _check(results, "q_quantization", q_quantization)
+    hostile_checks(S, results)
     return results
 
 
@@ -174,6 +203,15 @@ def test_interpreted_reads_no_row_outside_a_sequence(interpreted, kv_format, kee
     """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), two splits: its output stays
     within the kernel bound of the fp32 computation on the clean cache."""
     ok, msg = interpreted[f"nan_outside-{kv_format}-{keep}"]
+    assert ok, msg
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_interpreted_hostile_data(interpreted, case, kv_format):
+    """Shifted logits, a sink, all-equal scores, lengths 0 and 1 beside 8191: the online softmax's max subtraction
+    and the combine's weights are what keep these within the kernel bound."""
+    ok, msg = interpreted[f"hostile_{case}-{kv_format}"]
     assert ok, msg
 
 
@@ -252,7 +290,7 @@ def test_gpu_task_cases(on_gpu, monkeypatch, kv_format, batch, kv_len):
     monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
     data = R.generate_input(batch, 1, kv_len, seed=batch * 7 + kv_len)
     out = on_gpu.custom_kernel(data)
-    assert_matches(data, out, triton_reference(data, kv_format), KERNEL_REL_L2, R.relative_l2)
+    assert_matches(data, out, triton_reference(data, kv_format), GPU_KERNEL_REL_L2)
     assert torch.equal(on_gpu.custom_kernel(data), out)  # the second call launches the cached compiled kernels
 
 
@@ -265,7 +303,7 @@ def test_gpu_varlen(on_gpu, monkeypatch, kv_format, lens):
     data = R.generate_varlen_input(lens, seed=len(lens))
     out = on_gpu.custom_kernel(data)
     assert torch.isfinite(out).all()
-    assert R.relative_l2(out, triton_reference(data, kv_format)) < KERNEL_REL_L2
+    assert R.worst_row_relative_l2(out, triton_reference(data, kv_format)) < GPU_KERNEL_REL_L2
     # One MXFP4 row alone is its own quantization error: 5.08% of elements miss the leaderboard's rtol=atol=0.1
     # for the torch backend too (fp32 over the dequantized row), so only longer sequences face that gate there.
     if any(lens) and (kv_format == "fp8" or max(lens) > 1):
@@ -298,7 +336,7 @@ def test_gpu_inputs_off_a_16_byte_boundary(on_gpu, monkeypatch, kv_format):
     kv, scale = kv_data[kv_format]
     aligned = (q, kv_data, qo, kvp, config)
     out = on_gpu.custom_kernel(aligned)
-    assert R.relative_l2(out, triton_reference(aligned, kv_format)) < KERNEL_REL_L2
+    assert R.worst_row_relative_l2(out, triton_reference(aligned, kv_format)) < GPU_KERNEL_REL_L2
     for bad in ((shifted(q), kv_data, qo, kvp, config), (q, kv_data, qo, shifted(kvp), config),
                 (q, dict(kv_data, **{kv_format: (shifted(kv.view(torch.uint8)).view(kv.dtype), scale)}), qo, kvp,
                  config)):
