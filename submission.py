@@ -449,6 +449,10 @@ AMD_LDS_BYTES = {"gfx950": 160 * 1024, "gfx942": 64 * 1024, "gfx941": 64 * 1024,
 # of the offline compile with the runner's Triton 3.6.0 (tools/amd_check.py: gfx950 FP8 2, gfx942 1), a 4-warp
 # program being one wave on each of a CU's 4 SIMDs.
 PROGRAMS_PER_SM = {"gfx950": 2, "gfx942": 1}
+# AMD architectures whose MFMAs take E2M1 operands with E8M0 block scales (CDNA4), on which the MXFP4 score product
+# is tl.dot_scaled on the codes as they lie (tools/amd_check.py: v_mfma_scale_f32_16x16x128_f8f6f4); elsewhere Triton
+# would emulate it, and the dequantizing kernel stays.
+SCALED_MFMA_ARCHS = ("gfx950",)
 NVIDIA_PROGRAMS_PER_SM = 2
 INTERPRETER_TARGET = TritonTarget("interpreter", "cpu", 132, 228 * 1024)  # plans as on an H200
 
@@ -1130,6 +1134,21 @@ if triton is not None:
             return x
 
     @triton.jit
+    def _mx_scores(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr, q_t,
+                   acc):
+        """acc + K[:, COL0:COL0+WIDTH] @ q_t, (BLOCK_N, 16) fp32: the MXFP4 rows' E2M1 codes and E8M0 block scales
+        as they lie, against q_t (WIDTH, 16) E4M3, by tl.dot_scaled (gfx950: the scaled MFMA); acc None: 0. Rows
+        with row_ok False read as 0."""
+        BLOCK_N: tl.constexpr = row_ok.shape[0]
+        r = tl.arange(0, BLOCK_N)
+        codes = tl.load(kv_ptr + tl.cast(n0, tl.int64) * _FP4_ROW_BYTES + COL0 // 2 + r[:, None] * _FP4_ROW_BYTES
+                        + tl.arange(0, WIDTH // 2)[None, :], mask=row_ok[:, None], other=0)
+        scales = tl.load(kscale_ptr + tl.cast(n0, tl.int64) * kscale_stride + r[:, None] * kscale_stride
+                         + (tl.arange(0, WIDTH // _MX_BLOCK) + COL0 // _MX_BLOCK)[None, :], mask=row_ok[:, None],
+                         other=127)
+        return tl.dot_scaled(codes, scales, "e2m1", q_t, None, "e4m3", acc)
+
+    @triton.jit
     def _q_cols(q_ptr, b, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
                 FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr):
         """Q^T rows COL0:COL0+WIDTH of sequence b, (WIDTH, 16), times the per-head q_scale (16,), as Q_DTYPE; FP8_MAX
@@ -1155,7 +1174,7 @@ if triton is not None:
                           part_lse_ptr, total_kv, qk_scale, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                           KV_FORMAT: tl.constexpr, PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr,
                           FP8_MAX: tl.constexpr, USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          USE_PDL: tl.constexpr, SCALED_SCORES: tl.constexpr):
         split = tl.program_id(0)
         b = tl.program_id(1)
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
@@ -1170,20 +1189,27 @@ if triton is not None:
         hi = tl.minimum(lo + per_split, end)
 
         heads = tl.arange(0, _HEADS)
-        q_fp8_max: tl.constexpr = FP8_MAX if KV_FORMAT == "fp8" and not PRECISE else 0.0
-        if KV_FORMAT == "fp8":  # one Q scale per head; the fp32 scores get kv_scale * qk_scale / q_scale
+        FP8_Q: tl.constexpr = (KV_FORMAT == "fp8" and not PRECISE) or SCALED_SCORES
+        q_fp8_max: tl.constexpr = FP8_MAX if FP8_Q else 0.0
+        if KV_FORMAT == "fp8" or SCALED_SCORES:  # one Q scale per head; the fp32 scores get qk_scale / q_scale
             q_row = q_ptr + b * (_HEADS * _QK_DIM) + heads[:, None] * _QK_DIM
             q_max = tl.maximum(
                 tl.max(tl.abs(tl.load(q_row + tl.arange(0, _V_DIM)[None, :]).to(tl.float32)), 1),
                 tl.max(tl.abs(tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :]).to(tl.float32)), 1))
-            if PRECISE:  # DOT_DTYPE Q scaled by a power of two (exact) so its largest |q| lies in [2^14, 2^15)
+            if not FP8_Q:  # DOT_DTYPE Q scaled by a power of two (exact) so its largest |q| lies in [2^14, 2^15)
                 q_scale = tl.exp2(14.0 - tl.floor(tl.log2(tl.maximum(q_max, 1e-30))))
                 q_dtype: tl.constexpr = DOT_DTYPE
-            else:  # Q in the cache's FP8 type: the score product is an fp8 x fp8 MMA on the tile as it lies
+            elif KV_FORMAT == "fp8":  # Q in the cache's FP8 type: an fp8 x fp8 MMA on the tile as it lies
                 q_scale = FP8_MAX / tl.maximum(q_max, 1e-30)
                 q_dtype: tl.constexpr = kv_ptr.dtype.element_ty
-            out_scale = tl.load(kscale_ptr)
-            s_scale = out_scale * qk_scale / q_scale
+            else:  # E4M3 Q against the E2M1 codes and their E8M0 scales: a scaled MMA (tl.dot_scaled)
+                q_scale = FP8_MAX / tl.maximum(q_max, 1e-30)
+                q_dtype: tl.constexpr = tl.float8e4nv
+            if KV_FORMAT == "fp8":
+                out_scale = tl.load(kscale_ptr)
+            else:  # the values' 2^-6 of the dequantized V (_kv_cols)
+                out_scale = 64.0
+            s_scale = (out_scale if KV_FORMAT == "fp8" else 1.0) * qk_scale / q_scale
         else:  # fp16 Q pre-scaled by sm_scale * log2(e); MXFP4's 2^6 goes into the scores and the output
             q_scale = tl.full([_HEADS], qk_scale, tl.float32)
             q_dtype: tl.constexpr = DOT_DTYPE
@@ -1207,16 +1233,23 @@ if triton is not None:
         acc3 = tl.zeros([128, _HEADS], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             row_ok = n0 + tl.arange(0, BLOCK_N) < hi
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 0, 128, False, KV_FORMAT, K_DTYPE,
-                                USE_ASM), q0)
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 128, 128, False, KV_FORMAT,
-                                K_DTYPE, USE_ASM), q1, s)
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 256, 128, False, KV_FORMAT,
-                                K_DTYPE, USE_ASM), q2, s)
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 384, 128, False, KV_FORMAT,
-                                K_DTYPE, USE_ASM), q3, s)
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, _V_DIM, _ROPE_DIM, False, KV_FORMAT,
-                                K_DTYPE, USE_ASM), q_rope, s)
+            if SCALED_SCORES:
+                s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 0, 128, q0, None)
+                s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 128, 128, q1, s)
+                s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 256, 128, q2, s)
+                s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 384, 128, q3, s)
+                s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, _V_DIM, _ROPE_DIM, q_rope, s)
+            else:
+                s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 0, 128, False, KV_FORMAT,
+                                    K_DTYPE, USE_ASM), q0)
+                s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 128, 128, False, KV_FORMAT,
+                                    K_DTYPE, USE_ASM), q1, s)
+                s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 256, 128, False, KV_FORMAT,
+                                    K_DTYPE, USE_ASM), q2, s)
+                s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, 384, 128, False, KV_FORMAT,
+                                    K_DTYPE, USE_ASM), q3, s)
+                s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, _V_DIM, _ROPE_DIM, False,
+                                    KV_FORMAT, K_DTYPE, USE_ASM), q_rope, s)
             s = tl.where(row_ok[:, None], s * s_scale[None, :], float("-inf"))  # (BLOCK_N, 16), log2 units
             m_new = tl.maximum(m_i, tl.max(s, 0))
             p = tl.exp2(s - m_new[None, :])
@@ -1277,6 +1310,7 @@ class TritonPlan(NamedTuple):
     block_n: int  # KV rows per tile
     num_warps: int
     num_stages: int  # Triton's software pipeline: num_stages - 1 tiles in flight in shared memory
+    scaled_scores: bool = False  # MXFP4: the score product by tl.dot_scaled on the codes (else dequantized K)
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -1304,7 +1338,9 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str) 
     On AMD the same rule fills the CUs with the resident programs the offline compile reports (PROGRAMS_PER_SM),
     and the stages are the most (3 at most) whose tiles fit the target's LDS (gfx942's 64 KiB holds 2); MXFP4 takes
     2, since with 3 the AMD builds spill (Triton 3.6.0: 248 B of scratch on gfx950, 192-228 B on gfx942; with 2 none,
-    394 and 403 VGPRs, 1 wave per SIMD as with 3). Untimed on any AMD GPU.
+    394 and 403 VGPRs, 1 wave per SIMD as with 3). On gfx950 MXFP4's scores are tl.dot_scaled on the codes
+    (SCALED_MFMA_ARCHS) with 1 stage: 212 VGPRs and 2 waves per SIMD, where 2 stages take 334 VGPRs and 1 wave, and
+    8 warps at 2 stages 238 and 2 waves of one program (Triton 3.6.0, offline). Untimed on any AMD GPU.
     """
     block_n, num_warps = 64, 4
     max_splits = 32 if kv_format == "fp8" else 64
@@ -1312,10 +1348,11 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str) 
     per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
     want = max(1, per_sm * target.num_sms // max(batch, 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
-    stage_choices = (2,) if amd and kv_format == "mxfp4" else (3, 2)
+    scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS
+    stage_choices = (1,) if scaled else (2,) if amd and kv_format == "mxfp4" else (3, 2)
     stages = next((s for s in stage_choices if split_kernel_shared_bytes(block_n, s, kv_format) <= target.shared_bytes),
                   1)
-    return TritonPlan(splits, block_n, num_warps, stages)
+    return TritonPlan(splits, block_n, num_warps, stages, scaled)
 
 
 class TritonKey(NamedTuple):
@@ -1364,10 +1401,12 @@ class _TritonLaunch:
         self.part_o = torch.empty((workspace_rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.float32, device=key.device)
         self.part_lse = torch.empty((workspace_rows, NUM_HEADS), dtype=torch.float32, device=key.device)
         self.workspace = (self.part_o.data_ptr(), self.part_lse.data_ptr())
-        fp8_max = float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else 0.0  # 448 e4m3fn, 240 fnuz
+        # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none for fp16 Q
+        fp8_max = (float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else
+                   float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores else 0.0)
         split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, KV_FORMAT=key.kv_format, PRECISE=key.precise,
                             DOT_DTYPE=tl.float32 if interpreted else tl.float16, FP8_MAX=fp8_max, USE_ASM=nvidia,
-                            ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1)
+                            ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1, SCALED_SCORES=plan.scaled_scores)
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, USE_PDL=nvidia)
         self.split_grid = (splits, key.batch, 1)  # compiled kernels take 3-D grids
         self.combine_grid = (key.batch * NUM_HEADS, V_HEAD_DIM // block_dv, 1)

@@ -45,9 +45,10 @@ def fp32_attention(data, kv_format: str, q: torch.Tensor | None = None) -> torch
                                  kv_indptr, config["sm_scale"])
 
 
-def triton_reference(data, kv_format: str) -> torch.Tensor:
-    """fp32 attention over what the triton kernel reads: FP8 Q per head on the fp8 path, the bf16 Q on MXFP4."""
-    return fp32_attention(data, kv_format, fp8_per_head(data[0]) if kv_format == "fp8" else None)
+def triton_reference(data, kv_format: str, scaled_scores: bool = False) -> torch.Tensor:
+    """fp32 attention over what the triton kernel reads: FP8 Q per head on the fp8 path and on MXFP4 with the scaled
+    score product (TritonPlan.scaled_scores), the bf16 Q on MXFP4 otherwise."""
+    return fp32_attention(data, kv_format, fp8_per_head(data[0]) if kv_format == "fp8" or scaled_scores else None)
 
 
 def assert_matches(data, out: torch.Tensor, exact: torch.Tensor, bound: float,

@@ -87,6 +87,42 @@ def hostile_checks(S, results: dict) -> None:
             _check(results, f"hostile_{name}-{kv_format}", hostile)
 
 
+# The MXFP4 score product by tl.dot_scaled (gfx950's plan, forced here): Triton's interpreter runs it from 3.9 on.
+SCALED_PLAN = (2, 64, 4, 1, True)
+SCALED_CASES = {"varlen_0_1_odd": [5, 0, 1, 70, 33], "one_long": [8191, 1, 0, 33]}
+
+
+def scaled_checks(S, results: dict) -> None:
+    """The scaled MXFP4 score product against the fp32 computation with E4M3 Q per head, per sequence; on hostile
+    data; and with every row outside one sequence NaN."""
+    import triton
+
+    interpreter_runs_it = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
+    cases = dict(SCALED_CASES, shift100=None, nan_outside=None)
+    for name in cases:
+        def scaled(name=name):
+            if not interpreter_runs_it:
+                return f"skip: Triton {triton.__version__}'s interpreter has no dot_scaled"
+            if name == "shift100":
+                data = R.generate_shifted_input([8191, 1, 0, 33], seed=9, shift=100.0, device=CPU)
+            elif name == "nan_outside":
+                clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=2, device=CPU)
+                data, _ = nan_outside(clean, "mxfp4", 3, 1)
+                exact = triton_reference(clean, "mxfp4", scaled_scores=True)[3]
+            else:
+                data = R.generate_varlen_input(cases[name], seed=4, device=CPU)
+            q, kv_data, qo, kvp, config = data
+            out = S._triton_forward(q, *kv_data["mxfp4"], qo, kvp, config, "mxfp4", plan=SCALED_PLAN)
+            if name == "nan_outside":
+                assert torch.isfinite(out[3]).all(), "a row outside the sequence was read"
+                error = R.worst_row_relative_l2(out[3][None], exact[None])
+                assert error < KERNEL_REL_L2, f"{error:.3e}"
+                return f"worst sequence {error:.2e}"
+            return assert_matches(data, out, triton_reference(data, "mxfp4", scaled_scores=True), KERNEL_REL_L2)
+
+        _check(results, f"scaled_{name}", scaled)
+
+
 def _interpreted_checks() -> dict:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import triton_interpreter
@@ -178,6 +214,7 @@ def _interpreted_checks() -> dict:
 
     _check(results, "q_quantization", q_quantization)
     hostile_checks(S, results)
+    scaled_checks(S, results)
     return results
 
 
@@ -203,6 +240,16 @@ def test_interpreted_reads_no_row_outside_a_sequence(interpreted, kv_format, kee
     """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), two splits: its output stays
     within the kernel bound of the fp32 computation on the clean cache."""
     ok, msg = interpreted[f"nan_outside-{kv_format}-{keep}"]
+    assert ok, msg
+
+
+@pytest.mark.parametrize("case", sorted(SCALED_CASES) + ["shift100", "nan_outside"])
+def test_interpreted_scaled_mxfp4_scores(interpreted, case):
+    """gfx950's MXFP4 kernel (tl.dot_scaled scores): within the kernel bound of fp32 with E4M3 Q, and the strict
+    gate; skipped where the interpreter lacks dot_scaled (Triton < 3.9)."""
+    ok, msg = interpreted[f"scaled_{case}"]
+    if msg.startswith("skip: "):
+        pytest.skip(msg[6:])
     assert ok, msg
 
 
@@ -233,7 +280,8 @@ def test_plan_splits_fill_the_sms():
     import submission as S
 
     h200 = S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
-    assert S.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3)  # capped: one 64-row tile per split
+    assert S.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3, False)  # capped: one 64-row tile per split
+    assert not S.triton_plan(4, 1024, h200, "mxfp4").scaled_scores  # Hopper has no scaled MMA: dequantized K
     assert S.triton_plan(4, 8192, h200, "fp8").num_splits == 32
     assert S.triton_plan(4, 8192, h200, "mxfp4").num_splits == 64
     assert S.triton_plan(32, 8192, h200, "fp8").num_splits == 8
@@ -246,14 +294,16 @@ def test_plan_splits_fill_the_sms():
 
 def test_amd_plans_fit_the_lds_and_fill_the_cus():
     """gfx950 (MI355X, 256 CUs, 2 programs a CU, 160 KB LDS) keeps 3 stages for FP8; gfx942 (MI300X, 304 CUs, 1 a
-    CU, 64 KiB) takes 2, whose modelled LDS fits; MXFP4 takes 2 on both (3 spill); AMD takes no launch_pdl."""
+    CU, 64 KiB) takes 2, whose modelled LDS fits; MXFP4 takes the scaled scores at 1 stage on gfx950, 2 stages of
+    the dequantizing kernel on gfx942 (3 spill); AMD takes no launch_pdl."""
     import submission as S
 
     mi355, mi300 = S.amd_triton_target("gfx950", 256), S.amd_triton_target("gfx942", 304)
-    assert S.triton_plan(4, 8192, mi355, "fp8") == (32, 64, 4, 3)
+    assert S.triton_plan(4, 8192, mi355, "fp8") == (32, 64, 4, 3, False)
     assert S.triton_plan(32, 8192, mi355, "fp8").num_splits == 16  # 2 x 256 / 32
-    assert S.triton_plan(32, 8192, mi300, "fp8") == (8, 64, 4, 2)  # 304 / 32 = 9 -> 8
-    assert S.triton_plan(4, 8192, mi355, "mxfp4").num_stages == S.triton_plan(4, 8192, mi300, "mxfp4").num_stages == 2
+    assert S.triton_plan(32, 8192, mi300, "fp8") == (8, 64, 4, 2, False)  # 304 / 32 = 9 -> 8
+    assert S.triton_plan(4, 8192, mi355, "mxfp4") == (64, 64, 4, 1, True)  # scaled MFMA scores, 2 waves a SIMD
+    assert S.triton_plan(4, 8192, mi300, "mxfp4") == (64, 64, 4, 2, False)  # CDNA3: dequantized K, 2 stages
     for target in (mi355, mi300):
         for kv_format in ("fp8", "mxfp4"):
             plan = S.triton_plan(64, 1024, target, kv_format)
@@ -308,6 +358,25 @@ def test_gpu_varlen(on_gpu, monkeypatch, kv_format, lens):
     # for the torch backend too (fp32 over the dequantized row), so only longer sequences face that gate there.
     if any(lens) and (kv_format == "fp8" or max(lens) > 1):
         ok, msg = R.check_implementation(data, out)
+        assert ok, msg
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lens", [[4096] * 4, [1024] * 64, [8192] * 32] + VARLEN_CASES,
+                         ids=lambda x: f"b{len(x)}_max{max(x)}")
+def test_gpu_scaled_mxfp4_scores(on_gpu, lens):
+    """gfx950's MXFP4 kernel (tl.dot_scaled scores, 1 stage) forced on this GPU, where Triton emulates dot_scaled:
+    per sequence against fp32 with E4M3 Q, and the strict gate where the batch has no lone 1-row sequence."""
+    data = R.generate_varlen_input(lens, seed=len(lens) + 1)
+    q, kv_data, qo, kvp, config = data
+    target = on_gpu.triton_target(q.device)
+    plan = on_gpu.triton_plan(len(lens), max(lens), target, "mxfp4")._replace(num_stages=1, scaled_scores=True)
+    out = on_gpu._triton_forward(q, *kv_data["mxfp4"], qo, kvp, config, "mxfp4", plan=plan)
+    assert torch.isfinite(out).all()
+    assert R.worst_row_relative_l2(out, triton_reference(data, "mxfp4", scaled_scores=True)) < GPU_KERNEL_REL_L2
+    if max(lens) > 1:
+        ok, msg = R.check_implementation(data, out, "mxfp4")
         assert ok, msg
 
 

@@ -18,7 +18,8 @@ with the driver's figure) fail here.
 Per compiled kernel it prints VGPRs (arch + acc), SGPRs, scratch, LDS against the limit, waves per SIMD and the
 matrix (MFMA) and FP8/FP4 conversion instructions. It fails (exit status 1) on: an error anywhere in a launch path;
 LLVM error output; scratch in the fast FP8 or the MXFP4 split kernel; LDS over the target's; a
-fast FP8 score product not on FP8 MFMAs.
+fast FP8 score product not on FP8 MFMAs; an MXFP4 score product by tl.dot_scaled (gfx950) not on scaled MFMAs or
+under 2 waves per SIMD.
 
 It uses Triton internals (the driver's interface, the JIT's caches, `asm["amdgcn"]`) as Triton 3.6.0 and 3.9.0 have
 them; `make amd-check` runs it with both.
@@ -192,6 +193,11 @@ def _gates(arch: str, gpu: AmdGpu, kernel: dict) -> list[str]:
             failed.append(f"{kernel['scratch']} B of scratch (register spills) in the {c.get('KV_FORMAT')} kernel")
         if fast_fp8 and not any(re.search("fp8|f8f6f4", m) for m in kernel["mfma"]):
             failed.append(f"the fast FP8 score product is not on FP8 MFMAs (MFMAs: {kernel['mfma'] or 'none'})")
+        if c.get("SCALED_SCORES"):
+            if not any(m.startswith("v_mfma_scale") for m in kernel["mfma"]):
+                failed.append(f"the MXFP4 scores are not on scaled MFMAs (MFMAs: {kernel['mfma'] or 'none'})")
+            if (kernel["waves_per_simd"] or 0) < 2:
+                failed.append(f"{kernel['waves_per_simd']} wave per SIMD in the scaled MXFP4 kernel (2 wanted)")
     return failed
 
 
@@ -277,7 +283,8 @@ def _describe(kernel: dict) -> str:
     """What a compiled kernel is, but for its split count (which changes none of its figures but the combine's)."""
     c = kernel["constexprs"]
     if kernel["name"] == "_mla_split_kernel":
-        mode = c.get("KV_FORMAT", "?") + (" precise" if c.get("PRECISE") and c.get("KV_FORMAT") == "fp8" else "")
+        mode = c.get("KV_FORMAT", "?") + (" precise" if c.get("PRECISE") and c.get("KV_FORMAT") == "fp8" else "") + (
+            " dot_scaled" if c.get("SCALED_SCORES") else "")
         return f"split {mode}, block_n {c.get('BLOCK_N')}, {kernel['num_warps']} warps, {kernel['num_stages']} stages"
     if kernel["name"] == "_mla_combine_kernel":
         return f"combine, block_dv {c.get('BLOCK_DV')}"
