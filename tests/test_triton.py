@@ -363,16 +363,21 @@ def test_gpu_varlen(on_gpu, monkeypatch, kv_format, lens):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("lens", [[4096] * 4, [1024] * 64, [8192] * 32] + VARLEN_CASES,
+@pytest.mark.parametrize("lens", [[kv] * batch for batch, kv in TASK_CASES] + VARLEN_CASES,
                          ids=lambda x: f"b{len(x)}_max{max(x)}")
-def test_gpu_scaled_mxfp4_scores(on_gpu, lens):
-    """gfx950's MXFP4 kernel (tl.dot_scaled scores, 1 stage) forced on this GPU, where Triton emulates dot_scaled:
-    per sequence against fp32 with E4M3 Q, and the strict gate where the batch has no lone 1-row sequence."""
+def test_gpu_scaled_mxfp4_scores(on_gpu, monkeypatch, lens):
+    """gfx950's MXFP4 kernel (tl.dot_scaled scores, 1 stage) through custom_kernel on this GPU, where Triton emulates
+    dot_scaled (this GPU's architecture added to SCALED_MFMA_ARCHS, the caches fresh): per sequence against fp32
+    with E4M3 Q, and the strict gate where the batch has no lone 1-row sequence."""
+    arch = on_gpu.triton_target(torch.device("cuda")).arch
+    monkeypatch.setattr(on_gpu, "SCALED_MFMA_ARCHS", (arch,))
+    monkeypatch.setattr(on_gpu, "_DISPATCH", {})
+    monkeypatch.setattr(on_gpu, "_TRITON_LAUNCH", {})
+    monkeypatch.setenv("MLA_KV_FORMAT", "mxfp4")
     data = R.generate_varlen_input(lens, seed=len(lens) + 1)
-    q, kv_data, qo, kvp, config = data
-    target = on_gpu.triton_target(q.device)
-    plan = on_gpu.triton_plan(len(lens), max(lens), target, "mxfp4")._replace(num_stages=1, scaled_scores=True)
-    out = on_gpu._triton_forward(q, *kv_data["mxfp4"], qo, kvp, config, "mxfp4", plan=plan)
+    out = on_gpu.custom_kernel(data)
+    (launch,) = on_gpu._TRITON_LAUNCH.values()
+    assert launch.plan.scaled_scores and launch.plan.num_stages == 1, launch.plan
     assert torch.isfinite(out).all()
     assert R.worst_row_relative_l2(out, triton_reference(data, "mxfp4", scaled_scores=True)) < GPU_KERNEL_REL_L2
     if max(lens) > 1:
