@@ -699,7 +699,7 @@ def _aiter_call_form(fns: tuple, call: str) -> tuple | None:
         if problems:
             log.warning("MLA decode: the installed aiter cannot take the %r call form (%s); running "
                         "mla_decode_fwd persistent instead", call, "; ".join(problems))
-    return None if problems else key[1:]
+    return None if problems else tuple(fn for fn, _, _ in targets)
 
 
 # Q's dynamic per-tensor FP8 quantization for the aiter path, bit for bit reference.quantize_fp8: scale =
@@ -1564,7 +1564,7 @@ class _Dispatch(NamedTuple):
     check_contents: bool  # MLA_VALIDATE=1 on a GPU backend: the indptr contents checked on the host (a device sync)
     several_gpus: bool  # the input's GPU may not be the current one, on which the launches go
     launch_key: tuple | None  # the cuda or triton backend's launch key, the aiter backend's plan key (torch: None)
-    qk_scale: float  # sm_scale * log2(e): the kernels' score scale
+    run: object  # (q, kv, kv_scale, qo_indptr, kv_indptr, config) -> output: the chosen backend's plan, run
 
 
 # What a call's choices read besides its input: the environment (a changed variable is another kind of call) and the
@@ -1588,16 +1588,30 @@ def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
             log.info("MLA decode: %s x %s runs the triton backend (AITER_VARIANTS)", q.shape[0], config["kv_seq_len"])
         else:
             aiter_key = _aiter_key(q, kv, config, variant)
+    qk_scale = float(config["sm_scale"]) * LOG2E  # the kernels' score scale (their softmax runs in base 2)
     if backend == "cuda":
-        launch_key = _cuda_package()[0].launch_key(device, q.shape[0], kv.shape[0], config["kv_seq_len"], kv_format,
-                                                   precise)
+        package = _cuda_package()[0]
+        launch_key = package.launch_key(device, q.shape[0], kv.shape[0], config["kv_seq_len"], kv_format, precise)
+
+        def run(q, kv, scale, qo_indptr, kv_indptr, config):
+            return package.run(launch_key, q, kv, scale, kv_indptr, qk_scale)
     elif backend == "triton":
         launch_key = _triton_key(q, kv, scale, config, kv_format, precise, None)
-    else:
+
+        def run(q, kv, scale, qo_indptr, kv_indptr, config):
+            return _triton_run(launch_key, q, kv, scale, kv_indptr, qk_scale)
+    elif backend == "aiter":
         launch_key = aiter_key
+
+        def run(q, kv, scale, qo_indptr, kv_indptr, config):
+            return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config, launch_key)
+    else:
+        launch_key = None
+
+        def run(q, kv, scale, qo_indptr, kv_indptr, config):
+            return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format)
     return _Dispatch(backend, kv_format, check_contents=backend != "torch" and _env("MLA_VALIDATE") == "1",
-                     several_gpus=device.type == "cuda" and _several_gpus(), launch_key=launch_key,
-                     qk_scale=float(config["sm_scale"]) * LOG2E)
+                     several_gpus=device.type == "cuda" and _several_gpus(), launch_key=launch_key, run=run)
 
 
 def dispatch(data) -> tuple:
@@ -1632,20 +1646,13 @@ def dispatch(data) -> tuple:
 
 
 def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
-    """custom_kernel's second half: the decided backend on dispatch's outputs."""
+    """custom_kernel's second half: the decided backend's plan, run on dispatch's outputs."""
     if decision.several_gpus and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # ctypes, Triton and aiter launch on the current device
             return forward(decision, q, kv, scale, qo_indptr, kv_indptr, config)
     if decision.check_contents:
         validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
-    backend = decision.backend
-    if backend == "cuda":
-        return _cuda_package()[0].run(decision.launch_key, q, kv, scale, kv_indptr, decision.qk_scale)
-    if backend == "triton":
-        return _triton_run(decision.launch_key, q, kv, scale, kv_indptr, decision.qk_scale)
-    if backend == "aiter":
-        return _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config, decision.launch_key)
-    return _torch_forward(q, kv, scale, qo_indptr, kv_indptr, config, decision.kv_format)
+    return decision.run(q, kv, scale, qo_indptr, kv_indptr, config)
 
 
 def custom_kernel(data):

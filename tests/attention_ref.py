@@ -73,9 +73,9 @@ def nan_outside(data, kv_format: str, keep: int, trailing: int):
     batch = q.shape[0] - trailing
     exact = fp32_attention(data, kv_format)[keep]
     lo, hi = kv_indptr[keep].item(), kv_indptr[keep + 1].item()
-    outside = torch.ones(kv_indptr[-1].item(), dtype=torch.bool)
-    outside[lo:hi] = False
     kv, scale = kv_data[kv_format]
+    outside = torch.ones(kv_indptr[-1].item(), dtype=torch.bool, device=kv.device)
+    outside[lo:hi] = False
     kv, scale = kv.clone(), scale.clone()
     if kv_format == "fp8":
         kv.view(torch.uint8)[outside] = 0x7F

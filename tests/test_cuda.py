@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from attention_ref import fp32_attention
+from attention_ref import fp32_attention, nan_outside
 
 import mla_decode_cuda as C
 import reference as R
@@ -291,6 +291,19 @@ def test_gpu_barrier_counts_every_arrival_and_an_oversized_grid_fails_to_launch(
         monkeypatch.setattr(C, "_LAUNCH", {})
         with pytest.raises(RuntimeError, match=f"launch failed with cudaError {error}$"):
             S.custom_kernel(data)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("keep", range(5))
+def test_gpu_reads_no_row_outside_a_sequence(cuda_backend, keep):
+    """Every cache row outside sequence `keep` is NaN, those past kv_indptr[-1] included: its output stays within
+    the kernel's bound of the fp32 computation on the clean cache."""
+    kv_format, bound = cuda_backend
+    data, exact = nan_outside(R.generate_varlen_input([5, 1, 0, 700, 3, 9], seed=keep), kv_format, keep, 1)
+    out = S.custom_kernel(data)[keep]
+    assert torch.isfinite(out).all()
+    assert R.worst_row_relative_l2(out[None], exact[None]) < bound
 
 
 @pytest.mark.gpu

@@ -387,6 +387,22 @@ def test_gpu_scaled_mxfp4_scores(on_gpu, monkeypatch, lens):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("keep", range(5))
+def test_gpu_reads_no_row_outside_a_sequence(on_gpu, monkeypatch, kv_format, keep):
+    """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), through custom_kernel: its
+    output stays within the GPU bound of fp32 on the clean cache."""
+    monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    clean = R.generate_varlen_input([5, 1, 0, 700, 3, 9], seed=keep)
+    data, _ = nan_outside(clean, kv_format, keep, 1)
+    out = on_gpu.custom_kernel(data)[keep]
+    assert torch.isfinite(out).all()
+    error = R.worst_row_relative_l2(out[None], triton_reference(clean, kv_format)[keep][None])
+    assert error < GPU_KERNEL_REL_L2
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gpu_invalid_ranges_give_nan_rows(on_gpu, splits):
     data = R.generate_varlen_input([100, 200, 50, 70], seed=3)
