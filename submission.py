@@ -67,6 +67,7 @@ BACKENDS = ("aiter", "cuda", "triton", "torch")
 BACKEND_CHOICES = BACKENDS + ("auto",)
 KV_FORMATS = ("fp8", "mxfp4")
 PRECISIONS = ("fast", "precise")
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: their score scale is sm_scale * log2(e)
 CONFIG_KEYS = ("batch_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim", "q_seq_len", "kv_seq_len",
                "sm_scale")
 
@@ -112,6 +113,11 @@ def _expect_int(x, field: str, allow_none: bool = False) -> None:
         return
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{field}: expected an int{' or None' if allow_none else ''}, got {type(x).__name__}")
+
+
+def qk_scale_of(config: dict) -> float:
+    """The kernels' score scale: sm_scale * log2(e)."""
+    return float(config["sm_scale"]) * LOG2E
 
 
 def _validate_config(config, batch: int) -> None:
@@ -1055,8 +1061,6 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config, key: AiterKey | N
 # exact) and the MXFP4 decode uses the same bit recipe in plain Triton ops instead of inline PTX.
 # ---------------------------------------------------------------------------------------------------------
 
-LOG2E = 1.4426950408889634
-
 if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals).
     _HEADS = tl.constexpr(NUM_HEADS)
@@ -1475,7 +1479,7 @@ def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, 
     select_precision); MXFP4's always is. `plan` (a TritonPlan or its 4 fields) overrides triton_plan (tests,
     bench/tune_triton.py)."""
     key = _triton_key(q, kv, scale, config, kv_format, precise, plan)
-    return _triton_run(key, q, kv, scale, kv_indptr, float(config["sm_scale"]) * LOG2E)
+    return _triton_run(key, q, kv, scale, kv_indptr, qk_scale_of(config))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1588,7 +1592,7 @@ def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
             log.info("MLA decode: %s x %s runs the triton backend (AITER_VARIANTS)", q.shape[0], config["kv_seq_len"])
         else:
             aiter_key = _aiter_key(q, kv, config, variant)
-    qk_scale = float(config["sm_scale"]) * LOG2E  # the kernels' score scale (their softmax runs in base 2)
+    qk_scale = qk_scale_of(config)
     if backend == "cuda":
         package = _cuda_package()[0]
         launch_key = package.launch_key(device, q.shape[0], kv.shape[0], config["kv_seq_len"], kv_format, precise)

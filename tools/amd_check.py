@@ -243,7 +243,7 @@ def run_worker(arch: str, submission: Path, shapes, modes) -> dict:
                 q, kv, scale, kv_indptr, config = _inputs(S, batch, kv_len, kv_format, fp8)
                 key = S._triton_key(q, kv, scale, config, kv_format, precise, None)._replace(target=target)
                 for _ in range(2):  # the JIT, then the bound launchers of the compiled kernels
-                    S._triton_run(key, q, kv, scale, kv_indptr, config["sm_scale"] * S.LOG2E)
+                    S._triton_run(key, q, kv, scale, kv_indptr, S.qk_scale_of(config))
             one_case(f"triton {mode} {batch}x{kv_len}", run)
     if gpu.fp8 == "float8_e4m3fn":  # the aiter path's Q quantizer runs Triton for e4m3fn only (see QQuantizer)
         for batch in sorted({b for b, _ in shapes}):
