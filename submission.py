@@ -1042,14 +1042,17 @@ def _aiter_forward(q, kv, scale, qo_indptr, kv_indptr, config, key: AiterKey | N
 # (a lone program takes ~4 us per 64-row FP8 tile; 256x8192 reads its 1.2 GB at ~2 TB/s, not 4.5).
 #
 # Q and the score dot, by KV format (measured on the H200 with bench/tune_triton.py):
-#   fp8:   Q is quantized in-kernel to FP8 E4M3 with one scale per head (448 / max|q_h|), and S^T is an
+#   fp8:   Q is quantized in-kernel to the cache's FP8 type with one scale per head (fp8 max / max|q_h|, as an
+#          IEEE quotient: 448 for e4m3fn, 240 for gfx942's e4m3fnuz), and S^T is an
 #          fp8 x fp8 wgmma straight from the shared-memory tile (no conversion, no register operand); the
 #          per-tensor KV scale, sm_scale * log2(e) and 1 / (Q scale) are applied once to the fp32 scores.
 #          V^T is the same tile, converted fp8 -> fp16 by the hardware cvt. Against fp16 Q (bf16 -> fp16,
 #          fp8 -> fp16 KV for both dots) this was 1.3-1.4x faster on the kv-8192 shapes (256x8192: 586 vs 831 us,
 #          64x8192: 161 vs 229 us) for an error vs the BF16 truth of rel-L2 0.030-0.044 instead of 0.015-0.031
 #          (the strict gate is 0.08): the error of FP8 Q that aiter's path also has.
-#   mxfp4: FP8 wgmma cannot take the per-32 block scales, so K is dequantized in registers: E2M1 code m ->
+#   mxfp4: on gfx950 (SCALED_MFMA_ARCHS) S^T is tl.dot_scaled on the tile's E2M1 codes and E8M0 scales as they
+#          lie against Q in E4M3 per head (the scaled MFMA; TritonPlan.scaled_scores); V^T as below. Elsewhere:
+#          FP8 wgmma cannot take the per-32 block scales, so K is dequantized in registers: E2M1 code m ->
 #          e4m3 bits (m << 2, sign -> bit 7) = value * 2^-6 (exact), the hardware cvt to fp16, times the block
 #          scale 2^(e-127) as fp16; Q is bf16 -> fp32 * sm_scale * log2(e) -> fp16; fp16 dots, fp32 accumulate.
 #          The 2^6 goes into the fp32 score scale and the output. V^T is a second read of the same rows (an L2
