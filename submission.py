@@ -1102,6 +1102,20 @@ if triton is not None:
         return bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
     @triton.jit
+    def _mx_bytes(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr,
+                  CACHE: tl.constexpr):
+        """Columns COL0:COL0+WIDTH of the MXFP4 rows n0 + arange(BLOCK_N) as they lie: their E2M1 codes, (BLOCK_N,
+        WIDTH / 2) bytes, two a byte, and their E8M0 block scales, (BLOCK_N, WIDTH / 32) bytes; rows with row_ok
+        False read as code 0, scale 127 (1.0). CACHE: the loads' cache modifier."""
+        r = tl.arange(0, row_ok.shape[0])
+        codes = tl.load(kv_ptr + tl.cast(n0, tl.int64) * _FP4_ROW_BYTES + COL0 // 2 + r[:, None] * _FP4_ROW_BYTES
+                        + tl.arange(0, WIDTH // 2)[None, :], mask=row_ok[:, None], other=0, cache_modifier=CACHE)
+        scales = tl.load(kscale_ptr + tl.cast(n0, tl.int64) * kscale_stride + r[:, None] * kscale_stride
+                         + (tl.arange(0, WIDTH // _MX_BLOCK) + COL0 // _MX_BLOCK)[None, :], mask=row_ok[:, None],
+                         other=127)
+        return codes, scales
+
+    @triton.jit
     def _kv_cols(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr,
                  TRANS: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
         """Columns COL0:COL0+WIDTH of the KV rows n0 + arange(BLOCK_N), (BLOCK_N, WIDTH), or their transpose when
@@ -1118,15 +1132,9 @@ if triton is not None:
             return x.to(DOT_DTYPE)  # fp8 -> fp16 is exact; to the cache's FP8 type (the fast product) no conversion
         else:
             NB: tl.constexpr = WIDTH // _MX_BLOCK
-            tile = kv_ptr + tl.cast(n0, tl.int64) * _FP4_ROW_BYTES + COL0 // 2
-            c = tl.arange(0, WIDTH // 2)
-            if TRANS:  # another cache modifier keeps this read apart from the K read (no CSE): see above
-                packed = tl.load(tile + r[:, None] * _FP4_ROW_BYTES + c[None, :], mask=row_ok[:, None], other=0,
-                                 cache_modifier=".ca")
-            else:
-                packed = tl.load(tile + r[:, None] * _FP4_ROW_BYTES + c[None, :], mask=row_ok[:, None], other=0)
-            sbytes = tl.load(kscale_ptr + tl.cast(n0, tl.int64) * kscale_stride + r[:, None] * kscale_stride
-                             + (tl.arange(0, NB) + COL0 // _MX_BLOCK)[None, :], mask=row_ok[:, None], other=127)
+            # another cache modifier keeps the V read apart from the K read (no CSE): see above
+            packed, sbytes = _mx_bytes(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, COL0, WIDTH,
+                                       ".ca" if TRANS else "")
             bscale = tl.exp2(sbytes.to(tl.float32) - 127.0).to(tl.float16)
             if USE_ASM:
                 even, odd = tl.inline_asm_elementwise(_MXFP4_PTX, "=r,=r,=r,=r,r", [packed],
@@ -1146,13 +1154,7 @@ if triton is not None:
         """acc + K[:, COL0:COL0+WIDTH] @ q_t, (BLOCK_N, 16) fp32: the MXFP4 rows' E2M1 codes and E8M0 block scales
         as they lie, against q_t (WIDTH, 16) E4M3, by tl.dot_scaled (gfx950: the scaled MFMA); acc None: 0. Rows
         with row_ok False read as 0."""
-        BLOCK_N: tl.constexpr = row_ok.shape[0]
-        r = tl.arange(0, BLOCK_N)
-        codes = tl.load(kv_ptr + tl.cast(n0, tl.int64) * _FP4_ROW_BYTES + COL0 // 2 + r[:, None] * _FP4_ROW_BYTES
-                        + tl.arange(0, WIDTH // 2)[None, :], mask=row_ok[:, None], other=0)
-        scales = tl.load(kscale_ptr + tl.cast(n0, tl.int64) * kscale_stride + r[:, None] * kscale_stride
-                         + (tl.arange(0, WIDTH // _MX_BLOCK) + COL0 // _MX_BLOCK)[None, :], mask=row_ok[:, None],
-                         other=127)
+        codes, scales = _mx_bytes(kv_ptr, kscale_ptr, kscale_stride, n0, row_ok, COL0, WIDTH, "")
         return tl.dot_scaled(codes, scales, "e2m1", q_t, None, "e4m3", acc)
 
     @triton.jit
@@ -1212,11 +1214,12 @@ if triton is not None:
                 # (a sequence 1.06e-2 off its model at 256x8192 on the H200).
                 q_scale = tl.math.div_rn(tl.full([_HEADS], FP8_MAX, tl.float32), tl.maximum(q_max, 1e-30))
                 q_dtype: tl.constexpr = kv_ptr.dtype.element_ty if KV_FORMAT == "fp8" else tl.float8e4nv
-            if KV_FORMAT == "fp8":
+            if KV_FORMAT == "fp8":  # the per-tensor KV scale, on the scores and the output
                 out_scale = tl.load(kscale_ptr)
-            else:  # the values' 2^-6 of the dequantized V (_kv_cols)
+                s_scale = out_scale * qk_scale / q_scale
+            else:  # dot_scaled's scores are exact values; the dequantized V carries 2^-6 (_kv_cols)
                 out_scale = 64.0
-            s_scale = (out_scale if KV_FORMAT == "fp8" else 1.0) * qk_scale / q_scale
+                s_scale = qk_scale / q_scale
         else:  # fp16 Q pre-scaled by sm_scale * log2(e); MXFP4's 2^6 goes into the scores and the output
             q_scale = tl.full([_HEADS], qk_scale, tl.float32)
             q_dtype: tl.constexpr = DOT_DTYPE
@@ -1479,8 +1482,8 @@ def _triton_run(key: TritonKey, q, kv, scale, kv_indptr, qk_scale: float) -> tor
 def _triton_forward(q, kv, scale, qo_indptr, kv_indptr, config, kv_format: str, *, precise: bool = False,
                     plan: tuple | None = None) -> torch.Tensor:
     """The triton backend on validated inputs. `precise`: the FP8 cache's score product in DOT_DTYPE (see
-    select_precision); MXFP4's always is. `plan` (a TritonPlan or its 4 fields) overrides triton_plan (tests,
-    bench/tune_triton.py)."""
+    select_precision); MXFP4's always is. `plan` (a TritonPlan, or its first 4 or all 5 fields) overrides triton_plan
+    (tests, bench/tune_triton.py)."""
     key = _triton_key(q, kv, scale, config, kv_format, precise, plan)
     return _triton_run(key, q, kv, scale, kv_indptr, qk_scale_of(config))
 
