@@ -235,3 +235,30 @@ def test_zeros_are_rejected_on_every_task_yml_case(case):
     ok, msg = R.check_implementation(data, torch.zeros_like(ref))
     assert not ok, msg
     assert R.check_implementation(data, ref)[0]
+
+
+@pytest.mark.parametrize("kv_lens", [[1024] * 3, [8191, 1, 0, 517]], ids=["uniform", "mixed"])
+def test_grid_input_makes_the_fast_kernels_roundings_exact(kv_lens):
+    """generate_grid_input's promises: every cache holds the keys exactly, each head's logits (log2 units) lie near
+    integers within GRID_Q_TERMS / 2 of each other, Q is exactly e4m3 after its per-head scale, and P rounded to e4m3
+    (biased as the wgmma kernel stores it, or not) changes the output only by the unrounded row sums' 2^(offset) gain
+    (~1e-3), far below a 1% sm_scale error's."""
+    data = R.generate_grid_input(kv_lens, seed=1, device=torch.device("cpu"))
+    q, kv_data, _, kv_indptr, config = data
+    keys = kv_data["bf16"][:, 0].double()
+    kv8, kv_scale = kv_data["fp8"]
+    assert torch.allclose(kv8[:, 0].double() * kv_scale.double(), keys, rtol=1e-6, atol=0)
+    assert torch.equal(R.dequantize_mxfp4(*kv_data["mxfp4"], torch.float64)[:, 0], keys)
+    q_scale = 448.0 / q.double().abs().amax(dim=-1, keepdim=True)
+    assert torch.equal(R._round_e4m3(q.double() * q_scale), q.double() * q_scale)
+    bounds = kv_indptr.tolist()
+    for b in range(len(kv_lens)):
+        logits = q[b].double() @ keys[bounds[b]:bounds[b + 1]].T * config["sm_scale"] * math.log2(math.e)
+        if logits.numel():
+            assert (logits - logits.round()).abs().max() < 0.01
+            assert (logits.amax(dim=-1) - logits.amin(dim=-1)).max() <= R.GRID_Q_TERMS + 0.01
+    exact = R.kernel_emulation(data, "cache")
+    assert (exact.flatten(1).norm(dim=1)[torch.tensor(kv_lens) > 0] > 0.05).all()  # no all-zero rows
+    assert R.worst_row_relative_l2(R.kernel_emulation(data, "+Q+P"), exact) < 1.5e-3
+    wrong = (q, kv_data, data[2], kv_indptr, dict(config, sm_scale=config["sm_scale"] * 1.01))
+    assert R.worst_row_relative_l2(R.kernel_emulation(wrong, "+Q+P"), exact) > 3 * R.GRID_REL_L2_BOUND
