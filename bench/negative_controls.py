@@ -3,7 +3,9 @@ bug: the measurement the GPU tests' bounds come from (tests/test_negative_contro
 
 Per kernel (cuda wgmma and mma.sync, triton fast, precise and MXFP4, cuda MXFP4) and batch, the worst sequence's
 relative L2 error of custom_kernel's output against reference.kernel_emulation (float64, rounding what the kernel
-rounds) of the true input, for the correct call and for three bugs made by changing the call, not the kernel:
+rounds) of the true input, for the correct call and for three bugs made by changing the call, not the kernel. Each
+batch comes as random-normal data and as grid data (reference.generate_grid_input: the fast kernels' roundings
+exact, so that only their accumulations and bf16 outputs remain). The bugs:
   sm_scale x 1.01   the kernel run with config["sm_scale"] 1% high
   out x 1.02        its output scaled by 1.02
   last row dropped  the first sequence's last KV row left out (kv_indptr[1] - 1: the next sequence gains it)
@@ -35,12 +37,20 @@ KERNELS = {name: (*path, EMULATION_OF[path]) for name, path in {
     "triton fp8 precise": ("triton", "fp8", "precise"),
     "triton mxfp4": ("triton", "mxfp4", "fast"),
 }.items()}
-BATCHES = {"mixed": [8191, 1, 4096, 0, 517, 33], "uniform 64x1024": [1024] * 64}
+LENGTHS = {"mixed": [8191, 1, 4096, 0, 517, 33], "uniform 64x1024": [1024] * 64}
+DATA = {"random": R.generate_varlen_input, "grid": R.generate_grid_input}
+BATCHES = [f"{kind} {lengths}" for kind in DATA for lengths in LENGTHS]  # "random mixed", ..., "grid uniform 64x1024"
+
+
+def batch_input(batch: str):
+    """The input of a BATCHES entry, the same on every call."""
+    kind, lengths = batch.split(" ", 1)
+    return DATA[kind](LENGTHS[lengths], seed=len(LENGTHS[lengths]))
 BUGS = ("correct", "sm_scale x 1.01", "out x 1.02", "last row dropped")
 
 
-def call(kernel: str, data, bug: str) -> torch.Tensor:
-    backend, kv_format, precision, _ = KERNELS[kernel]
+def with_bug(run, data, bug: str) -> torch.Tensor:
+    """run(data) (a decode of an input tuple) with `bug` (BUGS) planted by changing the call, not the kernel."""
     q, kv_data, qo, kvp, config = data
     if bug == "sm_scale x 1.01":
         config = dict(config, sm_scale=config["sm_scale"] * 1.01)
@@ -48,15 +58,21 @@ def call(kernel: str, data, bug: str) -> torch.Tensor:
         kvp = kvp.clone()
         kvp[1] -= 1
         config = dict(config, kv_seq_len=None)
-    with scoped_env({"MLA_BACKEND": backend, "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}):
-        out = S.custom_kernel((q, kv_data, qo, kvp, config))
+    out = run((q, kv_data, qo, kvp, config))
     return out.float() * 1.02 if bug == "out x 1.02" else out
+
+
+def call(kernel: str, data, bug: str) -> torch.Tensor:
+    """custom_kernel with the kernel's backend, format and precision forced, and `bug` planted."""
+    backend, kv_format, precision, _ = KERNELS[kernel]
+    with scoped_env({"MLA_BACKEND": backend, "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}):
+        return with_bug(S.custom_kernel, data, bug)
 
 
 def measure(kernels, batches) -> list[dict]:
     rows = []
-    for batch_name, lens in batches.items():
-        data = R.generate_varlen_input(lens, seed=len(lens))
+    for batch_name in batches:
+        data = batch_input(batch_name)
         for kernel in kernels:
             _, kv_format, _, emulation = KERNELS[kernel]
             exact = R.kernel_emulation(data, emulation, kv_format)

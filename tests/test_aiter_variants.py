@@ -16,12 +16,14 @@ import pytest
 import torch
 import yaml
 from aiter_standin import HostReadsForbidden, drop, inside_standin, make, modified
+from bench_scripts import load_bench_script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as R
 import submission as S
 
 CPU = torch.device("cpu")
+NC = load_bench_script("negative_controls")
 E4M3FN = torch.float8_e4m3fn
 TIGHT = 4e-3  # worst-row relative L2 vs fp32 attention over the same inputs: bf16 output rounding only
 VARIANTS = sorted(S.AITER_VARIANT_SPECS)
@@ -87,6 +89,32 @@ def test_every_variant_matches_both_references(standin, monkeypatch, variant, ca
         assert aiter.stats["work_split"] > 0  # the reduce merged partials
     if case == "varlen_with_empty":
         assert aiter.stats["work_empty"] > 0  # the stand-in wrote NaN there; the backend must have zeroed it
+
+
+GRID_LENGTHS = {"uniform_split": [1000] * 2, "mixed": [1, 7, 0, 33, 1029, 1, 2]}
+
+
+def assert_grid_controls(data, variant: str) -> None:
+    """On grid data (reference.generate_grid_input: the Q, KV and P roundings of the FP8 kernels exact) the output is
+    within reference.GRID_REL_L2_BOUND of exact attention over the cache, worst sequence, and each planted bug of
+    bench/negative_controls.py (sm_scale x 1.01, the output x 1.02, a row left out) is not."""
+    exact = R.kernel_emulation(data, "cache", "fp8")
+    bound = R.GRID_REL_L2_BOUND
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLA_AITER_VARIANT", variant)
+        errors = {bug: R.worst_row_relative_l2(NC.with_bug(S.custom_kernel, data, bug), exact) for bug in NC.BUGS}
+    assert errors["correct"] < bound, errors
+    assert all(errors[bug] > bound for bug in NC.BUGS[1:]), errors
+
+
+@pytest.mark.parametrize("case", sorted(GRID_LENGTHS))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_on_grid_data_every_variant_meets_a_bound_that_a_1pct_bug_fails(standin, variant, case):
+    """The stand-in as aiter's torch model has it (P rounded to FP8 per work item, which random data cannot model
+    without the real work split: see test_gpu_every_variant_on_the_real_aiter) on grid data, where that rounding
+    is exact."""
+    standin("RUNNER", round_p_to_fp8=True)
+    assert_grid_controls(R.generate_grid_input(GRID_LENGTHS[case], seed=3, device=CPU), variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -428,15 +456,19 @@ def real_aiter_on_rocm() -> bool:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_every_variant_on_the_real_aiter(monkeypatch, variant, lengths):
     """The real kernels behind every call form (the stand-in's model of them is what the CPU tests check): both
-    references, two calls per plan. NEVER RUN: no ROCm GPU has been lent to this project.
+    references, two calls per plan, and the grid data's bound with its planted bugs. NEVER RUN: no ROCm GPU has been
+    lent to this project.
 
-    Its bound (0.04) cannot also catch a 1% sm_scale error. The FP8 kernels round the unnormalised softmax weights of
-    each work item (its own running maximum) to FP8 before P x V, as aiter's torch model does: an emulation that
-    does not walk the real metadata's work split rounds other values. Measured on the CPU: the stand-in with
-    round_p_to_fp8 (P rounded per work item of its split model) against a float64 emulation rounding P over whole
-    sequences (Q per tensor as the path quantizes it): worst-sequence error 1.9-2.7e-2 for the correct call,
-    2.3-3.1e-2 with sm_scale x 1.01, 2.7-3.5e-2 with the output x 1.02 (4x1024, mixed lengths, 3001; two seeds). A
-    bound that separates them needs the per-work-item model applied to the real work_info_set."""
+    On random data its bound (0.04) cannot also catch a 1% sm_scale error. The FP8 kernels round the unnormalised
+    softmax weights of each work item (its own running maximum) to FP8 before P x V, as aiter's torch model does: an
+    emulation that does not walk the real metadata's work split rounds other values. Measured on the CPU: the
+    stand-in with round_p_to_fp8 (P rounded per work item of its split model) against a float64 emulation rounding P
+    over whole sequences (Q per tensor as the path quantizes it): worst-sequence error 1.9-2.7e-2 for the correct
+    call, 2.3-3.1e-2 with sm_scale x 1.01, 2.7-3.5e-2 with the output x 1.02 (4x1024, mixed lengths, 3001; two
+    seeds). Grid data makes that rounding exact whatever the split, so there the bound is
+    reference.GRID_REL_L2_BOUND and the planted bugs fail it (the CPU test of the stand-in shows the same). A kernel
+    that scaled P by other than a power of two before rounding it would miss that bound by its own rounding: the
+    first ROCm run tells."""
     monkeypatch.setenv("MLA_BACKEND", "aiter")
     monkeypatch.setenv("MLA_AITER_VARIANT", variant)
     for seed in range(2):
@@ -447,6 +479,7 @@ def test_gpu_every_variant_on_the_real_aiter(monkeypatch, variant, lengths):
         assert tight_error(data, out, variant) < 0.04
         ok, msg = R.check_implementation(data, out)
         assert ok, msg
+    assert_grid_controls(R.generate_grid_input(lengths, seed=3, device=torch.device("cuda")), variant)
 
 
 def test_a_shape_chosen_for_triton_runs_triton_under_auto_only(standin, monkeypatch):

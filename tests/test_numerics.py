@@ -6,7 +6,6 @@ float64 emulation of exactly what it rounds (fast: Q to e4m3 per head; precise: 
 GPU (`pytest -m gpu`): every backend on the real hardware, against the strict gate.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_bench_script
 
 import reference as R
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("numerics_script", ROOT / "bench" / "numerics.py")
-_numerics = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_numerics)
-EMULATION_OF = _numerics.EMULATION_OF  # (backend, KV format, precision) -> the emulation of what the kernel rounds
+# (backend, KV format, precision) -> the emulation of what the kernel rounds
+EMULATION_OF = load_bench_script("numerics").EMULATION_OF
 LENS = [10, 118, 64, 64, 1, 33]
 MARGIN_BOUND = 0.9 * R.REL_L2_BOUND["fp8"]  # no case may sit within 10% of the strict gate
 
