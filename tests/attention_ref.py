@@ -84,3 +84,13 @@ def nan_outside(data, kv_format: str, keep: int, trailing: int):
     poisoned = (q[:batch].contiguous(), dict(kv_data, **{kv_format: (kv, scale)}), qo_indptr[:batch + 1].clone(),
                 kv_indptr[:batch + 1].clone(), dict(config, batch_size=batch, kv_seq_len=None))
     return poisoned, exact
+
+
+def assert_grid_match(decode, lens: list[int], emulation: str, kv_format: str, seed: int) -> None:
+    """decode(data) (custom_kernel, with the backend and format the environment selects) on grid data of these KV
+    lengths (reference.generate_grid_input, where the fast kernels' roundings are exact) within
+    reference.GRID_REL_L2_BOUND of reference.kernel_emulation(data, emulation, kv_format), worst sequence."""
+    data = R.generate_grid_input(lens, seed=seed)
+    error = R.worst_row_relative_l2(decode(data), R.kernel_emulation(data, emulation, kv_format))
+    bound = R.GRID_REL_L2_BOUND
+    assert error < bound, f"grid data, {len(lens)} sequences: worst sequence {error:.3e} (bound {bound:g})"

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from attention_ref import fp32_attention, nan_outside
+from attention_ref import assert_grid_match, fp32_attention, nan_outside
 
 import mla_decode_cuda as C
 import reference as R
@@ -217,14 +217,6 @@ class CudaCase(NamedTuple):
     emulation: str  # reference.EMULATIONS
 
 
-def assert_grid_match(lens: list[int], case: CudaCase, seed: int) -> None:
-    """custom_kernel on grid data of these KV lengths against the emulation of what the kernel rounds."""
-    data = R.generate_grid_input(lens, seed=seed)
-    error = R.worst_row_relative_l2(S.custom_kernel(data), R.kernel_emulation(data, case.emulation, case.kv_format))
-    bound = R.GRID_REL_L2_BOUND
-    assert error < bound, f"grid data, {len(lens)} sequences: worst sequence {error:.3e} (bound {bound:g})"
-
-
 @pytest.fixture(params=CUDA_KERNELS)
 def cuda_backend(monkeypatch, request):
     """MLA_BACKEND=cuda with one kernel, KV format and shared-memory limit; returns its CudaCase."""
@@ -250,14 +242,14 @@ def cuda_backend(monkeypatch, request):
 @pytest.mark.parametrize("batch,kv_len", [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192),
                                           (256, 1024), (256, 8192)])
 def test_gpu_task_cases(cuda_backend, batch, kv_len):
-    kv_format, bound, _ = cuda_backend
+    kv_format, bound, emulation = cuda_backend
     data = R.generate_input(batch, 1, kv_len, seed=batch + kv_len)
     out = S.custom_kernel(data)
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
     assert R.worst_row_relative_l2(out, fp32_attention(data, kv_format)) < bound
     assert torch.equal(S.custom_kernel(data), out)  # deterministic, and the cached launch is reused
-    assert_grid_match([kv_len] * batch, cuda_backend, seed=batch + kv_len)
+    assert_grid_match(S.custom_kernel, [kv_len] * batch, emulation, kv_format, seed=batch + kv_len)
 
 
 @pytest.mark.gpu
@@ -265,7 +257,7 @@ def test_gpu_task_cases(cuda_backend, batch, kv_len):
 @pytest.mark.parametrize("lens", [[1], [0, 5, 1, 77, 1000, 3], [8191, 1, 4096, 0], [513] * 40,
                                   list(range(0, 3000, 97))], ids=lambda x: f"b{len(x)}_max{max(x)}")
 def test_gpu_varlen(cuda_backend, lens):
-    kv_format, bound, _ = cuda_backend
+    kv_format, bound, emulation = cuda_backend
     data = R.generate_varlen_input(lens, seed=len(lens))
     out = S.custom_kernel(data)
     exact = fp32_attention(data, kv_format)
@@ -274,7 +266,7 @@ def test_gpu_varlen(cuda_backend, lens):
     # The checks must pass wherever the exact computation over the same cache passes them: a lone one-row MXFP4
     # sequence (lens [1]) misses the leaderboard rule even computed exactly (5.08% of elements, limit 5%).
     assert ok or not R.check_implementation(data, exact.to(torch.bfloat16))[0], msg
-    assert_grid_match(lens, cuda_backend, seed=len(lens))
+    assert_grid_match(S.custom_kernel, lens, emulation, kv_format, seed=len(lens))
 
 
 @pytest.mark.gpu
@@ -284,13 +276,13 @@ def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
     """Every merge width (merge_quads' W = 8, 4, 2, 1 and its shuffles from 32 splits) on odd, empty and one-row
     sequences, with splits that get no rows; the second input reuses the first's workspace, and its output owes
     nothing to the first's partials."""
-    kv_format, bound, _ = cuda_backend
+    kv_format, bound, emulation = cuda_backend
     monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
     for seed in (splits, splits + 100):
         data = R.generate_varlen_input([1, 777, 0, 3001], seed=seed)
         out = S.custom_kernel(data)
         assert R.worst_row_relative_l2(out, fp32_attention(data, kv_format)) < bound
-    assert_grid_match([1, 777, 0, 3001], cuda_backend, seed=splits)
+    assert_grid_match(S.custom_kernel, [1, 777, 0, 3001], emulation, kv_format, seed=splits)
     assert len(C._LAUNCH) == 1
 
 

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from attention_ref import assert_matches, nan_outside, triton_reference  # noqa: E402
+from attention_ref import assert_grid_match, assert_matches, nan_outside, triton_reference  # noqa: E402
 
 import reference as R  # noqa: E402
 
@@ -342,6 +342,8 @@ def test_gpu_task_cases(on_gpu, monkeypatch, kv_format, batch, kv_len):
     out = on_gpu.custom_kernel(data)
     assert_matches(data, out, triton_reference(data, kv_format), GPU_KERNEL_REL_L2)
     assert torch.equal(on_gpu.custom_kernel(data), out)  # the second call launches the cached compiled kernels
+    emulation = "+Q" if kv_format == "fp8" else "cache"  # the fast mode's FP8 Q; fp16 against the MXFP4 cache
+    assert_grid_match(on_gpu.custom_kernel, [kv_len] * batch, emulation, kv_format, seed=batch + kv_len)
 
 
 @pytest.mark.gpu
@@ -383,6 +385,7 @@ def test_gpu_scaled_mxfp4_scores(on_gpu, monkeypatch, lens):
     if max(lens) > 1:
         ok, msg = R.check_implementation(data, out, "mxfp4")
         assert ok, msg
+    assert_grid_match(on_gpu.custom_kernel, lens, "+Q", "mxfp4", seed=len(lens))
 
 
 @pytest.mark.gpu
