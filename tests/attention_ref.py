@@ -28,13 +28,8 @@ def fp8_per_tensor(q: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn) -> t
 
 def fp8_per_head(q: torch.Tensor) -> torch.Tensor:
     """The triton kernel's Q on the fp8 path: per-head E4M3 with scale 448 / max|q_h|, dequantized to fp32."""
-    qf = q.float()
-    amax = qf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
-    # A tensor dividend: torch computes a number divided by a tensor as the number times the tensor's reciprocal,
-    # often an ulp off the quotient, and one ulp of the scale moves the values that sit at an E4M3 rounding tie by
-    # a whole step.
-    scale = torch.full_like(amax, 448.0) / amax
-    return (qf * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() / scale
+    q8, scale = R.round_q_per_head(q)
+    return q8 / scale
 
 
 def fp32_attention(data, kv_format: str, q: torch.Tensor | None = None) -> torch.Tensor:
