@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from attention_ref import assert_grid_match, fp32_attention, nan_outside
+from attention_ref import assert_grid_match, nan_outside
 
 import mla_decode_cuda as C
 import reference as R
@@ -205,12 +205,12 @@ CUDA_KERNELS = [
 
 
 class CudaCase(NamedTuple):
-    """What the cuda_backend fixture set up: the KV format, and the bounds of the worst sequence's relative L2 error.
-    random_bound: on random-normal data against fp32 attention over the cache the kernel reads. The wgmma kernel
-    rounds Q (per head) and P to e4m3 there (measured 0.029-0.037 on the H200; its MXFP4 dequantization is exact),
-    which no bound separates from a 1% bug (tests/test_negative_controls.py); the mma.sync kernel keeps both in fp16
-    (1.7e-3). On grid data (reference.generate_grid_input, where those roundings are exact) both kernels are held to
-    reference.GRID_REL_L2_BOUND against the emulation of what they round."""
+    """What the cuda_backend fixture set up: the KV format, the emulation of what the kernel rounds
+    (reference.kernel_emulation: the wgmma kernel rounds Q per head and P to e4m3, the mma.sync kernel keeps both in
+    fp16), and the bound on the worst sequence's relative L2 error against it on random-normal data. The wgmma
+    kernel's FP8 scores move its P roundings off any emulation's there: measured up to RANDOM_WGMMA_MEASURED, no bound
+    separates it from a 1% bug (tests/test_negative_controls.py); the mma.sync kernel 2.4e-3. On grid data
+    (reference.generate_grid_input, where those roundings are exact) both are held to reference.GRID_REL_L2_BOUND."""
 
     kv_format: str
     random_bound: float
@@ -247,7 +247,7 @@ def test_gpu_task_cases(cuda_backend, batch, kv_len):
     out = S.custom_kernel(data)
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
-    assert R.worst_row_relative_l2(out, fp32_attention(data, kv_format)) < bound
+    assert R.worst_row_relative_l2(out, R.kernel_emulation(data, emulation, kv_format)) < bound
     assert torch.equal(S.custom_kernel(data), out)  # deterministic, and the cached launch is reused
     assert_grid_match(S.custom_kernel, [kv_len] * batch, emulation, kv_format, seed=batch + kv_len)
 
@@ -260,7 +260,7 @@ def test_gpu_varlen(cuda_backend, lens):
     kv_format, bound, emulation = cuda_backend
     data = R.generate_varlen_input(lens, seed=len(lens))
     out = S.custom_kernel(data)
-    exact = fp32_attention(data, kv_format)
+    exact = R.kernel_emulation(data, emulation, kv_format)
     assert R.worst_row_relative_l2(out, exact) < bound  # zero rows for empty sequences
     ok, msg = R.check_implementation(data, out)
     # The checks must pass wherever the exact computation over the same cache passes them: a lone one-row MXFP4
@@ -281,7 +281,7 @@ def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
     for seed in (splits, splits + 100):
         data = R.generate_varlen_input([1, 777, 0, 3001], seed=seed)
         out = S.custom_kernel(data)
-        assert R.worst_row_relative_l2(out, fp32_attention(data, kv_format)) < bound
+        assert R.worst_row_relative_l2(out, R.kernel_emulation(data, emulation, kv_format)) < bound
     assert_grid_match(S.custom_kernel, [1, 777, 0, 3001], emulation, kv_format, seed=splits)
     assert len(C._LAUNCH) == 1
 
