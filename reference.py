@@ -20,6 +20,7 @@ leaderboard's loose rule and a strict per-sequence relative-L2 gate that rejects
 import itertools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -327,9 +328,10 @@ def ref_kernel(data: input_t) -> output_t:
 
 
 # What a fast kernel rounds, for kernel_emulation: "cache" none (fp32-exact attention with bf16 Q over the cache, the
-# torch backend's and the precise kernels' computation); "+Q" Q rounded to e4m3 with one scale per head (448 /
-# max|q_h|: the triton kernel's fast FP8 score product); "+Q+P" and the softmax weights rounded to e4m3 as 2^8 p
-# (the cuda backend's wgmma kernel; its row sums are not rounded).
+# torch backend's and the precise kernels' computation); "+Q" Q rounded to e4m3 with one scale per head
+# (round_q_per_head: the triton kernel's fast FP8 score product); "+Q+P" and the softmax weights rounded to e4m3 as
+# 2^8 p, p relative to the running maximum of the kernel's walk (Tiling), its row sums not rounded (the cuda
+# backend's wgmma kernel).
 EMULATIONS = ("cache", "+Q", "+Q+P")
 
 
@@ -349,10 +351,61 @@ def round_q_per_head(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _round_e4m3(qf * scale), scale
 
 
+class Tiling(NamedTuple):
+    """How a split kernel walks a sequence of n rows, for kernel_emulation's "+Q+P" (both cuda kernels' split_range):
+    num_splits splits of per_split = ceil(ceil(n / num_splits) / block_n) * block_n rows, from the sequence's start;
+    each split's running maximum moves per block_n-row tile, and its normalized partial output is rounded to
+    partial_dtype before the log-sum-exp merge (with more than one split)."""
+
+    num_splits: int = 1
+    block_n: int = 64
+    partial_dtype: torch.dtype = torch.bfloat16
+
+
+P_LOG2_BIAS = 8  # the wgmma kernel stores P as 2^8 p (p <= 1): e4m3 keeps its normal range for small p
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _e4m3_p_attention(logits: torch.Tensor, values: torch.Tensor, tiling: Tiling) -> torch.Tensor:
+    """One sequence's attention with P rounded as the wgmma kernel rounds it: logits (16, n) float64 in log2 units,
+    values (n, 512) float64 -> (16, 512) float64."""
+    n, tile = logits.shape[1], tiling.block_n
+    per_split = _ceil_div(_ceil_div(n, tiling.num_splits), tile) * tile
+    tiles_per_split = per_split // tile
+    splits = _ceil_div(_ceil_div(n, tile), tiles_per_split)  # those with rows
+    padded = torch.full((NUM_HEADS, splits * per_split), -math.inf, dtype=logits.dtype, device=logits.device)
+    padded[:, :n] = logits
+    tile_max = padded.view(NUM_HEADS, splits, tiles_per_split, tile).amax(dim=-1)
+    running = tile_max.cummax(dim=-1).values  # (16, splits, tiles_per_split): the maximum after each tile
+    split_max = running[..., -1:]
+    row_running = running.repeat_interleave(tile, dim=-1).view(NUM_HEADS, -1)[:, :n]
+    row_split_max = split_max.expand(-1, -1, per_split).reshape(NUM_HEADS, -1)[:, :n]
+    stored = _round_e4m3(torch.exp2(logits - row_running + P_LOG2_BIAS))
+    weights = stored * torch.exp2(row_running - row_split_max)  # the rescales of later tiles
+    unrounded = torch.exp2(logits - row_split_max + P_LOG2_BIAS)
+    partials, lses = [], []
+    for split in range(splits):
+        rows = slice(split * per_split, min((split + 1) * per_split, n))
+        row_sum = unrounded[:, rows].sum(dim=-1, keepdim=True)
+        partials.append(weights[:, rows] @ values[rows] / row_sum)
+        lses.append(split_max[:, split] + torch.log2(row_sum) - P_LOG2_BIAS)
+    if tiling.num_splits == 1:
+        return partials[0]
+    lse = torch.stack(lses)  # (splits, 16, 1)
+    merge = torch.exp2(lse - lse.amax(dim=0))
+    partial = torch.stack(partials).to(tiling.partial_dtype).double()
+    return (merge * partial).sum(dim=0) / merge.sum(dim=0)
+
+
 @torch.no_grad()
-def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8") -> torch.Tensor:
+def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8",
+                     tiling: Tiling | None = None) -> torch.Tensor:
     """float64 attention over the dequantized `kv_format` cache with the roundings `emulation` names (EMULATIONS):
-    (total_q, 16, 512) float64, what a kernel that rounds just those computes before its output's bf16 rounding."""
+    (total_q, 16, 512) float64, what a kernel that rounds just those computes before its output's bf16 rounding.
+    tiling: the kernel's walk, for "+Q+P" (default: one split of 64-row tiles)."""
     if emulation not in EMULATIONS:
         raise ValueError(f"emulation: expected one of {EMULATIONS}, got {emulation!r}")
     q, kv_data, qo_indptr, kv_indptr, config = data
@@ -369,9 +422,10 @@ def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8") -> t
         if hi <= lo:
             continue
         scores = qd[b] @ keys[lo:hi].T * config["sm_scale"]  # (16, n)
-        p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-        weights = _round_e4m3(p * 256.0) / 256.0 if emulation == "+Q+P" else p
-        out[b] = weights @ keys[lo:hi, :V_HEAD_DIM] / p.sum(dim=-1, keepdim=True)
+        if emulation == "+Q+P":
+            out[b] = _e4m3_p_attention(scores * math.log2(math.e), keys[lo:hi, :V_HEAD_DIM], tiling or Tiling())
+        else:
+            out[b] = torch.softmax(scores, dim=-1) @ keys[lo:hi, :V_HEAD_DIM]
     return out
 
 

@@ -245,11 +245,17 @@ def launch_key(device: torch.device, batch: int, total_kv: int, kv_seq_len: int 
     return LaunchKey(device, batch, seq_len, kv_format, precise)
 
 
+def plan_splits(key: LaunchKey) -> int:
+    """The splits per sequence of the launch plan of `key` (cuda_plan on its GPU, with its kernel's CTAs per SM)."""
+    lib = library(capability(key.device), key.precise)
+    return cuda_plan(key.batch, key.seq_len, torch.cuda.get_device_properties(key.device).multi_processor_count,
+                     lib.mla_ctas_per_sm())
+
+
 def _new_launch(key: LaunchKey) -> Launch:
     device, batch = key.device, key.batch
     lib = library(capability(device), key.precise)
-    splits = cuda_plan(batch, key.seq_len, torch.cuda.get_device_properties(device).multi_processor_count,
-                       lib.mla_ctas_per_sm())
+    splits = plan_splits(key)
     rows = batch * splits if splits > 1 else 0
     part_o = torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
     part_lse = torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device)
