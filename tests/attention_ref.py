@@ -81,11 +81,11 @@ def nan_outside(data, kv_format: str, keep: int, trailing: int):
     return poisoned, exact
 
 
-def assert_grid_match(decode, lens: list[int], emulation: str, kv_format: str, seed: int) -> None:
+def assert_grid_match(decode, expect, lens: list[int], seed: int) -> None:
     """decode(data) (custom_kernel, with the backend and format the environment selects) on grid data of these KV
     lengths (reference.generate_grid_input, where the fast kernels' roundings are exact) within
-    reference.GRID_REL_L2_BOUND of reference.kernel_emulation(data, emulation, kv_format), worst sequence."""
+    reference.GRID_REL_L2_BOUND of expect(data), the emulation of what the kernel rounds, worst sequence."""
     data = R.generate_grid_input(lens, seed=seed)
-    error = R.worst_row_relative_l2(decode(data), R.kernel_emulation(data, emulation, kv_format))
+    error = R.worst_row_relative_l2(decode(data), expect(data))
     bound = R.GRID_REL_L2_BOUND
     assert error < bound, f"grid data, {len(lens)} sequences: worst sequence {error:.3e} (bound {bound:g})"
