@@ -11,8 +11,10 @@ Error sources apart (float64 emulations of what the kernels round, on the same i
             backend's computation, and the floor for every FP8 kernel)
   +Q        Q rounded to e4m3 with one scale per head (448 / max|q_h|): the fast score product's Q
   +Q+P      and the softmax weights rounded to e4m3 as 2^8 p (the cuda backend's fast kernel; its row sums are not
-            rounded)
-What a kernel adds beyond its emulation is its score product's accumulation (the FP8 MMA's, for the fast modes).
+            rounded); in the truth columns for one split of 64-row tiles, in the "cuda fast vs emulation" column
+            (emulate) with the splits of the kernel's launch plan
+What a kernel adds beyond its emulation is its score product's accumulation (the FP8 MMA's, for the fast modes),
+which a common logit offset makes visible.
 
 Usage (a GPU: cuda, triton and torch rows; the CPU: torch, and triton under TRITON_INTERPRET=1, where the dots are
 exact fp32 and show only the rounding):
