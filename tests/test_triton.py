@@ -19,10 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attention_ref import assert_grid_match, assert_matches, nan_outside, triton_reference  # noqa: E402
+from bench_scripts import load_bench_script  # noqa: E402
 
 import reference as R  # noqa: E402
 
 CPU = torch.device("cpu")
+NUMERICS = load_bench_script("numerics")  # its emulate: the emulation of what each kernel rounds
 # vs fp32 attention over what the kernel reads, per sequence (the worst one): bf16 output rounding is ~2-3e-3, in the
 # interpreter, whose fp32 division is exact like the model's, and on a GPU, where the kernel's Q scale is the IEEE
 # quotient too (div_rn). Measured on the H200 over the task shapes and varlen batches (bench/emulation_errors.py):
@@ -340,8 +342,7 @@ def test_gpu_task_cases(on_gpu, monkeypatch, kv_format, batch, kv_len):
     out = on_gpu.custom_kernel(data)
     assert_matches(data, out, triton_reference(data, kv_format), KERNEL_REL_L2)
     assert torch.equal(on_gpu.custom_kernel(data), out)  # the second call launches the cached compiled kernels
-    emulation = "+Q" if kv_format == "fp8" else "cache"  # the fast mode's FP8 Q; fp16 against the MXFP4 cache
-    assert_grid_match(on_gpu.custom_kernel, lambda grid: R.kernel_emulation(grid, emulation, kv_format),
+    assert_grid_match(on_gpu.custom_kernel, lambda grid: NUMERICS.emulate(grid, "triton", kv_format, "fast"),
                       [kv_len] * batch, seed=batch + kv_len)
 
 
