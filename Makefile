@@ -14,7 +14,7 @@ TORCH_INDEX ?= $(if $(shell command -v nvidia-smi || command -v rocminfo),,https
 AMD_TRITON ?= 3.6.0
 AMD_TRITON_DIR ?= .amd-triton/$(AMD_TRITON)
 
-.PHONY: torch eval test test-deps presubmit amd-check amd-check-run
+.PHONY: torch eval test test-quick test-deps presubmit amd-check amd-check-run bundle bundle-check
 
 torch:
 	$(PYTHON) -c "import torch" 2>/dev/null || \
@@ -28,10 +28,22 @@ eval: torch
 test-deps: torch
 	$(PYTHON) -m pip install -q -e ".[test]"
 
-test: test-deps amd-check-run
+test: test-deps amd-check-run bundle-check
 	$(PYTHON) -m ruff check .
 	$(PYTHON) tools/presubmit.py submission.py
 	$(PYTHON) -m pytest
+
+# The inner loop: ruff, the bundle's freshness and the library's own tests (no AMD compile, no leaderboard gates).
+test-quick: test-deps bundle-check
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest tests/test_library.py
+
+# submission.py is generated from the package's portable modules (tools/bundle.py); CI fails when it is stale.
+bundle:
+	$(PYTHON) tools/bundle.py
+
+bundle-check:
+	$(PYTHON) tools/bundle.py --check
 
 # The checks of tools/presubmit.py on the file the leaderboard would receive.
 presubmit: test-deps

@@ -486,9 +486,10 @@ def kv_bytes_read(total_kv: int, kv_format: str) -> int:
 
 
 def _backend_of(submission, device: torch.device) -> tuple[str, str]:
-    """(backend, KV format) the submission will run with (its select_backend / select_kv_format). A submission
-    without them (any leaderboard entry may lack them) gets "-" and the format the check assumes."""
-    select_backend = getattr(submission, "select_backend", None)
+    """(backend, KV format) the submission will run with (its leaderboard_backend, or an older file's
+    select_backend(device); its select_kv_format). A submission without them (any leaderboard entry may lack them)
+    gets "-" and the format the check assumes."""
+    select_backend = getattr(submission, "leaderboard_backend", None) or getattr(submission, "select_backend", None)
     select_kv_format = getattr(submission, "select_kv_format", kv_format_under_test)
     return (select_backend(device) if select_backend is not None else "-"), select_kv_format()
 

@@ -17,10 +17,8 @@ ref_kernel is the BF16 ground truth (bf16 q against bf16 KV, fp32 math); check_i
 leaderboard's loose rule and a strict per-sequence relative-L2 gate that rejects e.g. an all-zero output.
 """
 
-import itertools
 import math
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -197,68 +195,6 @@ def generate_varlen_input(kv_lens: list[int], seed: int, qseqlen: int = 1, devic
     return input_from(q, kv, kv_lens, qseqlen=qseqlen, ties=ties, padded_scales=padded_scales)
 
 
-# The logit shifts of generate_shifted_input: every score gets q[..., 575] * k[..., 575] * sm_scale.
-SHIFT_KEY_VALUE = 24.0  # k[..., 575]: 24 x sm_scale = 1, so q[..., 575] = the shift in logits
-
-
-def generate_shifted_input(kv_lens: list[int], seed: int, shift: float, sink: bool = False,
-                           device: torch.device | None = None) -> input_t:
-    """generate_varlen_input's data with large logits, which softmax's shift invariance makes harmless for the
-    exact result: q[..., 575] = shift and k[..., 575] = SHIFT_KEY_VALUE, so every logit of a sequence grows by
-    `shift`. With sink=True only the first key of each sequence gets k[..., 575] = SHIFT_KEY_VALUE (the others
-    0): one key `shift` above the rest, an attention sink."""
-    q, kv_data, _, _, _ = generate_varlen_input(kv_lens, seed, device=device)
-    q, kv = q.clone(), kv_data["bf16"].clone()
-    q[..., QK_HEAD_DIM - 1] = shift
-    if sink:
-        kv[:, :, QK_HEAD_DIM - 1] = 0.0
-        firsts = [end - n for end, n in zip(itertools.accumulate(kv_lens), kv_lens, strict=True) if n]
-        kv[firsts, :, QK_HEAD_DIM - 1] = SHIFT_KEY_VALUE
-    else:
-        kv[:, :, QK_HEAD_DIM - 1] = SHIFT_KEY_VALUE
-    return input_from(q, kv, kv_lens)
-
-
-# generate_grid_input. Queries are GRID_Q_UNIT = bf16(24 / log2(e)) times small integers, so that each logit in log2
-# units, log2(e) * sm_scale * q.k, lies within 6.3e-4 x its size of an integer. A head's q holds +1 at
-# GRID_Q_TERMS / 2 rope dims and -1 at as many, where every key holds 0 or 1: its logits are integers in
-# [-GRID_Q_TERMS / 2, GRID_Q_TERMS / 2], so 2^(logit - max) >= 2^-8 is a power of two to within 0.4%, which an FP8
-# P (with or without a bias, whatever its split's running maximum) or an fp16 P keeps exactly. Its largest |q|, 4
-# units in dim 575 (where every key is 0), makes 448 / max|q_h| x q exactly e4m3 (112 x {0, +-1, +-4}), with one
-# scale per head or per tensor. The keys' dims 0..511, the values, are +-1 with odds 1 in GRID_VALUE_ODDS each, else 0.
-GRID_Q_UNIT = 16.625
-GRID_Q_TERMS = 8
-GRID_VALUE_ODDS = 32
-# The bound on grid data of every fast kernel's worst sequence against the emulation of what it rounds: a bf16
-# rounding of the output alone is ~2e-3 there. Measured on the H200: 1.7-2.4e-3 for every GPU kernel, >= 1.09e-2
-# with sm_scale x 1.01 (tests/test_negative_controls.py holds each kernel to it, with the planted bugs failing it).
-GRID_REL_L2_BOUND = 5e-3
-
-
-def generate_grid_input(kv_lens: list[int], seed: int, device: torch.device | None = None) -> input_t:
-    """Input on which the fast kernels' own roundings are exact (GRID_Q_UNIT's comment): the FP8 and MXFP4 caches
-    hold the bf16 keys exactly, and Q's e4m3 rounding and P's e4m3 or fp16 rounding lose nothing, so what a fast
-    kernel computes differs from the exact attention only by its accumulations and its bf16 outputs, and a 1% error
-    in sm_scale or in the output stands out."""
-    device = get_device() if device is None else device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    batch, total_kv = len(kv_lens), int(sum(kv_lens))
-    rope = QK_ROPE_HEAD_DIM - 1  # dims 512..574
-    where = KV_LORA_RANK + torch.rand((batch, NUM_HEADS, rope), generator=gen, device=device).argsort(dim=-1)
-    signs = torch.ones((batch, NUM_HEADS, GRID_Q_TERMS), dtype=torch.bfloat16, device=device)
-    signs[..., GRID_Q_TERMS // 2:] = -1
-    q = torch.zeros((batch, NUM_HEADS, QK_HEAD_DIM), dtype=torch.bfloat16, device=device)
-    q.scatter_(-1, where[..., :GRID_Q_TERMS], signs)
-    q[..., QK_HEAD_DIM - 1] = 8 * torch.randint(0, 2, (batch, NUM_HEADS), generator=gen, device=device) - 4
-    draw = torch.randint(0, GRID_VALUE_ODDS, (total_kv, NUM_KV_HEADS, QK_HEAD_DIM), generator=gen, device=device,
-                         dtype=torch.uint8)
-    kv = (draw == 0).to(torch.bfloat16) - (draw == 1).to(torch.bfloat16)
-    kv[..., KV_LORA_RANK:] = (draw[..., KV_LORA_RANK:] % 2).to(torch.bfloat16)
-    kv[..., QK_HEAD_DIM - 1] = 0.0
-    return input_from(q * GRID_Q_UNIT, kv, kv_lens)
-
-
 def input_from(q: torch.Tensor, kv: torch.Tensor, kv_lens: list[int], qseqlen: int = 1, ties: str = "away",
                padded_scales: bool = True) -> input_t:
     """The input tuple for q (batch * qseqlen, 16, 576) bf16 and kv (sum(kv_lens), 1, 576) bf16, sequence b owning
@@ -325,108 +261,6 @@ def ref_kernel(data: input_t) -> output_t:
     """BF16 ground truth: bf16 q against bf16 KV, fp32 math, output bf16."""
     q, kv_data, qo_indptr, kv_indptr, config = data
     return attention_reference(q, kv_data["bf16"], qo_indptr, kv_indptr, config["sm_scale"]).to(torch.bfloat16)
-
-
-# What a fast kernel rounds, for kernel_emulation: "cache" none (fp32-exact attention with bf16 Q over the cache, the
-# torch backend's and the precise kernels' computation); "+Q" Q rounded to e4m3 with one scale per head
-# (round_q_per_head: the triton kernel's fast FP8 score product); "+Q+P" and the softmax weights rounded to e4m3 as
-# 2^8 p, p relative to the running maximum of the kernel's walk (Tiling), its row sums not rounded (the cuda
-# backend's wgmma kernel).
-EMULATIONS = ("cache", "+Q", "+Q+P")
-
-
-def _round_e4m3(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-
-
-def round_q_per_head(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q (..., 16, 576) as the fast kernels round it: E4M3 values (fp32) and the per-head scale 448 / max|q_h| (fp32,
-    (..., 16, 1)), q ~ values / scale, in fp32 steps as the kernels take them: the IEEE quotient, then the fp32
-    product. (A number divided by a tensor is, in torch, the number times the tensor's reciprocal, often an ulp off
-    the quotient; an ulp of the scale moves a value that sits at an E4M3 rounding tie by a whole step. Against exact
-    float64 steps, ~1 in 2000 of random bf16 values get another E4M3 value: 299 of 589,824 at 64x1024.)"""
-    qf = q.float()
-    amax = qf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
-    scale = torch.full_like(amax, 448.0) / amax
-    return _round_e4m3(qf * scale), scale
-
-
-class Tiling(NamedTuple):
-    """How a split kernel walks a sequence of n rows, for kernel_emulation's "+Q+P" (both cuda kernels' split_range):
-    num_splits splits of per_split = ceil(ceil(n / num_splits) / block_n) * block_n rows, from the sequence's start;
-    each split's running maximum moves per block_n-row tile, and its normalized partial output is rounded to
-    partial_dtype before the log-sum-exp merge (with more than one split)."""
-
-    num_splits: int = 1
-    block_n: int = 64
-    partial_dtype: torch.dtype = torch.bfloat16
-
-
-P_LOG2_BIAS = 8  # the wgmma kernel stores P as 2^8 p (p <= 1): e4m3 keeps its normal range for small p
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _e4m3_p_attention(logits: torch.Tensor, values: torch.Tensor, tiling: Tiling) -> torch.Tensor:
-    """One sequence's attention with P rounded as the wgmma kernel rounds it: logits (16, n) float64 in log2 units,
-    values (n, 512) float64 -> (16, 512) float64."""
-    n, tile = logits.shape[1], tiling.block_n
-    per_split = _ceil_div(_ceil_div(n, tiling.num_splits), tile) * tile
-    tiles_per_split = per_split // tile
-    splits = _ceil_div(_ceil_div(n, tile), tiles_per_split)  # those with rows
-    padded = torch.full((NUM_HEADS, splits * per_split), -math.inf, dtype=logits.dtype, device=logits.device)
-    padded[:, :n] = logits
-    tile_max = padded.view(NUM_HEADS, splits, tiles_per_split, tile).amax(dim=-1)
-    running = tile_max.cummax(dim=-1).values  # (16, splits, tiles_per_split): the maximum after each tile
-    split_max = running[..., -1:]
-    row_running = running.repeat_interleave(tile, dim=-1).view(NUM_HEADS, -1)[:, :n]
-    row_split_max = split_max.expand(-1, -1, per_split).reshape(NUM_HEADS, -1)[:, :n]
-    stored = _round_e4m3(torch.exp2(logits - row_running + P_LOG2_BIAS))
-    weights = stored * torch.exp2(row_running - row_split_max)  # the rescales of later tiles
-    unrounded = torch.exp2(logits - row_split_max + P_LOG2_BIAS)
-    partials, lses = [], []
-    for split in range(splits):
-        rows = slice(split * per_split, min((split + 1) * per_split, n))
-        row_sum = unrounded[:, rows].sum(dim=-1, keepdim=True)
-        partials.append(weights[:, rows] @ values[rows] / row_sum)
-        lses.append(split_max[:, split] + torch.log2(row_sum) - P_LOG2_BIAS)
-    if tiling.num_splits == 1:
-        return partials[0]
-    lse = torch.stack(lses)  # (splits, 16, 1)
-    merge = torch.exp2(lse - lse.amax(dim=0))
-    partial = torch.stack(partials).to(tiling.partial_dtype).double()
-    return (merge * partial).sum(dim=0) / merge.sum(dim=0)
-
-
-@torch.no_grad()
-def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8",
-                     tiling: Tiling | None = None) -> torch.Tensor:
-    """float64 attention over the dequantized `kv_format` cache with the roundings `emulation` names (EMULATIONS):
-    (total_q, 16, 512) float64, what a kernel that rounds just those computes before its output's bf16 rounding.
-    tiling: the kernel's walk, for "+Q+P" (default: one split of 64-row tiles)."""
-    if emulation not in EMULATIONS:
-        raise ValueError(f"emulation: expected one of {EMULATIONS}, got {emulation!r}")
-    q, kv_data, qo_indptr, kv_indptr, config = data
-    kv, scale = kv_data[kv_format]
-    keys = (kv[:, 0].double() * scale.double() if kv_format == "fp8" else
-            dequantize_mxfp4(kv, scale, torch.float64)[:, 0])  # (total_kv, 576)
-    qd = q.double()
-    if emulation != "cache":
-        q8, q_scale = round_q_per_head(q)
-        qd = q8.double() / q_scale.double()
-    out = torch.zeros((q.shape[0], NUM_HEADS, V_HEAD_DIM), dtype=torch.float64, device=q.device)
-    bounds = kv_indptr.tolist()
-    for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        if hi <= lo:
-            continue
-        scores = qd[b] @ keys[lo:hi].T * config["sm_scale"]  # (16, n)
-        if emulation == "+Q+P":
-            out[b] = _e4m3_p_attention(scores * math.log2(math.e), keys[lo:hi, :V_HEAD_DIM], tiling or Tiling())
-        else:
-            out[b] = torch.softmax(scores, dim=-1) @ keys[lo:hi, :V_HEAD_DIM]
-    return out
 
 
 def kv_format_under_test() -> str:

@@ -1,5 +1,5 @@
 """Times every variant of the aiter path and the triton backend on the leaderboard's shapes, prints one table and the
-AITER_VARIANTS table to paste (a shape can go to triton), and draws the chart.
+AITER_VARIANTS table to paste into mla_decode/aiter_backend.py (a shape can go to triton), and draws the chart.
 
     python3 bench/aiter_sweep.py [--shapes 4x1024,256x8192] [--variants fp8_ps,a16w8_ps] [--iters 50]
                                  [--min-gain 0.03] [--no-triton] [--json PATH] [--chart PNG]
@@ -7,7 +7,8 @@ AITER_VARIANTS table to paste (a shape can go to triton), and draws the chart.
                                                # tiny shapes, wall clock
 
 On a ROCm GPU with aiter (an MI355X, for the leaderboard's choice), for each shape of task.yml's benchmarks
-(reference.generate_input, the leaderboard's seeds) and each variant of submission.AITER_VARIANT_SPECS:
+(reference.generate_input, the leaderboard's seeds) and each variant of AITER_VARIANT_SPECS (in
+mla_decode/aiter_backend.py; run through submission.py, which tools/bundle.py generates from the package):
   check      the first call's output through reference's check (the leaderboard's rule and the strict gate,
              the BF16 truth computed once per shape): a variant that fails or raises is never recommended
   median µs  the leaderboard's timing of one whole custom_kernel call (MLA_BACKEND=aiter, MLA_AITER_VARIANT set
@@ -16,15 +17,16 @@ On a ROCm GPU with aiter (an MI355X, for the leaderboard's choice), for each sha
   ran as     the call form the plan actually runs: a "direct" variant on an aiter whose stage 1 / reduce
              signatures differ from the runner's runs mla_decode_fwd ("decode_fwd (fallback)")
 and the triton backend's paths (TRITON_PATHS: MLA_BACKEND=triton in each KV format and precision, checked with
-that format's bound), and, per shape, the Q quantization alone (submission.QQuantizer, the FP8 variants' first two
-launches) timed the same way and compared bit for bit with reference.quantize_fp8.
+that format's bound), and, per shape, the Q quantization alone (QQuantizer, the FP8 variants' first two launches)
+timed the same way and compared bit for bit with reference.quantize_fp8.
 
 The recommendation per shape is the fastest variant that passed (the triton backend on the FP8 cache in the fast
 mode, which computes what the aiter variants compute, among them, as ROCM_TRITON; the other triton paths change
 the cache or the precision and are shown, never recommended), unless it beats the default (today's path,
-submission.AITER_DEFAULT_VARIANT) by less than --min-gain (then the default stays: noise is not a reason to
-switch). It is printed as the AITER_VARIANTS block to paste into submission.py, each entry saying where its
-choice came from. The exit status is 1 when any row is FAIL or ERROR (everything is printed first).
+AITER_DEFAULT_VARIANT) by less than --min-gain (then the default stays: noise is not a reason to switch). It is
+printed as the AITER_VARIANTS block to paste into mla_decode/aiter_backend.py (then `make bundle` regenerates
+submission.py), each entry saying where its choice came from. The exit status is 1 when any row is FAIL or ERROR
+(everything is printed first).
 
 The chart (--chart, matplotlib): median µs per shape and path, log scale, with the FP8 read floor (the FP8 cache's
 bytes over the read ceiling bench.py's kernels measure first on the same GPU).
@@ -103,12 +105,16 @@ def install_standin() -> str:
     return "stand-in aiter (tests/aiter_standin.py, RUNNER signatures)"
 
 
-def ran_as(data: tuple) -> str:
-    """The call form the plan of this input runs (after the first call built it)."""
-    q, kv_data, _, _, config = data
-    plan = submission._AITER_PLANS[submission._aiter_key(q, kv_data["fp8"][0], config)]
-    wanted = submission.AITER_VARIANT_SPECS[plan.variant].call
-    return plan.call if plan.call == wanted else f"{plan.call} (fallback)"
+def aiter_ran_as(variant: str) -> Callable[[tuple], str]:
+    """data -> the call form the plan of this input under `variant` runs (after the first call built it)."""
+
+    def ran_as(data: tuple) -> str:
+        q, kv_data, _, _, config = data
+        plan = submission._AITER_PLANS[submission.aiter_key(q, kv_data["fp8"][0], config["kv_seq_len"], variant)]
+        wanted = submission.AITER_VARIANT_SPECS[plan.variant].call
+        return plan.call if plan.call == wanted else f"{plan.call} (fallback)"
+
+    return ran_as
 
 
 def measured_row(row: Row, env: dict, data: tuple, expected: torch.Tensor, kv_format: str, ran_as_of, device,
@@ -134,8 +140,8 @@ def measured_row(row: Row, env: dict, data: tuple, expected: torch.Tensor, kv_fo
 
 def sweep_variant(shape, variant: str, data: tuple, expected: torch.Tensor, device, args) -> Row:
     row = Row(shape.name, variant, launches=submission.AITER_VARIANT_SPECS[variant].launches)
-    return measured_row(row, {"MLA_BACKEND": "aiter", "MLA_AITER_VARIANT": variant}, data, expected, "fp8", ran_as,
-                        device, args)
+    return measured_row(row, {"MLA_BACKEND": "aiter", "MLA_AITER_VARIANT": variant}, data, expected, "fp8",
+                        aiter_ran_as(variant), device, args)
 
 
 def sweep_triton(shape, name: str, data: tuple, expected: torch.Tensor, device, args) -> Row:
@@ -144,10 +150,8 @@ def sweep_triton(shape, name: str, data: tuple, expected: torch.Tensor, device, 
     row = Row(shape.name, name)
 
     def triton_ran_as(data: tuple) -> str:
-        q, kv_data, _, _, config = data
-        kv, scale = kv_data[kv_format]
-        plan = submission._triton_launch(submission._triton_key(q, kv, scale, config, kv_format,
-                                                                precision == "precise", None)).plan
+        decision = submission.dispatch(data)[0]  # under the row's settings: the decision custom_kernel ran
+        plan = decision.plan.impl.key.plan  # the triton backend's launch plan (TritonDecode.key)
         row.launches = 1 + (plan.num_splits > 1)
         return f"triton, {plan.num_splits} splits"
 
@@ -192,7 +196,8 @@ def recommend(rows: list[Row], shapes, min_gain: float, label: str) -> dict:
 
 
 def render_table(chosen: dict) -> str:
-    """The AITER_VARIANTS block for submission.py (two lines an entry, within its 120-column limit)."""
+    """The AITER_VARIANTS block for mla_decode/aiter_backend.py (two lines an entry, within its 120-column
+    limit)."""
     lines = ["AITER_VARIANTS = {"]
     for (batch, kv), (variant, source) in chosen.items():
         key = f"    ({batch}, {kv}): ("
@@ -295,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         draw_chart(rows, shapes, floors, args.chart, f"aiter_sweep {date}, {gpu}: µs per call")
         print(f"chart: {args.chart}")
     print("\n" + render_rows(rows, quants))
-    print("\n# Paste into submission.py (replacing AITER_VARIANTS):\n" + render_table(chosen))
+    print("\n# Paste into mla_decode/aiter_backend.py (replacing AITER_VARIANTS), then run `make bundle`:\n"
+          + render_table(chosen))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

@@ -55,6 +55,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -65,8 +66,10 @@ sys.path[:0] = [str(ROOT), str(BENCH_DIR)]
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+import mla_decode  # noqa: E402
 import reference  # noqa: E402
 import submission  # noqa: E402
+from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 from utils import Timer, get_device, l2_flush, scoped_env  # noqa: E402
 
 # KV bytes one decode must read per cache row, by format (the FP8 per-tensor scale is 4 bytes in all).
@@ -76,6 +79,8 @@ DRY_RUN_SHAPES = ((2, 64, 11), (3, 37, 12))  # (batch, kv length, seed): tiny, a
 MEMWALK_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MEMWALK_BLOCK_N = (32, 64)
 FI_WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented starting point for the float workspace
+PAGE_SIZES = (64, 16, 1)  # the paged rows' page sizes
+MXFP4_SCALES = 18  # E8M0 scales per row
 
 
 class Unavailable(Exception):
@@ -221,14 +226,14 @@ def _check_attention(data: tuple, expected: torch.Tensor, kv_format: str):
 
 
 def _ours(backend: str, kv_format: str, precision: str = "fast"):
-    """submission.custom_kernel with MLA_BACKEND, MLA_KV_FORMAT and MLA_PRECISION forced; submission.select_backend
-    decides whether the backend can run here, with its own message."""
+    """submission.custom_kernel with MLA_BACKEND, MLA_KV_FORMAT and MLA_PRECISION forced;
+    submission.leaderboard_backend decides whether the backend can run here, with its own message."""
 
     def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
         env = {"MLA_BACKEND": backend, "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}
         with scoped_env(env):
             try:
-                submission.select_backend(ctx.device)
+                submission.leaderboard_backend(ctx.device)
             except RuntimeError as e:
                 raise Unavailable(str(e)) from e
         def call(inputs: tuple) -> Callable[[], object]:
@@ -303,21 +308,19 @@ def _flashinfer(kv_format: str):
     return prepare
 
 
-def _kernel_plan(ctx: Context, data: tuple, kv_format: str) -> tuple[int, int] | None:
-    """(splits, BLOCK_N) that our Triton kernel uses for this input, from submission.triton_plan (None where the
-    submission has none), so the walk can also be timed in exactly our kernel's tile pattern."""
-    plan_fn = getattr(submission, "triton_plan", None)
-    if plan_fn is None:
-        return None
+def _kernel_plan(ctx: Context, data: tuple, kv_format: str) -> tuple[int, int]:
+    """(splits, BLOCK_N) that our Triton kernel uses for this input (mla_decode's triton_plan), so the walk can also
+    be timed in exactly our kernel's tile pattern."""
     q, _, _, _, config = data
-    plan = plan_fn(q.shape[0], config["kv_seq_len"], submission.triton_target(ctx.device), kv_format)
+    plan = triton_plan(q.shape[0], config["kv_seq_len"], triton_target(ctx.device), kv_format)
     return plan.num_splits, plan.block_n
 
 
-def _memwalk(kv_format: str):
-    """The memory-only walk of the cache our kernel reads. The row is the fastest verified configuration of a
+def _memwalk(kv_format: str, page: int = 0):
+    """The memory-only walk of the cache our kernel reads (page > 0: the same rows in shuffled pages of that many
+    rows, through the page table, as _paged lays them out). The row is the fastest verified configuration of a
     small sweep (split count x tile height), so it is a floor for any split choice of the kernel; the sweep
-    includes our kernel's own plan (submission.triton_plan), whose time the note and the JSON also give."""
+    includes our kernel's own plan (mla_decode's triton_plan), whose time the note and the JSON also give."""
 
     def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
         fk = ctx.floor_kernels()
@@ -325,28 +328,128 @@ def _memwalk(kv_format: str):
         max_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
         sweep_iters = max(3, ctx.args.iters // 5)
         expected_sum = fk.kv_checksum(kv_format, kv_data, kv_indptr)
+        walked, pages = kv_data, None
+        if page:
+            paged = _paged(data, kv_format, page)
+            walked = {kv_format: (paged.kv_cache, paged.kv_scale)}
+            pages = (paged.block_table, paged.cache_seqlens, page)
         ours = _kernel_plan(ctx, data, kv_format)
         configs = {(splits, block_n) for block_n in MEMWALK_BLOCK_N for splits in MEMWALK_SPLITS
                    if splits == 1 or splits <= math.ceil(max_len / block_n)}  # no split without a tile to read
         sweep = []
-        for splits, block_n in sorted(configs | ({ours} if ours else set())):
-            walk = fk.MemWalk(kv_format, kv_data, kv_indptr, splits, block_n)
+        for splits, block_n in sorted(configs | {ours}):
+            walk = fk.MemWalk(kv_format, walked, kv_indptr, splits, block_n, pages)
             if walk.checksum(walk()) != expected_sum:
                 raise RuntimeError(f"memwalk {kv_format} splits={splits} BLOCK_N={block_n}: checksum mismatch")
             sweep.append((statistics.median(ctx.timer.leaderboard(walk, sweep_iters)), splits, block_n, walk))
         _, splits, block_n, walk = min(sweep, key=lambda t: t[0])
         note = f"best of sweep: splits {splits}, BLOCK_N {block_n}"
-        ours_us = next((t for t, s, b, _ in sweep if (s, b) == ours), None)
-        note += (f"; at our kernel's plan (splits {ours[0]}, BLOCK_N {ours[1]}): {ours_us:.1f} µs" if ours
-                 else "; submission.triton_plan not found")
+        ours_us = next(t for t, s, b, _ in sweep if (s, b) == ours)
+        note += f"; at our kernel's plan (splits {ours[0]}, BLOCK_N {ours[1]}): {ours_us:.1f} µs"
 
         def check(out) -> tuple[bool, float | None, str]:
             got = walk.checksum(out)
             return got == expected_sum, None, f"checksum {got:#010x} (expected {expected_sum:#010x})"
 
         extra = {"sweep": [{"splits": s, "block_n": b, "median_us": t} for t, s, b, _ in sweep],
-                 "our_plan": list(ours) if ours else None, "our_plan_us": ours_us}
+                 "our_plan": list(ours), "our_plan_us": ours_us}
         return Prepared(fn=walk, check=check, note=note, extra=extra)
+
+    return prepare
+
+
+class Paged(NamedTuple):
+    """An input's cache re-laid in pages: what the library's paged call and FlashInfer's paged wrapper take."""
+
+    q: torch.Tensor  # (batch, 1, 16, 576)
+    kv_cache: torch.Tensor  # (num_pages, page, 1, width)
+    kv_scale: torch.Tensor | None  # fp8 (1,); mxfp4 (num_pages, page, 1, 18); bf16 None
+    block_table: torch.Tensor  # (batch, max_pages) int32
+    cache_seqlens: torch.Tensor  # (batch,) int32
+
+
+def _paged(data: tuple, kv_format: str, page: int, seed: int = 0) -> Paged:
+    """The input's `kv_format` cache as pages of `page` rows in a shuffled order (a serving engine's cache after a
+    while), the block table that finds each sequence's rows, and its lengths. Needs every sequence to start on a
+    page boundary (the leaderboard's uniform batches of 1024 or 8192 rows do): else Unavailable."""
+    q, kv_data, _, kv_indptr, _ = data
+    kv, scale = (kv_data["bf16"], None) if kv_format == "bf16" else kv_data[kv_format]
+    starts, lens = kv_indptr[:-1].cpu().long(), (kv_indptr[1:] - kv_indptr[:-1]).cpu().long()
+    total = kv.shape[0]
+    if total % page or bool((starts % page).any()):
+        raise Unavailable(f"the input's sequences do not start on pages of {page} rows")
+    num_pages, width = total // page, kv.shape[-1]
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))  # logical page i -> order[i]
+    cache = torch.empty((num_pages, page, 1, width), dtype=kv.dtype, device=kv.device)
+    cache.view(torch.uint8)[order.to(kv.device)] = kv.view(torch.uint8).view(num_pages, page, 1, -1)
+    if kv_format == "mxfp4":
+        rows = scale.view(torch.uint8)[:total, :MXFP4_SCALES]
+        paged_scale = torch.empty((num_pages, page, 1, MXFP4_SCALES), dtype=torch.uint8, device=kv.device)
+        paged_scale[order.to(kv.device)] = rows.reshape(num_pages, page, 1, MXFP4_SCALES)
+        scale = paged_scale.view(scale.dtype)
+    needed = (lens + page - 1) // page
+    table = torch.zeros((len(lens), max(1, int(needed.max()))), dtype=torch.int32)
+    for b in range(len(lens)):
+        first = int(starts[b]) // page
+        table[b, :needed[b]] = order[first:first + int(needed[b])].to(torch.int32)
+    batch = q.shape[0]
+    return Paged(q.view(batch, 1, *q.shape[1:]), cache, scale, table.to(kv.device), lens.to(torch.int32).to(kv.device))
+
+
+def _ours_paged(backend: str, kv_format: str, page: int):
+    """The library's paged call on the input's cache re-laid in shuffled pages (_paged), through a plan made once
+    outside the timing (mla_decode.plan; max_seqlen the shape's length): the timed call is the plan's run, which
+    allocates its output and LSE."""
+
+    def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
+        paged = _paged(data, kv_format, page)
+        try:
+            decode = mla_decode.plan(shape.batch, page, paged.block_table.shape[1], paged.kv_cache.dtype, ctx.device,
+                                     backend=backend, max_seqlen=shape.kv, kv_scale_dtype=torch.uint8 if
+                                     paged.kv_scale is None else paged.kv_scale.dtype)
+        except RuntimeError as e:
+            raise Unavailable(str(e)) from e
+        check = _check_attention(data, expected, kv_format)
+
+        def call(inputs: tuple) -> Callable[[], object]:
+            p = paged if inputs is data else _paged(inputs, kv_format, page)
+            return lambda: decode.run(p.q, p.kv_cache, p.block_table, p.cache_seqlens, p.kv_scale)
+
+        return Prepared(fn=call(data), check=lambda out: check(out[0].view(shape.batch, *out[0].shape[2:])),
+                        fresh=call, note=f"shuffled pages of {page}")
+
+    return prepare
+
+
+def _flashinfer_paged_call(ctx: Context, data: tuple, kv_format: str, page: int) -> Callable[[], object]:
+    fi = ctx.flashinfer()
+    p = _paged(data, kv_format, page)
+    config = data[4]
+    if kv_format == "fp8" and p.kv_cache.dtype != torch.float8_e4m3fn:
+        raise Unavailable(f"FlashInfer reads float8_e4m3fn KV; this device's FP8 cache is {p.kv_cache.dtype}")
+    run_kwargs = {"ckv_scale": p.kv_scale.item(), "kpe_scale": p.kv_scale.item()} if kv_format == "fp8" else {}
+    lens = p.cache_seqlens.cpu()
+    needed = (lens + page - 1) // page
+    page_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    page_indptr[1:] = torch.cumsum(needed, 0)
+    table = p.block_table.cpu()
+    indices = torch.cat([table[b, :needed[b]] for b in range(len(lens))]).to(ctx.device)
+    wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ctx.fi_workspace(), backend=ctx.args.fi_backend)
+    metadata = fi.mla.MLAPlanMetadata.csr(data[2].cpu(), page_indptr, indices, lens)
+    wrapper.plan(metadata=metadata, num_heads=reference.NUM_HEADS, head_dim_ckv=reference.KV_LORA_RANK,
+                 head_dim_kpe=reference.QK_ROPE_HEAD_DIM, page_size=page, causal=False,
+                 sm_scale=config["sm_scale"], q_data_type=p.q.dtype, kv_data_type=p.kv_cache.dtype)
+    q, kv_pages = p.q.view(p.q.shape[0], *p.q.shape[2:]), p.kv_cache.view(p.kv_cache.shape[0], page, -1)
+    return lambda: wrapper.run(query=q, kv_cache=kv_pages, **run_kwargs)
+
+
+def _flashinfer_paged(kv_format: str, page: int):
+    """FlashInfer's MLA decode over the same shuffled pages as _ours_paged: plan() once, outside the timing."""
+
+    def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
+        return Prepared(fn=_flashinfer_paged_call(ctx, data, kv_format, page),
+                        check=_check_attention(data, expected, kv_format), note=f"shuffled pages of {page}",
+                        fresh=lambda inputs: _flashinfer_paged_call(ctx, inputs, kv_format, page))
 
     return prepare
 
@@ -373,6 +476,13 @@ METHODS = (
     Method("memwalk-fp8", "floor", "fp8", "memory-only walk of the FP8 cache (576 B/row), no math", _memwalk("fp8")),
     Method("memwalk-mxfp4", "floor", "mxfp4", "memory-only walk of the MXFP4 cache (288 + 18 B/row), no math",
            _memwalk("mxfp4")),
+    # The library's paged call beside the contiguous rows above: the same rows in shuffled pages of 64, 16 or 1.
+    *(Method(f"{backend}-fp8-p{page}", "ours", "fp8", f"ours: mla_decode plan ({backend}), FP8 pages of {page}",
+             _ours_paged(backend, "fp8", page)) for backend in ("cuda", "triton") for page in PAGE_SIZES),
+    *(Method(f"flashinfer-{fmt}-p{page}", "peer", fmt, f"FlashInfer MLA decode, {fmt} pages of {page}, plan once",
+             _flashinfer_paged(fmt, page)) for fmt in ("bf16", "fp8") for page in PAGE_SIZES),
+    *(Method(f"memwalk-fp8-p{page}", "floor", "fp8", f"memory-only walk of the FP8 cache in pages of {page}",
+             _memwalk("fp8", page)) for page in PAGE_SIZES),
 )
 METHOD_BY_NAME = {m.name: m for m in METHODS}
 

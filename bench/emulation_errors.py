@@ -3,9 +3,9 @@ over the GPU tests' random-data batches (the 8 task shapes and the variable-leng
 tests/test_triton.py, with their seeds): the measurements behind test_cuda's RANDOM_WGMMA_BOUND and test_triton's
 KERNEL_REL_L2 on a GPU.
 
-Columns: cuda (the wgmma kernel on Hopper) against numerics.emulate (its splits and tiles walked), against the
-"+Q+P" emulation of one split, and against fp32 attention with bf16 Q; triton against tests/attention_ref's
-triton_reference (fp32 with its Q's rounding).
+Columns: cuda (the wgmma kernel on Hopper) against testkit.emulation's emulate (its splits and tiles walked), against
+the "+Q+P" emulation of one split (kernel_emulation), and against fp32 attention with bf16 Q; triton against
+testkit.attention's triton_reference (fp32 with its Q's rounding).
 
     python3 bench/emulation_errors.py      (an NVIDIA GPU; prints one row per batch and the worst per column)
 """
@@ -16,13 +16,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
-
-from attention_ref import fp32_attention, triton_reference  # noqa: E402
-from numerics import emulate  # noqa: E402
+sys.path[:0] = [str(ROOT)]
 
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from testkit.attention import fp32_attention, triton_reference  # noqa: E402
+from testkit.emulation import emulate, kernel_emulation  # noqa: E402
 from utils import scoped_env  # noqa: E402
 
 TASK = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
@@ -33,7 +32,7 @@ TASK_SEED = {"cuda": lambda batch, kv: batch + kv, "triton": lambda batch, kv: b
 def references(backend: str, kv_format: str, data) -> dict[str, torch.Tensor]:
     if backend == "cuda":
         return {"vs emulate": emulate(data, "cuda", kv_format, "fast"),
-                "vs +Q+P one split": R.kernel_emulation(data, "+Q+P", kv_format),
+                "vs +Q+P one split": kernel_emulation(data, "+Q+P", kv_format),
                 "vs fp32": fp32_attention(data, kv_format)}
     return {"vs triton_reference": triton_reference(data, kv_format)}
 

@@ -8,7 +8,8 @@ the loads and bench.py can prove that every byte it counts was read:
   memwalk:      the KV bytes one decode must read (FP8: 576 B per row; MXFP4: 288 B of codes + 18 E8M0 scale
                 bytes per row), walked in the tile pattern of our split-KV decode kernel: program (s, b) walks
                 its share s of sequence b's rows in BLOCK_N-row tiles, the 576 columns as 512 + 64 (the MXFP4 codes as
-                256 + 32 bytes). Its time is the practical floor of a kernel with that pattern.
+                256 + 32 bytes); over a contiguous cache or through a page table (the gather's cost). Its time is
+                the practical floor of a kernel with that pattern.
 Every load is done as int32 words (the FP8 row is 144 words, the MXFP4 row 72) and added with wrap-around into a
 per-lane accumulator, so the arithmetic per byte is a quarter of an add; each program stores the int64 sum of its
 lanes, and the checksum, that total modulo 2**32, equals the sum of every word (and scale byte) read, which torch
@@ -54,24 +55,40 @@ def _lane_total(acc):
 
 
 @triton.jit
-def _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N: tl.constexpr):
-    """KV rows [lo, hi) of split s of sequence b: the same partition as the kernels in submission.py."""
-    start = tl.load(kv_indptr_ptr + b)
-    end = tl.load(kv_indptr_ptr + b + 1)
-    chunk = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_N) * BLOCK_N
-    lo = start + s * chunk
-    return lo, tl.minimum(lo + chunk, end)
+def _split_rows(seq_ptr, b, s, splits, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """(first row, positions [lo, hi)) of split s of sequence b: the same partition as the decode kernels. PAGE 0:
+    seq_ptr is kv_indptr (rows kv_indptr[b] + position); else cache_seqlens (rows through the page table)."""
+    if PAGE == 0:
+        start = tl.load(seq_ptr + b)
+        n = tl.load(seq_ptr + b + 1) - start
+    else:
+        start = 0
+        n = tl.load(seq_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N
+    lo = s * chunk
+    return start, lo, tl.minimum(lo + chunk, n)
+
+
+@triton.jit
+def _rows(start, table_row, pos, PAGE: tl.constexpr):
+    """The cache rows of positions pos: consecutive from start (PAGE 0), else looked up in the page table."""
+    if PAGE == 0:
+        return (start + pos).to(tl.int64)
+    else:
+        return tl.load(table_row + pos // PAGE).to(tl.int64) * PAGE + pos % PAGE
 
 
 # splits is not specialized (Triton would compile one variant for 1, one for multiples of 16, one for the rest).
 @triton.jit(do_not_specialize=["splits"])
-def _walk_kernel(words_ptr, scale_ptr, kv_indptr_ptr, out_ptr, splits, ROW_WORDS: tl.constexpr,
-                 V_WORDS: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr):
+def _walk_kernel(words_ptr, scale_ptr, seq_ptr, table_ptr, max_pages, out_ptr, splits, ROW_WORDS: tl.constexpr,
+                 V_WORDS: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE: tl.constexpr):
     """Sums every int32 word of a row's values (V_WORDS, a power of two) and rope (the rest of ROW_WORDS) and, with
     SCALES > 0, its first SCALES scale bytes, over the split's rows: each byte our kernel reads, read once."""
     s = tl.program_id(0)
     b = tl.program_id(1)
-    lo, hi = _split_rows(kv_indptr_ptr, b, s, splits, BLOCK_N)
+    start, lo, hi = _split_rows(seq_ptr, b, s, splits, BLOCK_N, PAGE)
+    table_row = table_ptr + b.to(tl.int64) * max_pages
     ROPE_WORDS: tl.constexpr = ROW_WORDS - V_WORDS
     rows = tl.arange(0, BLOCK_N)
     cols_v = tl.arange(0, V_WORDS)
@@ -82,13 +99,14 @@ def _walk_kernel(words_ptr, scale_ptr, kv_indptr_ptr, out_ptr, splits, ROW_WORDS
     acc_s = tl.zeros([BLOCK_N, 32], dtype=tl.int32)
     r0 = lo
     while r0 < hi:
-        r = r0 + rows
-        live = (r < hi)[:, None]
-        row_ptr = words_ptr + r.to(tl.int64)[:, None] * ROW_WORDS
+        pos = r0 + rows
+        live = (pos < hi)[:, None]
+        r = _rows(start, table_row, tl.where(pos < hi, pos, 0), PAGE)
+        row_ptr = words_ptr + r[:, None] * ROW_WORDS
         acc_v += tl.load(row_ptr + cols_v[None, :], mask=live, other=0)
         acc_r += tl.load(row_ptr + V_WORDS + cols_r[None, :], mask=live, other=0)
         if SCALES > 0:
-            scale_ptrs = scale_ptr + r.to(tl.int64)[:, None] * SCALE_STRIDE + cols_s[None, :]
+            scale_ptrs = scale_ptr + r[:, None] * SCALE_STRIDE + cols_s[None, :]
             acc_s += tl.load(scale_ptrs, mask=live & (cols_s < SCALES)[None, :], other=0).to(tl.int32)
         r0 += BLOCK_N
     tl.store(out_ptr + b * splits + s, _lane_total(acc_v) + _lane_total(acc_r) + _lane_total(acc_s))
@@ -126,26 +144,31 @@ def empty_launch(buf: torch.Tensor) -> None:
 
 class MemWalk:
     """A memory-only walk of one input's KV cache (kv_format "fp8" or "mxfp4") with `splits` programs per
-    sequence and BLOCK_N-row tiles; writes one int64 lane total per program."""
+    sequence and BLOCK_N-row tiles; writes one int64 lane total per program. `pages`: (block_table, cache_seqlens,
+    page_size) of a paged cache (kv_data's caches then hold the pages' rows), else the rows kv_indptr covers."""
 
-    def __init__(self, kv_format: str, kv_data: dict, kv_indptr: torch.Tensor, splits: int, block_n: int):
+    def __init__(self, kv_format: str, kv_data: dict, kv_indptr: torch.Tensor, splits: int, block_n: int,
+                 pages: tuple | None = None):
         if kv_format not in ("fp8", "mxfp4"):
             raise ValueError(f"kv_format: expected 'fp8' or 'mxfp4', got {kv_format!r}")
         self.kv_format, self.splits, self.block_n = kv_format, splits, block_n
         kv, scale = kv_data[kv_format]
         self.words = _as_words(kv)
-        self.scales = scale.view(torch.uint8)
-        self.kv_indptr = kv_indptr
-        self.batch = kv_indptr.shape[0] - 1
+        self.scales = scale.view(torch.uint8).reshape(-1, scale.shape[-1])
+        if pages is None:
+            self.seqs, self.table, self.page = kv_indptr, kv_indptr, 0
+        else:
+            self.table, self.seqs, self.page = pages
+        self.batch = self.seqs.shape[0] - (1 if pages is None else 0)
         self.out = torch.empty(self.batch * splits, dtype=torch.int64, device=kv.device)
 
     def __call__(self) -> torch.Tensor:
         grid = (self.splits, self.batch)  # as our kernel's split grid: a sequence's splits launch side by side
         fp8 = self.kv_format == "fp8"
-        _walk_kernel[grid](self.words, self.scales, self.kv_indptr, self.out, self.splits,
+        _walk_kernel[grid](self.words, self.scales, self.seqs, self.table, self.table.shape[-1], self.out, self.splits,
                            ROW_WORDS=FP8_ROW_WORDS if fp8 else MXFP4_ROW_WORDS,
                            V_WORDS=FP8_VALUE_WORDS if fp8 else MXFP4_VALUE_WORDS, SCALE_STRIDE=self.scales.stride(0),
-                           SCALES=0 if fp8 else MXFP4_SCALES_READ, BLOCK_N=self.block_n, num_warps=4)
+                           SCALES=0 if fp8 else MXFP4_SCALES_READ, BLOCK_N=self.block_n, PAGE=self.page, num_warps=4)
         return self.out
 
     @staticmethod

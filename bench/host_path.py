@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default="cuda,triton")
     p.add_argument("--shapes", default="4x1024,64x1024,256x8192")
-    p.add_argument("--format", default="fp8", choices=S.KV_FORMATS)
+    p.add_argument("--format", default="fp8", choices=S.LEADERBOARD_KV_FORMATS)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--baseline", type=Path, help="another submission file, timed in the same samples")
     p.add_argument("--dry-run", action="store_true", help="the CPU: the torch backend on 2x64, 3 calls")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             batch, kv_len = (int(x) for x in shape.split("x"))
             try:
                 with torch.no_grad(), scoped_env({"MLA_BACKEND": backend, "MLA_KV_FORMAT": args.format}):
-                    S.select_backend(device, args.format)  # raises where the backend cannot run
+                    S.leaderboard_backend(device, args.format)  # raises where the backend cannot run
                     result = measure(batch, kv_len, iters, device, baseline)
             except (RuntimeError, ValueError) as e:
                 print(f"{backend:8} {shape:9} skipped: {str(e).splitlines()[0][:100]}")

@@ -24,10 +24,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
+import mla_decode  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 
-# name -> (backend, KV format, precision, plan override: None, or the scaled MXFP4 score product forced)
+# name -> (backend, KV format, precision, plan override: None (submission.custom_kernel), or "scaled": the library's
+# ragged triton plan with the scaled MXFP4 score product forced)
 PATHS = {"triton-fp8": ("triton", "fp8", "fast", None), "triton-mxfp4": ("triton", "mxfp4", "fast", None),
          "triton-mxfp4-dot_scaled": ("triton", "mxfp4", "fast", "scaled"), "cuda-fp8": ("cuda", "fp8", "fast", None),
          "cuda-mxfp4": ("cuda", "mxfp4", "fast", None)}
@@ -43,12 +46,18 @@ def child(path: str, batch: int, kv: int) -> None:
     backend, kv_format, precision, override = PATHS[path]
     os.environ.update(MLA_BACKEND=backend, MLA_KV_FORMAT=kv_format, MLA_PRECISION=precision)
     data = R.generate_input(batch, 1, kv, seed=batch + kv)
-    q, kv_data, qo, kvp, config = data
+    q, kv_data, _, kvp, config = data
     if override == "scaled":
-        plan = S.triton_plan(batch, kv, S.triton_target(q.device), "mxfp4")._replace(num_stages=1, scaled_scores=True)
+        codes, scales = kv_data["mxfp4"]
+        plan = triton_plan(batch, kv, triton_target(q.device), "mxfp4")._replace(num_stages=1, scaled_scores=True)
+        decode = mla_decode.plan_ragged(batch, codes.dtype, q.device, kv, backend="triton", precision=precision,
+                                        softmax_scale=config["sm_scale"], return_lse=False,
+                                        kv_scale_dtype=scales.dtype, kv_scale_stride=scales.stride(0),
+                                        backend_options={"plan": plan})
+        q4 = q.view(batch, 1, R.NUM_HEADS, R.QK_HEAD_DIM)
 
         def call():
-            return S._triton_forward(q, *kv_data["mxfp4"], qo, kvp, config, "mxfp4", plan=plan)
+            return decode.run_ragged(q4, codes, kvp, scales)[0]
     else:
         def call():
             return S.custom_kernel(data)

@@ -2,14 +2,11 @@
 bug: the measurement the GPU tests' bounds come from (tests/test_negative_controls.py).
 
 Per kernel (cuda wgmma and mma.sync, triton fast, precise and MXFP4, cuda MXFP4) and batch, the worst sequence's
-relative L2 error of custom_kernel's output against numerics.emulate (float64, rounding what the kernel rounds, the
-wgmma kernel's walk of splits and tiles included) of the true input, for the correct call and for three bugs made by
-changing the call, not the kernel. Each batch comes as random-normal data and as grid data
-(reference.generate_grid_input: the fast kernels' roundings exact, so that only their accumulations and bf16 outputs
-remain). The bugs:
-  sm_scale x 1.01   the kernel run with config["sm_scale"] 1% high
-  out x 1.02        its output scaled by 1.02
-  last row dropped  the first sequence's last KV row left out (kv_indptr[1] - 1: the next sequence gains it)
+relative L2 error of custom_kernel's output against testkit.emulation.emulate (float64, rounding what the kernel
+rounds, the wgmma kernel's walk of splits and tiles included) of the true input, for the correct call and for the
+planted bugs of testkit.controls. Each batch comes as random-normal data and as grid data
+(testkit.inputs.generate_grid_input: the fast kernels' roundings exact, so that only their accumulations and bf16
+outputs remain).
 
     python3 bench/negative_controls.py [--json PATH]      (a GPU; prints a Markdown table)
 """
@@ -19,62 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-from numerics import emulate  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
-import submission as S  # noqa: E402
-from utils import scoped_env  # noqa: E402
-
-# name -> (backend, KV format, precision)
-KERNELS = {
-    "cuda wgmma fp8": ("cuda", "fp8", "fast"),
-    "cuda mma.sync fp8": ("cuda", "fp8", "precise"),
-    "cuda mxfp4": ("cuda", "mxfp4", "fast"),
-    "triton fp8 fast": ("triton", "fp8", "fast"),
-    "triton fp8 precise": ("triton", "fp8", "precise"),
-    "triton mxfp4": ("triton", "mxfp4", "fast"),
-}
-LENGTHS = {"mixed": [8191, 1, 4096, 0, 517, 33], "uniform 64x1024": [1024] * 64}
-DATA = {"random": R.generate_varlen_input, "grid": R.generate_grid_input}
-BATCHES = [f"{kind} {lengths}" for kind in DATA for lengths in LENGTHS]  # "random mixed", ..., "grid uniform 64x1024"
-
-
-def batch_input(batch: str):
-    """The input of a BATCHES entry, the same on every call."""
-    kind, lengths = batch.split(" ", 1)
-    return DATA[kind](LENGTHS[lengths], seed=len(LENGTHS[lengths]))
-
-
-BUGS = ("correct", "sm_scale x 1.01", "out x 1.02", "last row dropped")
-
-
-def with_bug(run, data, bug: str) -> torch.Tensor:
-    """run(data) (a decode of an input tuple) with `bug` (BUGS) planted by changing the call, not the kernel."""
-    q, kv_data, qo, kvp, config = data
-    if bug == "sm_scale x 1.01":
-        config = dict(config, sm_scale=config["sm_scale"] * 1.01)
-    elif bug == "last row dropped":
-        kvp = kvp.clone()
-        kvp[1] -= 1
-        config = dict(config, kv_seq_len=None)
-    out = run((q, kv_data, qo, kvp, config))
-    return out.float() * 1.02 if bug == "out x 1.02" else out
-
-
-def exact(kernel: str, data) -> torch.Tensor:
-    """The float64 emulation of what the kernel rounds on `data` (numerics.emulate), what every call is held to."""
-    return emulate(data, *KERNELS[kernel])
-
-
-def call(kernel: str, data, bug: str) -> torch.Tensor:
-    """custom_kernel with the kernel's backend, format and precision forced, and `bug` planted."""
-    backend, kv_format, precision = KERNELS[kernel]
-    with scoped_env({"MLA_BACKEND": backend, "MLA_KV_FORMAT": kv_format, "MLA_PRECISION": precision}):
-        return with_bug(S.custom_kernel, data, bug)
+from testkit.controls import BATCHES, BUGS, KERNELS, batch_input, call, exact  # noqa: E402
 
 
 def measure(kernels, batches) -> list[dict]:
@@ -82,7 +27,7 @@ def measure(kernels, batches) -> list[dict]:
     for batch_name in batches:
         data = batch_input(batch_name)
         for kernel in kernels:
-            row = {"kernel": kernel, "batch": batch_name}
+            row = {"kernel": kernel, "batch": " ".join(batch_name)}
             try:
                 expected = exact(kernel, data)
                 for bug in BUGS:

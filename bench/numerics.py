@@ -1,7 +1,7 @@
 """Accuracy under stress: every backend and precision on logits shifted by a common offset and on attention sinks.
 
 Softmax is shift-invariant, so a common logit offset leaves the exact output unchanged; what changes is how much
-of each score's precision the kernels keep. Inputs from reference.generate_shifted_input (q[..., 575] = offset,
+of each score's precision the kernels keep. Inputs from testkit.inputs.generate_shifted_input (q[..., 575] = offset,
 k[..., 575] = 24, so every logit grows by the offset; a sink: one key per sequence the offset above the others).
 Every figure is the worst sequence's relative L2 error against the BF16 truth (reference.ref_kernel), the quantity
 the strict gate bounds (0.08 for the FP8 cache).
@@ -12,7 +12,7 @@ Error sources apart (float64 emulations of what the kernels round, on the same i
   +Q        Q rounded to e4m3 with one scale per head (448 / max|q_h|): the fast score product's Q
   +Q+P      and the softmax weights rounded to e4m3 as 2^8 p (the cuda backend's fast kernel; its row sums are not
             rounded); in the truth columns for one split of 64-row tiles, in the "cuda fast vs emulation" column
-            (emulate) with the splits of the kernel's launch plan
+            (testkit.emulation.emulate) with the splits of the kernel's launch plan
 What a kernel adds beyond its emulation is its score product's accumulation (the FP8 MMA's, for the fast modes),
 which a common logit offset makes visible.
 
@@ -33,36 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from testkit.emulation import EMULATIONS, emulation_of, kernel_emulation  # noqa: E402
+from testkit.inputs import generate_shifted_input  # noqa: E402
 from utils import scoped_env  # noqa: E402
 
 CASES = [("shift 0", 0.0, False), ("shift 30", 30.0, False), ("shift 100", 100.0, False), ("shift 300", 300.0, False),
          ("shift 1000", 1000.0, False), ("sink 30", 30.0, True), ("sink 100", 100.0, True)]
-# (backend, KV format, precision) -> the emulation (reference.EMULATIONS) of what that kernel rounds
-EMULATION_OF = {("cuda", "fp8", "fast"): "+Q+P", ("cuda", "fp8", "precise"): "cache", ("cuda", "mxfp4", "fast"): "+Q+P",
-                ("triton", "fp8", "fast"): "+Q", ("triton", "fp8", "precise"): "cache",
-                ("triton", "mxfp4", "fast"): "cache", ("torch", "fp8", "fast"): "cache",
-                ("torch", "fp8", "precise"): "cache", ("torch", "mxfp4", "fast"): "cache"}
-
-
-def emulation_of(data, backend: str, kv_format: str, precision: str) -> tuple[str, R.Tiling | None]:
-    """What that backend's kernel rounds on `data`: its reference.EMULATIONS name (EMULATION_OF) and, where it rounds
-    P (the cuda wgmma kernel), its walk: the splits of its launch plan."""
-    emulation = EMULATION_OF[(backend, kv_format, precision)]
-    if emulation != "+Q+P":
-        return emulation, None
-    import mla_decode_cuda as C
-
-    q, kv_data, _, _, config = data  # the key as submission.py makes it
-    key = C.launch_key(q.device, q.shape[0], kv_data[kv_format][0].shape[0], config["kv_seq_len"], kv_format)
-    return emulation, R.Tiling(num_splits=C.plan_splits(key))
-
-
-def emulate(data, backend: str, kv_format: str, precision: str) -> torch.Tensor:
-    """reference.kernel_emulation of what that backend's kernel rounds on `data` (emulation_of)."""
-    emulation, tiling = emulation_of(data, backend, kv_format, precision)
-    return R.kernel_emulation(data, emulation, kv_format, tiling)
-
-
 def run_backend(data, backend: str, precision: str) -> torch.Tensor | str:
     """custom_kernel's output with the backend and precision forced, or why it cannot run here."""
     with scoped_env({"MLA_BACKEND": backend, "MLA_PRECISION": precision, "MLA_KV_FORMAT": "fp8"}):
@@ -75,14 +51,14 @@ def run_backend(data, backend: str, precision: str) -> torch.Tensor | str:
 def measure(lens: list[int], backends: list[str], device: torch.device) -> dict:
     rows, skipped = [], {}
     for name, shift, sink in CASES:
-        data = R.generate_shifted_input(lens, seed=len(lens) + int(shift), shift=shift, sink=sink, device=device)
+        data = generate_shifted_input(lens, seed=len(lens) + int(shift), shift=shift, sink=sink, device=device)
         truth = R.ref_kernel(data)
         row = {"case": name}
-        emulations = {(e, None): R.kernel_emulation(data, e) for e in R.EMULATIONS}  # (name, tiling) -> output
+        emulations = {(e, None): kernel_emulation(data, e) for e in EMULATIONS}  # (name, tiling) -> output
         for (emulation, _), exact in emulations.items():
             row[emulation] = R.worst_row_relative_l2(exact.to(torch.bfloat16), truth)
         for backend in backends:
-            for precision in S.PRECISIONS:
+            for precision in ("fast", "precise"):
                 out = run_backend(data, backend, precision)
                 column = f"{backend} {precision}"
                 if isinstance(out, str):
@@ -93,7 +69,7 @@ def measure(lens: list[int], backends: list[str], device: torch.device) -> dict:
                 # the kernel's own output against the emulation of what it rounds, not against the truth
                 how = emulation_of(data, backend, "fp8", precision)
                 if how not in emulations:  # the cuda wgmma kernel's walk
-                    emulations[how] = R.kernel_emulation(data, how[0], "fp8", how[1])
+                    emulations[how] = kernel_emulation(data, how[0], "fp8", how[1])
                 exact = emulations[how]
                 row[f"{column} vs emulation"] = R.worst_row_relative_l2(out, exact) if finite else float("nan")
         rows.append(row)

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|")
     for batch in map(int, args.batches.split(",")):
         torch.manual_seed(batch)
-        q = torch.randn((batch, S.NUM_HEADS, S.QK_HEAD_DIM), device=device).to(torch.bfloat16)
+        q = torch.randn((batch, S.AITER_HEADS, S.QK_HEAD_DIM), device=device).to(torch.bfloat16)
         want, want_scale = R.quantize_fp8(q, FP8)
         quantizers = forms(batch, device)
         exact = {}

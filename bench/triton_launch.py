@@ -1,7 +1,7 @@
 """What one Triton launch costs on the host, by the path it takes: most of the triton backend's host time.
 
-On a GPU, the triton backend's split kernel as the 4x1024 FP8 plan launches it (its real argument list: 10
-arguments, 8 constexprs), timed on the CPU's clock over back-to-back launches (median µs per launch of --samples
+On a GPU, the triton backend's split kernel as the 4x1024 FP8 ragged plan launches it (its real argument list: 13
+arguments, 11 constexprs), timed on the CPU's clock over back-to-back launches (median µs per launch of --samples
 samples of --launches launches each, a synchronize between samples), by path:
   jit            _mla_split_kernel[grid](tensors, constexprs by keyword): Triton's JIT dispatch (argument binding,
                  the specialization key, the cache lookup), then the launcher
@@ -12,8 +12,9 @@ samples of --launches launches each, a synchronize between samples), by path:
   raw launcher   the launcher alone (compiled.run with the current queue's handle, no hooks): what is left of any
                  Triton launch from Python. submission.py cannot call it: the leaderboard refuses a file naming the
                  API that gives that handle
-and for scale: an empty Triton kernel through its runner, q.new_empty of the output, the backend's whole launch
-(_triton_run: output, split, combine), and custom_kernel with the triton backend.
+and for scale: an empty Triton kernel through its runner, q.new_empty of the output, the plan's launch (TritonDecode
+.run: split and combine), its checked run (run_ragged, which allocates the output), and custom_kernel with the triton
+backend. The kernel itself is reached as mla_decode.triton_backend._mla_split_kernel: what is timed is its launch.
 
 Usage:  python3 bench/triton_launch.py [--launches 20] [--samples 50] [--json P]
 """
@@ -31,9 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from mla_decode import triton_backend as T  # noqa: E402
+from testkit.calls import ragged_call  # noqa: E402
 from utils import scoped_env  # noqa: E402
 
-if S.triton is not None:
+if T.triton is not None:
     import triton
     import triton.language as tl
 
@@ -60,20 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or S.triton is None:
+    if not torch.cuda.is_available() or T.triton is None:
         print("triton_launch: needs a CUDA GPU and triton")
         return 1
     data = R.generate_input(4, 1, 1024, seed=4220)
     q, kv_data, qo, kvp, config = data
     kv, scale = kv_data["fp8"]
-    key = S._triton_key(q, kv, scale, config, "fp8", False, None)
-    launch = S._triton_launch(key)
-    qk_scale = S.qk_scale_of(config)
-    out = q.new_empty((4, S.NUM_HEADS, S.V_HEAD_DIM))
-    tensors = (q, kv, scale, scale.stride(0), kvp, out, launch.part_o, launch.part_lse, kv.shape[0], qk_scale)
+    decode, checked_run = ragged_call(data, "fp8")
+    launch = decode.impl  # the plan's TritonDecode
+    q4, out = q.view(4, 1, 16, -1), q.new_empty((4, 1, 16, 512))
+    tensors = (q4, kv, scale, 0, kvp, kvp, 0, kv.shape[0], out, out, launch.part_o, launch.part_lse, launch.qk_scale)
     addresses = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors)
     grid = launch.split_grid
-    compiled = S._mla_split_kernel[grid](*tensors, **launch.split_meta)
+    compiled = T._mla_split_kernel[grid](*tensors, **launch.split_meta)
     runner = compiled[grid]
     empty = empty_kernel[(1, 1, 1)](out, 1, BLOCK=16)
     empty_runner = empty[(1, 1, 1)]
@@ -84,14 +86,15 @@ def main(argv: list[str] | None = None) -> int:
                      *addresses, *launch.split_consts)
 
     rows = {
-        "jit": lambda: S._mla_split_kernel[grid](*tensors, **launch.split_meta),
+        "jit": lambda: T._mla_split_kernel[grid](*tensors, **launch.split_meta),
         "compiled": lambda: compiled[grid](*tensors, *launch.split_consts),
         "runner": lambda: runner(*tensors, *launch.split_consts),
         "runner ints": lambda: runner(*addresses, *launch.split_consts),
         "raw launcher": raw,
         "empty kernel, runner": lambda: empty_runner(out, 1, 16),
-        "q.new_empty (the output)": lambda: q.new_empty((4, S.NUM_HEADS, S.V_HEAD_DIM)),
-        "_triton_run (output + 2 launches)": lambda: S._triton_run(key, q, kv, scale, kvp, qk_scale),
+        "q.new_empty (the output)": lambda: q.new_empty((4, 1, 16, 512)),
+        "TritonDecode.run (2 launches)": lambda: launch.run(q4, kv, scale, kvp, None, out, None),
+        "run_ragged (checks, output, 2 launches)": checked_run,
     }
     results = {}
     with scoped_env({"MLA_BACKEND": "triton", "MLA_KV_FORMAT": "fp8"}):

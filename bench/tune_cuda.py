@@ -1,21 +1,22 @@
 """Experiments on the cuda backend's kernel, on one GPU in one process (one device call).
 
     python3 bench/tune_cuda.py ab --variant now= --variant s4=STAGES_ALONE:4 --variant x=STAGES_SHARED:2@16 \
-        --source base=/tmp/base/mla_decode_cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40]
+        --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40]
     python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock]
 
 Shapes are task.yml's benchmarks (bench.py's --shapes), with their seeds.
 
-A variant is the kernel library built from a temporary copy of mla_decode_cuda/csrc with some of its integer
+A variant is the kernel library built from a temporary copy of mla_decode/cuda/csrc with some of its integer
 constants replaced (`NAME=CONST:VALUE;CONST:VALUE`, every `constexpr int CONST = ...;` line of the .cu/.cuh files) and
 optionally a forced split count (`@SPLITS`); `--source NAME=DIR` builds a frozen copy of the csrc folder instead (e.g.
-`mkdir /tmp/base && git archive HEAD mla_decode_cuda/csrc | tar x -C /tmp/base`). Each variant has its own library and
-launch caches, swapped into the mla_decode_cuda module around its calls. Nothing here is read by the submission or
-the tests' GPU runs.
+`mkdir /tmp/base && git archive HEAD mla_decode/cuda/csrc | tar x -C /tmp/base`). Each variant has its own library
+cache and its own plans (submission's custom_kernel decisions, each holding a CudaDecode of the variant's library and
+split count), swapped into the mla_decode.cuda module and submission around its calls. Nothing here is read by the
+submission or the tests' GPU runs.
 
 ab: every variant's output is checked with reference.check_implementation, then timed the leaderboard's way
-(bench.py's Timer: L2 flushed, events around the one call; median of --iters after 2 warm-up calls), variants
-interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
+(utils.Timer, as bench.py times: L2 flushed, events around the one call; median of --iters after 2 warm-up calls),
+variants interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS, the `// TUNE: name` lines of the sources; prints,
 for the median of --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA
@@ -40,10 +41,10 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import bench  # noqa: E402
-import mla_decode_cuda as C  # noqa: E402
+import mla_decode.cuda as C  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
-from utils import clear_l2_cache  # noqa: E402
+from utils import Timer, clear_l2_cache  # noqa: E402
 
 PLAN = C.cuda_plan
 
@@ -86,25 +87,52 @@ def patch_constants(csrc: Path, consts: dict[str, int]) -> None:
 
 
 class Variant:
-    """One configuration of the cuda backend: its sources, library cache, launch cache and split plan, swapped into
-    the mla_decode_cuda module by activate() (the caches are per variant, so nothing is rebuilt)."""
+    """One configuration of the cuda backend: its sources, library cache, plans and split plan, swapped in by
+    activate(): the sources, libraries and split plan into the mla_decode.cuda module, the plans as submission's
+    _DISPATCH (custom_kernel's decision per kind of input, whose plan is a CudaDecode holding the library and split
+    count it was made with). The caches are per variant, so nothing is rebuilt or planned again."""
 
     def __init__(self, name: str, csrc: Path, splits: int | None):
         self.name, self.csrc, self.splits = name, csrc, splits
         self.libs: dict = {}
-        self.launches: dict = {}
+        self.dispatch: dict = {}
+        self.checked = False
 
     def activate(self) -> None:
-        C.CSRC, C._LIBS, C._LAUNCH = self.csrc, self.libs, self.launches
+        C.CSRC, C._LIBS, S._DISPATCH = self.csrc, self.libs, self.dispatch
         C.cuda_plan = (lambda *args: self.splits) if self.splits else PLAN
 
     def __call__(self, data):
         self.activate()
+        if not self.checked:
+            self.check_layout()
         return S.custom_kernel(data)
+
+    def check_layout(self) -> None:
+        """The variant's library (built now, for this GPU) reads the DecodeCall that mla_decode.cuda passes: the same
+        fields at the same offsets (a --source copied from before a change to the struct would read garbage)."""
+        lib = C.library(torch.cuda.get_device_capability())
+        fields = len(C.DecodeCall._fields_)
+        count = getattr(lib, "mla_decode_call_fields", None)
+        if count is None or count() != fields:
+            raise SystemExit(f"variant {self.name!r} ({self.csrc}): its DecodeCall is not mla_decode.cuda's "
+                             f"({fields} fields)")
+        layout = (ctypes.c_int * (fields + 1))()
+        lib.mla_decode_call_layout(layout)
+        expected = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]
+        if list(layout) != expected + [ctypes.sizeof(C.DecodeCall)]:
+            raise SystemExit(f"variant {self.name!r} ({self.csrc}): its DecodeCall's layout {list(layout)} is not "
+                             f"mla_decode.cuda's {expected + [ctypes.sizeof(C.DecodeCall)]}")
+        self.checked = True
+
+    def num_splits(self) -> int:
+        """The split count of the variant's plan (after a call: its one kind of input so far)."""
+        (decision,) = self.dispatch.values()
+        return decision.plan.impl.num_splits
 
 
 def run_ab(args, variants: dict) -> None:
-    timer = bench.Timer(torch.device("cuda"))
+    timer = Timer(torch.device("cuda"))
     results = {name: [] for name in variants}
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
@@ -195,7 +223,7 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
             stamped(data)
             torch.cuda.synchronize()
             lib = stamped.libs[(torch.cuda.get_device_capability(), False)]  # the fast kernel's library
-            splits = next(iter(stamped.launches.values())).call.num_splits
+            splits = stamped.num_splits()
             ctas, tiles = batch * splits, -(-kv_len // splits // C.BLOCK_N)
             cols = []
             for name in MARKS:
@@ -234,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("ab", "timeline"))
     parser.add_argument("--variant", action="append", default=[], help="NAME=[CONST:VALUE[;...]][@SPLITS]")
-    parser.add_argument("--source", action="append", default=[], help="NAME=DIR of a copy of mla_decode_cuda/csrc")
+    parser.add_argument("--source", action="append", default=[], help="NAME=DIR of a copy of mla_decode/cuda/csrc")
     parser.add_argument("--shapes", help="BATCHxKV[,...] among task.yml's benchmarks (default: all 8)")
     parser.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
     parser.add_argument("--iters", type=int, default=40)

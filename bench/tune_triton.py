@@ -2,19 +2,19 @@
 
     PYTHONUNBUFFERED=1 python bench/tune_triton.py [--out DIR] [--formats fp8,mxfp4] [--shapes 4x1024,...]
         [--configs 64:4:3,64:4:2] [--splits 1,2,4,...] [--reps 30]
-    MLA_TUNE_MODULE=path/to/variant.py ... times a variant of submission.py instead
+    MLA_TUNE_MODULE=path/to/variant.py ... times a variant of submission.py (its plan_ragged) instead
 
 For every leaderboard shape (batch x kv), KV format, launch config (block_n:num_warps:num_stages) and split
-count: checks the output against fp32 attention over what the kernel reads (tests/attention_ref.py; rel-L2, no
-NaN) and times it the leaderboard's way (utils.Timer.leaderboard: L2 flushed before each call, CUDA events around
-the one call; median). Then, for the default plan (submission.triton_plan): check_implementation against the BF16
+count: checks the output against fp32 attention over what the kernel reads (testkit.attention; rel-L2, no
+NaN) and times the library's ragged plan's run the leaderboard's way (utils.Timer.leaderboard: L2 flushed before
+each call, CUDA events around the one call; median). Then, for the default plan (triton_plan): check_implementation
+against the BF16
 truth, the flushed time, the back-to-back time without a flush (utils.Timer.back_to_back: wall time of a loop of
 calls and one synchronize, per call) and the host time of one call (utils.Timer.host: median CPU time to return).
 Writes every record to DIR/tune.jsonl and prints a short table last.
 """
 
 import argparse
-import functools
 import importlib
 import importlib.util
 import json
@@ -30,6 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
+from testkit.attention import triton_reference as kernel_reference  # noqa: E402
+from testkit.calls import ragged_call  # noqa: E402
 from utils import Timer  # noqa: E402
 
 # MLA_TUNE_MODULE=path/x.py times a variant of submission.py (an experiment kept out of the repository)
@@ -38,26 +40,21 @@ if os.environ.get("MLA_TUNE_MODULE"):
     S = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(S)
 else:
-    import submission as S  # noqa: E402
+    import mla_decode as S  # noqa: E402
 
 SHAPES = ((4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192))
 CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 8, 2), (64, 8, 2))
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 KERNEL_REL_L2 = 5e-3  # vs fp32 attention over what the kernel reads: bf16 output rounding is ~2-3e-3
 
-# fp32 attention over exactly what the kernel reads (the dequantized cache, FP8 Q on the fp8 path): the tests' helper
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from attention_ref import triton_reference as kernel_reference  # noqa: E402
-
 
 def _compile_worker(jobs: list) -> int:
     """Compiles (fmt, plan) variants by running them once on a tiny input with the same dtypes, strides and
     divisibility as the real ones (Triton's cache key); the main process then loads them from the disk cache."""
     data = R.generate_varlen_input([16, 16], seed=0)
-    q, kv_data, qo, kvp, cfg = data
     for fmt, plan in jobs:
         try:
-            S._triton_forward(q, *kv_data[fmt], qo, kvp, cfg, fmt, plan=plan)
+            ragged_call(data, fmt, plan=plan, library=S)[1]()
         except Exception:  # reported by the main process when it runs the variant
             pass
     torch.cuda.synchronize()
@@ -105,9 +102,7 @@ def main() -> None:
         precompile(sorted(variants), args.jobs)
     for batch, kv_len in shapes:
         data = R.generate_input(batch, 1, kv_len, seed=1000 + batch + kv_len)
-        q, kv_data, qo, kvp, cfg = data
         for fmt in args.formats.split(","):
-            kv, scale = kv_data[fmt]
             ref32 = kernel_reference(data, fmt)
             best = (math.inf, None)
             for block_n, warps, stages in configs:
@@ -116,7 +111,7 @@ def main() -> None:
                         continue
                     plan = (splits, block_n, warps, stages)
 
-                    fn = functools.partial(S._triton_forward, q, kv, scale, qo, kvp, cfg, fmt, plan=plan)
+                    fn = ragged_call(data, fmt, plan=plan, library=S)[1]
                     t0 = time.perf_counter()
                     try:
                         out = fn()
@@ -142,10 +137,10 @@ def main() -> None:
             # the default plan: strict gate vs the BF16 truth, flushed, back-to-back and host time
             os.environ["MLA_KV_FORMAT"] = fmt
 
-            fn_default = functools.partial(S._triton_forward, q, kv, scale, qo, kvp, cfg, fmt)
+            decode, fn_default = ragged_call(data, fmt, library=S)
             out = fn_default()
             ok, msg = R.check_implementation(data, out)
-            plan = S._triton_launch(S._triton_key(q, kv, scale, cfg, fmt, False, None)).plan
+            plan = decode.impl.key.plan
             us = statistics.median(timer.leaderboard(fn_default, args.reps))
             b2b, host = timer.back_to_back(fn_default, 200), timer.host(fn_default, 200)
             rec = dict(shape=[batch, kv_len], fmt=fmt, default_plan=plan, us=us, b2b_us=b2b, host_us=host,
@@ -156,7 +151,7 @@ def main() -> None:
             summary.append(rec)
             print(f"DEFAULT {batch}x{kv_len} {fmt} plan={plan} {us:.1f} us (best {best[0]:.1f} {best[1]}), "
                   f"b2b {b2b:.1f} us, host {host:.1f} us; check {ok}: {msg}")
-        data = q = kv_data = kv = scale = ref32 = out = None  # free this shape's tensors
+        data = ref32 = out = None  # free this shape's tensors
         torch.cuda.empty_cache()
 
     print("\nshape       fmt    default_us  best_us  best_plan          b2b_us  host_us  check  rel_l2_vs_bf16")

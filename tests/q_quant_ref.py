@@ -1,6 +1,6 @@
-"""The aiter path's Q quantization (submission.QQuantizer) against reference.quantize_fp8: the inputs and the
-assertion that its torch form (tests/test_aiter_backend.py) and its triton form (tests/test_triton.py, interpreted
-and on a GPU) share."""
+"""The aiter path's Q quantization (QQuantizer of mla_decode/aiter_backend.py, reached as submission.QQuantizer)
+against reference.quantize_fp8: the inputs and the assertion that its torch form (tests/test_aiter_backend.py) and its
+triton form (tests/test_triton.py, interpreted and on a GPU) share."""
 
 import torch
 

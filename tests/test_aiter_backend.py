@@ -1,7 +1,7 @@
-"""The aiter backend (submission.py, "aiter backend" section) on the CPU, against a stand-in aiter built from the
-recorded signatures of the leaderboard runner's aiter (RUNNER, f3be04a12a), MAR15 and the newest examined (NEWEST),
-plus the PyPI wheel's (WHEEL) for the version guard. tests/aiter_standin.py says what the stand-in models; nothing
-here needs a real aiter or a GPU.
+"""The aiter backend (mla_decode/aiter_backend.py, through submission.py's leaderboard adapter) on the CPU, against
+a stand-in aiter built from the recorded signatures of the leaderboard runner's aiter (RUNNER, f3be04a12a), MAR15 and
+the newest examined (NEWEST), plus the PyPI wheel's (WHEEL) for the version guard. tests/aiter_standin.py says what
+the stand-in models; nothing here needs a real aiter or a GPU. The library's paged path: tests/test_aiter_paged.py.
 
 Two references: the BF16 truth through reference.check_implementation (the leaderboard's rule and the strict
 per-sequence gate), and fp32 attention over exactly the FP8 data the kernel is given (Q quantized as the backend
@@ -15,12 +15,12 @@ import inspect
 import pytest
 import torch
 from aiter_standin import MODELLED, HostReadsForbidden, Recorded, drop, inside_standin, make, modified
-from attention_ref import assert_matches, fp8_per_tensor, fp32_attention
 from q_quant_ref import AMAXES, assert_quantized_as_the_reference, scaled_q
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as R
 import submission as S
+from testkit.attention import assert_matches, fp8_per_tensor, fp32_attention
 
 CPU = torch.device("cpu")
 TIGHT = 4e-3  # worst-row relative L2 vs fp32 attention over the same FP8 data: bf16 output rounding only
@@ -99,8 +99,9 @@ def test_q_quantization_is_reference_quantize_fp8(fp8, amax):
     """The device-side dynamic scale in its torch form (no triton on the CPU), for any finite bf16 q (largest |q|
     from 0 to near the bf16 maximum 3.39e38) and both FP8 flavours: no NaN, no Inf; exactly reference.quantize_fp8
     wherever max|q| >= 2.7e-5 or < 4.7e-20, and in between a scale at most 1e-12 / fp8 max above the reference's,
-    the values its quantization. The triton form: tests/test_triton.py (interpreter) and the GPU test below."""
-    quant = S.QQuantizer(3, fp8, CPU)
+    the values its quantization. The triton form: tests/test_triton.py (interpreter) and the GPU test below.
+    (This session interprets Triton on the CPU, so the torch form is asked for: allow_triton=False.)"""
+    quant = S.QQuantizer(3, fp8, CPU, allow_triton=False)
     assert quant.blocks == 0
     assert_quantized_as_the_reference(scaled_q(3, amax), quant, fp8, exact=False)
 
@@ -217,13 +218,19 @@ class Allocations(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("lengths", ([64] * 4, [5, 0, 17]), ids=("plan reused", "metadata refilled"))
-def test_steady_state_call_allocates_only_o_and_never_reads_on_host(standin, lengths):
+def test_steady_state_call_allocates_only_o_and_never_reads_on_host(standin, monkeypatch, lengths):
+    """A whole leaderboard call (the adapter's dispatch, the library's plan, aiter_forward) once the plan exists. The
+    Q quantization in its torch form, as on a CPU without Triton's interpreter (whose own copies of every argument
+    are not the backend's work; on a GPU the triton form allocates nothing either)."""
     standin("RUNNER")
-    S._aiter_forward(*S.validate(make(lengths, seed=1), "fp8"))  # builds the plan
-    inputs = S.validate(make(lengths, seed=2), "fp8")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    S.custom_kernel(make(lengths, seed=1))  # builds the plan
+    inputs = make(lengths, seed=2)
     allocations = Allocations()
     with HostReadsForbidden(), allocations:
-        out = S._aiter_forward(*inputs)
+        out = S.custom_kernel(inputs)
+    (plan,) = S._AITER_PLANS.values()
+    assert plan.q_quant.blocks == 0  # the torch form ran
     assert allocations.ops == ["aten.new_empty.default"]  # o
     assert tight_error(make(lengths, seed=2), out) < TIGHT
 
@@ -246,13 +253,13 @@ def test_plan_key_rule():
     fns, fp8 = ("decode", "info", "metadata"), E4M3FN
     q = torch.empty((4, 16, 576), dtype=torch.bfloat16)
     kv = torch.empty((400, 1, 576), dtype=fp8)
-    key = lambda kv_seq_len: S._aiter_plan_key(fns, fp8, q, kv, {"kv_seq_len": kv_seq_len})  # noqa: E731
+    key = lambda kv_seq_len: S._aiter_plan_key(fns, fp8, q, kv, kv_seq_len)  # noqa: E731
     assert key(100).uniform_len == 100  # 4 x 100 == 400: every length is 100
     for not_proven in (None, 150, 99, 0):  # None, a maximum with 4 x max != 400, or nonsense: read on the device
         assert key(not_proven).uniform_len is None
-    assert key(100) != S._aiter_plan_key(fns, fp8, q[:2], kv, {"kv_seq_len": 200})  # batch is in the key
+    assert key(100) != S._aiter_plan_key(fns, fp8, q[:2], kv, 200)  # batch is in the key
     other_device = torch.empty((4, 16, 576), dtype=torch.bfloat16, device="meta")
-    assert key(100) != S._aiter_plan_key(fns, fp8, other_device, kv, {"kv_seq_len": 100})  # and the device
+    assert key(100) != S._aiter_plan_key(fns, fp8, other_device, kv, 100)  # and the device
 
 
 def test_a_stale_plan_would_be_caught(standin, monkeypatch):
@@ -293,7 +300,7 @@ def test_plan_buffers_stay_alive_across_calls(standin):
 
 def test_plan_cache_is_bounded(standin, monkeypatch):
     standin("RUNNER")
-    monkeypatch.setattr(S, "AITER_PLAN_LIMIT", 2)
+    monkeypatch.setattr(S, "PLAN_CACHE_LIMIT", 2)
     for batch in (1, 2, 3):
         S.custom_kernel(make([8] * batch, seed=batch))
     assert [key.batch for key in S._AITER_PLANS] == [2, 3]
@@ -514,16 +521,16 @@ def test_precise_mode_never_runs_aiter(standin, monkeypatch):
     standin()
     monkeypatch.setenv("MLA_PRECISION", "precise")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=aiter: .*no precise mode"):
-        S.select_backend(CPU)
+        S.leaderboard_backend(CPU)
     monkeypatch.setenv("MLA_BACKEND", "auto")
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    S._cuda_auto_usable.cache_clear()
+    S._cuda_reason_for_auto.cache_clear()
     try:
-        assert S.select_backend(torch.device("cuda", 0), "fp8") in ("triton", "torch")
+        assert S.leaderboard_backend(torch.device("cuda", 0), "fp8") in ("triton", "torch")
         monkeypatch.setenv("MLA_PRECISION", "fast")
-        assert S.select_backend(torch.device("cuda", 0), "fp8") == "aiter"
+        assert S.leaderboard_backend(torch.device("cuda", 0), "fp8") == "aiter"
     finally:
-        S._cuda_auto_usable.cache_clear()
+        S._cuda_reason_for_auto.cache_clear()
 
 
 def test_auto_passes_aiter_over_for_mxfp4_and_precise_saying_why(standin, monkeypatch, caplog):
@@ -536,11 +543,11 @@ def test_auto_passes_aiter_over_for_mxfp4_and_precise_saying_why(standin, monkey
     gpu = torch.device("cuda", 0)
     next_best = "triton" if S.triton is not None else "torch"
     with pytest.raises(RuntimeError, match="MLA_BACKEND=aiter: aiter reads the FP8 cache only, not mxfp4"):
-        S.select_backend(gpu, "mxfp4", "fast")
+        S.leaderboard_backend(gpu, "mxfp4", "fast")
     monkeypatch.setenv("MLA_BACKEND", "auto")
     with caplog.at_level("INFO", logger="mla_decode"):
-        assert S.select_backend(gpu, "mxfp4", "fast") == next_best
-        assert S.select_backend(gpu, "fp8", "precise") == next_best
-        assert S.select_backend(gpu, "fp8", "fast") == "aiter"
+        assert S.leaderboard_backend(gpu, "mxfp4", "fast") == next_best
+        assert S.leaderboard_backend(gpu, "fp8", "precise") == next_best
+        assert S.leaderboard_backend(gpu, "fp8", "fast") == "aiter"
     assert "passed over: aiter: aiter reads the FP8 cache only, not mxfp4" in caplog.text, caplog.text
     assert "passed over: aiter: aiter's kernels take FP8 Q (no precise mode)" in caplog.text, caplog.text

@@ -17,15 +17,20 @@ import submission as S
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "bench" / "aiter_sweep.py"
 
-# Runs the sweep with one variant broken: its output zeroed after the (correct) computation.
+# Runs the sweep with one variant broken: its output zeroed after the (correct) computation. aiter_forward writes
+# into `out`, its 8th argument (the library's AiterDecode passes it by position), and returns nothing.
 BROKEN = """
 import os, runpy, sys
 root = sys.argv[1]
 sys.path.insert(0, root)
 os.environ["TRITON_INTERPRET"] = "1"  # as the sweep's dry run sets it, before triton is first imported
 import submission
-forward = submission._aiter_forward
-submission._aiter_forward = lambda *a: forward(*a) * (os.environ["MLA_AITER_VARIANT"] != "fp8_nps")
+forward = submission.aiter_forward
+def broken(*args, **kwargs):
+    forward(*args, **kwargs)
+    if os.environ["MLA_AITER_VARIANT"] == "fp8_nps":
+        (kwargs["out"] if "out" in kwargs else args[7]).zero_()
+submission.aiter_forward = broken
 sys.argv = [root + "/bench/aiter_sweep.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -41,8 +46,9 @@ def run_sweep(tmp_path: Path, *args: str, broken: bool = False) -> tuple[subproc
 
 
 def pasted_table(stdout: str) -> dict:
-    """The AITER_VARIANTS block the sweep printed, evaluated as submission.py would."""
-    block = stdout.split("# Paste into submission.py (replacing AITER_VARIANTS):\n", 1)[1].split("\n}\n", 1)[0] + "\n}"
+    """The AITER_VARIANTS block the sweep printed, evaluated as mla_decode/aiter_backend.py would."""
+    paste = "# Paste into mla_decode/aiter_backend.py (replacing AITER_VARIANTS), then run `make bundle`:\n"
+    block = stdout.split(paste, 1)[1].split("\n}\n", 1)[0] + "\n}"
     assert all(len(line) <= 120 for line in block.splitlines()), block
     tree = ast.parse(block)
     (assign,) = tree.body

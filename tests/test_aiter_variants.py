@@ -1,4 +1,5 @@
-"""The aiter path's variants (submission.py: AITER_VARIANT_SPECS, AITER_VARIANTS, aiter_variant) on the CPU, against
+"""The aiter path's variants (mla_decode/aiter_backend.py, reached through submission.py: AITER_VARIANT_SPECS,
+AITER_VARIANTS, aiter_variant; the leaderboard adapter's MLA_AITER_VARIANT) on the CPU, against
 the stand-in aiter of tests/aiter_standin.py at the recorded commits: numerics of every variant against both
 references, the kernels each one launches per call, the plan cache across shapes and variants, the selection
 (table and MLA_AITER_VARIANT), and the version guard with the direct call's fallback.
@@ -16,14 +17,15 @@ import pytest
 import torch
 import yaml
 from aiter_standin import HostReadsForbidden, drop, inside_standin, make, modified
-from bench_scripts import load_bench_script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as R
 import submission as S
+from testkit.controls import BUGS, with_bug
+from testkit.emulation import kernel_emulation
+from testkit.inputs import GRID_REL_L2_BOUND, generate_grid_input
 
 CPU = torch.device("cpu")
-NC = load_bench_script("negative_controls")
 E4M3FN = torch.float8_e4m3fn
 TIGHT = 4e-3  # worst-row relative L2 vs fp32 attention over the same inputs: bf16 output rounding only
 VARIANTS = sorted(S.AITER_VARIANT_SPECS)
@@ -95,16 +97,16 @@ GRID_LENGTHS = {"uniform_split": [1000] * 2, "mixed": [1, 7, 0, 33, 1029, 1, 2]}
 
 
 def assert_grid_controls(data, variant: str) -> None:
-    """On grid data (reference.generate_grid_input: the Q, KV and P roundings of the FP8 kernels exact) the output is
-    within reference.GRID_REL_L2_BOUND of exact attention over the cache, worst sequence, and each planted bug of
-    bench/negative_controls.py (sm_scale x 1.01, the output x 1.02, a row left out) is not."""
-    exact = R.kernel_emulation(data, "cache", "fp8")
-    bound = R.GRID_REL_L2_BOUND
+    """On grid data (testkit.inputs.generate_grid_input: the Q, KV and P roundings of the FP8 kernels exact) the
+    output is within testkit.inputs.GRID_REL_L2_BOUND of exact attention over the cache, worst sequence, and each
+    planted bug of testkit.controls (sm_scale x 1.01, the output x 1.02, a row left out) is not."""
+    exact = kernel_emulation(data, "cache", "fp8")
+    bound = GRID_REL_L2_BOUND
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLA_AITER_VARIANT", variant)
-        errors = {bug: R.worst_row_relative_l2(NC.with_bug(S.custom_kernel, data, bug), exact) for bug in NC.BUGS}
+        errors = {bug: R.worst_row_relative_l2(with_bug(S.custom_kernel, data, bug), exact) for bug in BUGS}
     assert errors["correct"] < bound, errors
-    assert all(errors[bug] > bound for bug in NC.BUGS[1:]), errors
+    assert all(errors[bug] > bound for bug in BUGS[1:]), errors
 
 
 @pytest.mark.parametrize("case", sorted(GRID_LENGTHS))
@@ -114,7 +116,7 @@ def test_on_grid_data_every_variant_meets_a_bound_that_a_1pct_bug_fails(standin,
     without the real work split: see test_gpu_every_variant_on_the_real_aiter) on grid data, where that rounding
     is exact."""
     standin("RUNNER", round_p_to_fp8=True)
-    assert_grid_controls(R.generate_grid_input(GRID_LENGTHS[case], seed=3, device=CPU), variant)
+    assert_grid_controls(generate_grid_input(GRID_LENGTHS[case], seed=3, device=CPU), variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -164,19 +166,22 @@ class DeviceWork(TorchDispatchMode):
 @pytest.mark.parametrize("lengths", ([64] * 4, [1000] * 2), ids=("direct work", "split work"))
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_launches_per_call_are_as_declared(standin, monkeypatch, variant, lengths, version):
-    """One steady-state call of a leaderboard-like (uniform) shape: the aiter kernels the stand-in ran, plus the
-    backend's own device ops (the Q quantization's, in its torch form here: QQuantizer.launches), total
+    """One steady-state call of a leaderboard-like (uniform) shape (the whole custom_kernel: the adapter, the
+    library's plan, aiter_forward): the aiter kernels the stand-in ran, plus the backend's own device ops (the Q
+    quantization's, in its torch form here, as on a CPU without Triton's interpreter: QQuantizer.launches), total
     AiterVariant.launches with the two-kernel triton form of the GPU; o is the only allocation; no host read."""
     aiter = standin(version)
     monkeypatch.setenv("MLA_AITER_VARIANT", variant)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter's own copies are not the backend's work
     spec = S.AITER_VARIANT_SPECS[variant]
     S.custom_kernel(make(lengths, seed=1))  # builds the plan, fills the metadata
-    inputs = S.validate(make(lengths, seed=2), "fp8")
+    inputs = make(lengths, seed=2)
     before, work = len(aiter.launches), DeviceWork()
     with HostReadsForbidden(), work:
-        out = S._aiter_forward(*inputs)
+        out = S.custom_kernel(inputs)
     kernels = aiter.launches[before:]
     (plan,) = S._AITER_PLANS.values()
+    assert spec.q != "fp8" or plan.q_quant.blocks == 0  # the torch form ran
     assert kernels == expected_kernels(variant, version)
     assert work.allocations == ["aten.new_empty.default"]  # o
     quant_launches = plan.q_quant.launches if spec.q == "fp8" else 0
@@ -296,9 +301,15 @@ def test_table_then_environment_pick_the_variant(standin, monkeypatch):
     monkeypatch.setenv("MLA_AITER_VARIANT", "a16w8_ps")
     assert_right(data, S.custom_kernel(data), "a16w8_ps")
     assert aiter.launches[-2:] == [STAGE1["bf16"], "mla_reduce_v1"]
-    assert S.aiter_variant(4, 64) == "a16w8_ps" and S.aiter_variant(7, None) == "a16w8_ps"
+    assert S.dispatch(data)[0].plan.impl.variant == "a16w8_ps"  # the adapter passed MLA_AITER_VARIANT on
+    forced = S._env("MLA_AITER_VARIANT")  # what the adapter reads and passes as `forced`
+    assert S.aiter_variant(4, 64, forced) == "a16w8_ps" and S.aiter_variant(7, None, forced) == "a16w8_ps"
+    assert S.aiter_variant(4, 64) == "fp8_nps"  # the library itself reads no environment
     monkeypatch.delenv("MLA_AITER_VARIANT")
-    assert S.aiter_variant(4, 64) == "fp8_nps" and S.aiter_variant(7, None) == S.AITER_DEFAULT_VARIANT
+    forced = S._env("MLA_AITER_VARIANT")
+    assert forced is None
+    assert S.aiter_variant(4, 64, forced) == "fp8_nps" and S.aiter_variant(7, None, forced) == S.AITER_DEFAULT_VARIANT
+    assert S.dispatch(data)[0].plan.impl.variant == "fp8_nps"
 
 
 def test_unknown_variant_names_are_errors_naming_their_source(standin, monkeypatch):
@@ -479,7 +490,7 @@ def test_gpu_every_variant_on_the_real_aiter(monkeypatch, variant, lengths):
         assert tight_error(data, out, variant) < 0.04
         ok, msg = R.check_implementation(data, out)
         assert ok, msg
-    assert_grid_controls(R.generate_grid_input(lengths, seed=3, device=torch.device("cuda")), variant)
+    assert_grid_controls(generate_grid_input(lengths, seed=3, device=torch.device("cuda")), variant)
 
 
 def test_a_shape_chosen_for_triton_runs_triton_under_auto_only(standin, monkeypatch):
@@ -491,7 +502,13 @@ def test_a_shape_chosen_for_triton_runs_triton_under_auto_only(standin, monkeypa
     S.custom_kernel(data)
     assert [key.variant for key in S._AITER_PLANS] == [S.AITER_DEFAULT_VARIANT]
     monkeypatch.setenv("MLA_BACKEND", "auto")
-    monkeypatch.setattr(S, "select_backend", lambda *args: "aiter")  # as on ROCm with aiter importable
+    select = S.select_backend
+
+    def as_on_rocm(problem, backend="auto"):  # auto picks aiter, as on ROCm with aiter importable
+        return S.Selection("aiter", ()) if backend == "auto" else select(problem, backend)
+
+    monkeypatch.setattr(S, "select_backend", as_on_rocm)
     q, kv, scale, _, _, config = S.validate(data, "fp8")
     decision = S._new_dispatch(q, kv, scale, config, "fp8")
-    assert decision.backend == "triton" and isinstance(decision.launch_key, S.TritonKey), decision
+    assert decision.backend == "triton" and isinstance(decision.plan.impl, S.TritonDecode), decision
+    assert isinstance(decision.plan.impl.key, S.TritonKey), decision

@@ -1,4 +1,4 @@
-"""The cuda backend (the mla_decode_cuda package): its build and plan on the CPU (nvcc needs no GPU), how
+"""The cuda backend (the mla_decode.cuda package): its build and plan on the CPU (nvcc needs no GPU), how
 submission.py finds it, and the kernel on a GPU behind the `gpu` marker."""
 
 import ctypes
@@ -12,14 +12,15 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from attention_ref import assert_grid_match, nan_outside
-from bench_scripts import load_bench_script
 
-import mla_decode_cuda as C
+import mla_decode
+import mla_decode.cuda as C
 import reference as R
 import submission as S
+from testkit.attention import assert_grid_match, nan_outside
+from testkit.emulation import emulate, kernel_emulation
 
-NUMERICS = load_bench_script("numerics")
+ROOT = Path(__file__).resolve().parent.parent
 needs_nvcc = pytest.mark.skipif(C.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 
 
@@ -58,7 +59,8 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert C.library(capability) is lib  # built once, then reused
-    layout = (ctypes.c_int * 17)()
+    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 20
+    layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
     fields = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]
     assert list(layout) == fields + [ctypes.sizeof(C.DecodeCall)]
@@ -86,7 +88,7 @@ def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build,
 
 
 @needs_nvcc
-@pytest.mark.parametrize("file,line", [("wgmma.cuh", 40), ("merge.cuh", 12), (C.MAIN_SOURCE, 30)])
+@pytest.mark.parametrize("file,line", [("wgmma.cuh", 41), ("merge.cuh", 12), (C.MAIN_SOURCE, 29)])
 def test_a_compiler_error_names_the_real_file_and_line(fresh_build, edited_sources, file, line):
     """nvcc compiles the package's files where they lie: its message points at the line to fix."""
     path = edited_sources(file, "this is not C++;\n", line)
@@ -135,52 +137,63 @@ def test_plan_stays_within_what_the_merge_takes():
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: needs an NVIDIA GPU"):
-        S.select_backend(torch.device("cpu"))
+        S.leaderboard_backend(torch.device("cpu"))
 
 
 def test_the_package_needs_nothing_from_submission():
     """submission.py imports the package lazily, and the package never imports it back (no import cycle)."""
-    code = "import sys, mla_decode_cuda; assert 'submission' not in sys.modules, sorted(sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=C.CSRC.parent.parent)
+    code = "import sys, mla_decode.cuda; assert 'submission' not in sys.modules, sorted(sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
 
 
 @pytest.fixture
 def fake_nvidia_gpu(monkeypatch):
-    """An NVIDIA GPU as select_backend sees it, on the CPU; auto's cached verdicts are dropped before and after."""
+    """An NVIDIA GPU as leaderboard_backend sees it, on the CPU; the cached package import and auto's cached
+    verdicts are dropped before and after."""
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
-    S._cuda_package.cache_clear()
-    S._cuda_auto_usable.cache_clear()
+    monkeypatch.delenv("MLA_PRECISION", raising=False)
+    S.cuda_package.cache_clear()
+    S._cuda_reason_for_auto.cache_clear()
     yield torch.device("cuda", 0)
-    S._cuda_package.cache_clear()
-    S._cuda_auto_usable.cache_clear()
+    S.cuda_package.cache_clear()
+    S._cuda_reason_for_auto.cache_clear()
+
+
+def leaderboard_problem(device: torch.device, kv_format: str = "fp8", precision: str = "fast"):
+    """The Problem of a leaderboard call on `device` in that format and precision (as leaderboard_backend makes it)."""
+    kv_dtype = torch.float8_e4m3fn if kv_format == "fp8" else torch.uint8
+    return S.make_problem(1, kv_dtype, device, layout="ragged", max_seqlen=1, precision=precision, return_lse=False)
 
 
 def test_without_the_package_auto_takes_triton_and_forced_cuda_says_how_to_install_it(fake_nvidia_gpu, monkeypatch,
                                                                                       caplog):
-    """submission.py copied alone (the leaderboard's upload): `import mla_decode_cuda` fails."""
-    monkeypatch.setitem(sys.modules, "mla_decode_cuda", None)
-    assert S.cuda_unusable_reason(fake_nvidia_gpu) == S.CUDA_PACKAGE_MISSING
-    assert "mla_decode_cuda package is not installed" in S.CUDA_PACKAGE_MISSING
+    """submission.py copied alone (the leaderboard's upload): `import mla_decode.cuda` fails."""
+    monkeypatch.setitem(sys.modules, "mla_decode.cuda", None)
+    assert S.cuda_unusable_reason(leaderboard_problem(fake_nvidia_gpu)) == S.CUDA_PACKAGE_MISSING
+    assert "mla_decode.cuda package is not importable" in S.CUDA_PACKAGE_MISSING
     assert "pip install -e ." in S.CUDA_PACKAGE_MISSING
     with caplog.at_level("WARNING", logger="mla_decode"):
-        assert S.select_backend(fake_nvidia_gpu) == ("triton" if S.triton is not None else "torch")
+        assert S.leaderboard_backend(fake_nvidia_gpu) == ("triton" if S.triton is not None else "torch")
     assert f"not cuda: {S.CUDA_PACKAGE_MISSING}" in caplog.text
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match=re.escape(f"MLA_BACKEND=cuda: {S.CUDA_PACKAGE_MISSING}")):
-        S.select_backend(fake_nvidia_gpu)
+        S.leaderboard_backend(fake_nvidia_gpu)
 
 
 def test_a_package_that_fails_to_import_says_why(fake_nvidia_gpu, monkeypatch, tmp_path):
-    broken = tmp_path / "mla_decode_cuda"
+    """A cuda package that is there but whose own import fails: the reason carries that import's error. The broken
+    package stands first on mla_decode's search path; the real one is back in sys.modules afterwards."""
+    broken = tmp_path / "cuda"
     broken.mkdir()
     (broken / "__init__.py").write_text("import no_such_module_for_this_test\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "mla_decode_cuda")
-    reason = S.cuda_unusable_reason(fake_nvidia_gpu)
-    assert reason.startswith("cuda backend: the mla_decode_cuda package failed to import") and \
+    monkeypatch.setattr(mla_decode, "__path__", [str(tmp_path), *mla_decode.__path__])
+    monkeypatch.delitem(sys.modules, "mla_decode.cuda")
+    monkeypatch.delattr(mla_decode, "cuda")
+    reason = S.cuda_unusable_reason(leaderboard_problem(fake_nvidia_gpu))
+    assert reason.startswith("cuda backend: the mla_decode.cuda package failed to import") and \
         "no_such_module_for_this_test" in reason
 
 
@@ -216,7 +229,8 @@ class CudaCase(NamedTuple):
     """What the cuda_backend fixture set up: the KV format, the bound on the worst sequence's relative L2 error against
     the emulation of what the kernel rounds on random-normal data, whether the kernel is the wgmma one, which rounds
     Q per head and P to e4m3 (the mma.sync kernel keeps both in fp16), and the bound against fp32 attention. On grid
-    data (reference.generate_grid_input, where those roundings are exact) both are held to reference.GRID_REL_L2_BOUND.
+    data (testkit.inputs.generate_grid_input, where those roundings are exact) both are held to
+    testkit.inputs.GRID_REL_L2_BOUND.
     """
 
     kv_format: str
@@ -226,10 +240,10 @@ class CudaCase(NamedTuple):
 
     def emulate(self, data) -> torch.Tensor:
         """The emulation of what the kernel rounds on `data`: the wgmma kernel's with its launch plan's walk
-        (numerics.emulate; cuda_plan as the test may have patched it)."""
+        (testkit.emulation.emulate; cuda_plan as the test may have patched it)."""
         if self.wgmma:
-            return NUMERICS.emulate(data, "cuda", self.kv_format, "fast")
-        return R.kernel_emulation(data, "cache", self.kv_format)
+            return emulate(data, "cuda", self.kv_format, "fast")
+        return kernel_emulation(data, "cache", self.kv_format)
 
 
 @pytest.fixture(params=CUDA_KERNELS)
@@ -238,8 +252,9 @@ def cuda_backend(monkeypatch, request):
     kernel, kv_format, smem_limit, stages = request.param
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
+    monkeypatch.delenv("MLA_PRECISION", raising=False)
     monkeypatch.setattr(C, "_LIBS", {})
-    monkeypatch.setattr(C, "_LAUNCH", {})  # the plan depends on the kernel's CTAs per SM
+    monkeypatch.setattr(S, "_DISPATCH", {})  # custom_kernel's plans: they depend on the kernel's CTAs per SM
     if kernel == "mma_sync":
         monkeypatch.setattr(C, "WGMMA_CAPABILITY", None)
     lib = C.library(torch.cuda.get_device_capability())
@@ -289,8 +304,9 @@ def test_gpu_varlen(cuda_backend, lens):
 @pytest.mark.parametrize("splits", [1, 2, 4, 8, 16, 32])  # 4 x 32 CTAs: within one per SM (cooperative launch)
 def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
     """Every merge width (merge_quads' W = 8, 4, 2, 1 and its shuffles from 32 splits) on odd, empty and one-row
-    sequences, with splits that get no rows; the second input reuses the first's workspace, and its output owes
-    nothing to the first's partials."""
+    sequences, with splits that get no rows; the second input reuses the first's plan and workspace, and its output
+    owes nothing to the first's partials. (cuda_plan is patched before custom_kernel makes its first plan: the
+    fixture emptied submission._DISPATCH.)"""
     bound = cuda_backend.random_bound
     monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
     for seed in (splits, splits + 100):
@@ -298,7 +314,7 @@ def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
         out = S.custom_kernel(data)
         assert R.worst_row_relative_l2(out, cuda_backend.emulate(data)) < bound
     assert_grid_match(S.custom_kernel, cuda_backend.emulate, [1, 777, 0, 3001], seed=splits)
-    assert len(C._LAUNCH) == 1
+    assert [decision.plan.impl.num_splits for decision in S._DISPATCH.values()] == [splits]  # one plan, reused
 
 
 @pytest.mark.gpu
@@ -313,14 +329,16 @@ def test_gpu_barrier_counts_every_arrival_and_an_oversized_grid_fails_to_launch(
         for _ in range(3):
             S.custom_kernel(data)
     torch.cuda.synchronize()
-    counts = [(launch.sync.tolist(), launch.call.num_splits) for launch in C._LAUNCH.values()]
+    plans = [decision.plan.impl for decision in S._DISPATCH.values()]
+    counts = [(plan.sync.tolist(), plan.num_splits) for plan in plans]
     assert len(counts) == 2 and all(count == [3 * splits] * 4 and splits > 1 for count, splits in counts)
     data = R.generate_input(4, 1, 1024, seed=1)
     for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
         monkeypatch.setattr(C, "cuda_plan", lambda *args, n=splits: n)  # or too many
-        monkeypatch.setattr(C, "_LAUNCH", {})
+        monkeypatch.setattr(S, "_DISPATCH", {})  # a new plan, with that split count
         with pytest.raises(RuntimeError, match=f"launch failed with cudaError {error}$"):
             S.custom_kernel(data)
+        assert [decision.plan.impl.num_splits for decision in S._DISPATCH.values()] == [splits]
 
 
 @pytest.mark.gpu
@@ -338,14 +356,24 @@ def test_gpu_reads_no_row_outside_a_sequence(cuda_backend, keep):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("kv_seq_len", [None, 2048])  # 1 split, and several (the combine)
+@pytest.mark.parametrize("kv_seq_len", [None, 2048])  # 1 split, and several (the merge)
 def test_gpu_invalid_ranges_give_nan_rows(cuda_backend, kv_seq_len):
+    """kv_indptr ranges that run backwards or past the cache give NaN rows, the valid sequence a finite one: the
+    library's ragged plan on the cuda backend, its split plan sized as the leaderboard adapter sizes it (kv_seq_len,
+    else ceil(total_kv / batch))."""
     kv_format = cuda_backend.kv_format
-    data = R.generate_varlen_input([100, 200, 50, 70], seed=3)
-    q, kv_data, qo, kvp, config = data
+    q, kv_data, qo, kvp, config = R.generate_varlen_input([100, 200, 50, 70], seed=3)
+    kv, scale = kv_data[kv_format]
+    batch = q.shape[0]
     bad = torch.tensor([0, 100, 50, 420 + 1000, 420], dtype=torch.int32, device=q.device)
-    out = C.forward(q, *kv_data[kv_format], qo, bad, dict(config, kv_seq_len=kv_seq_len), kv_format)
+    max_seqlen = kv_seq_len if kv_seq_len is not None else -(-kv.shape[0] // batch)
+    decode = mla_decode.plan_ragged(batch, kv.dtype, q.device, max_seqlen, backend="cuda", precision="fast",
+                                    softmax_scale=config["sm_scale"], return_lse=False, kv_scale_dtype=scale.dtype,
+                                    kv_scale_stride=scale.stride(0) if kv_format == "mxfp4" else None)
+    assert decode.backend == "cuda" and (decode.impl.num_splits > 1) == (kv_seq_len is not None)
+    out, _ = decode.run_ragged(q.view(batch, 1, 16, 576), kv, bad, scale)
     torch.cuda.synchronize()
+    out = out.view(batch, 16, 512)
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
     assert torch.isfinite(out[0]).all()
 
@@ -357,6 +385,7 @@ def test_gpu_an_input_off_a_16_byte_boundary_is_refused(monkeypatch):
     by name, after an aligned input of the same kind was run (the remembered decision does not skip the check)."""
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
+    monkeypatch.setattr(S, "_DISPATCH", {})  # the aligned input below makes this kind's plan
     q, kv_data, qo, kvp, config = R.generate_varlen_input([37, 5], seed=2)
     S.custom_kernel((q, kv_data, qo, kvp, config))
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
@@ -373,16 +402,16 @@ def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cann
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(C, "capability", lambda device: (9, 0))
     edited_sources(C.MAIN_SOURCE, "\nthis is not C++;\n")
-    S._cuda_auto_usable.cache_clear()
+    S._cuda_reason_for_auto.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
     with caplog.at_level("WARNING", logger="mla_decode"):
-        assert S.select_backend(gpu) == ("triton" if S.triton is not None else "torch")
+        assert S.leaderboard_backend(gpu) == ("triton" if S.triton is not None else "torch")
     assert "not cuda: cuda backend: nvcc failed" in caplog.text
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: nvcc failed"):
-        S.select_backend(gpu)
-    S._cuda_auto_usable.cache_clear()
+        S.leaderboard_backend(gpu)
+    S._cuda_reason_for_auto.cache_clear()
 
 
 @needs_nvcc
@@ -394,18 +423,18 @@ def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(fresh_build, monkey
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(C, "capability", lambda device: capability)
-    S._cuda_auto_usable.cache_clear()
+    S._cuda_reason_for_auto.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
-    assert S.select_backend(gpu) == "cuda"
+    assert S.leaderboard_backend(gpu) == "cuda"
     monkeypatch.setenv("MLA_KV_FORMAT", "mxfp4")
     fallback = "triton" if S.triton is not None else "torch"
-    assert S.select_backend(gpu) == (mxfp4_backend if mxfp4_backend == "cuda" else fallback)
+    assert S.leaderboard_backend(gpu) == (mxfp4_backend if mxfp4_backend == "cuda" else fallback)
     if mxfp4_backend != "cuda":
         monkeypatch.setenv("MLA_BACKEND", "cuda")
         with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: reads MXFP4 only with its Hopper"):
-            S.select_backend(gpu)
-    S._cuda_auto_usable.cache_clear()
+            S.leaderboard_backend(gpu)
+    S._cuda_reason_for_auto.cache_clear()
 
 
 def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gpu, monkeypatch):
@@ -432,11 +461,12 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
     monkeypatch.setattr(C, "capability", lambda device: (9, 0))
     assert C.library((9, 0)).path == "lib_90a" and C.library((9, 0), precise=True).path == "lib_90"
     assert built == [("90a", True), ("90", False)]
-    assert S.cuda_unusable_reason(fake_nvidia_gpu, "fp8", precise=True) is None
-    assert "precise mode reads the FP8 cache only" in S.cuda_unusable_reason(fake_nvidia_gpu, "mxfp4", precise=True)
+    assert S.cuda_unusable_reason(leaderboard_problem(fake_nvidia_gpu, "fp8", "precise")) is None
+    assert "precise mode reads the FP8 cache only" in S.cuda_unusable_reason(
+        leaderboard_problem(fake_nvidia_gpu, "mxfp4", "precise"))
     monkeypatch.setenv("MLA_PRECISION", "precise")
-    assert S.select_backend(fake_nvidia_gpu, "fp8") == "cuda"
-    assert S.select_backend(fake_nvidia_gpu, "mxfp4") == ("triton" if S.triton is not None else "torch")
+    assert S.leaderboard_backend(fake_nvidia_gpu, "fp8") == "cuda"
+    assert S.leaderboard_backend(fake_nvidia_gpu, "mxfp4") == ("triton" if S.triton is not None else "torch")
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: .*precise mode reads the FP8 cache only"):
-        S.select_backend(fake_nvidia_gpu, "mxfp4")
+        S.leaderboard_backend(fake_nvidia_gpu, "mxfp4")

@@ -1,20 +1,19 @@
 """GPU negative controls: each GPU kernel's output is held, per sequence (the worst one), to the float64 emulation of
-what it rounds (numerics.emulate) under a bound that the same kernel fails with a planted bug: sm_scale 1%
+what it rounds (testkit.emulation.emulate) under a bound that the same kernel fails with a planted bug: sm_scale 1%
 high, the output 2% high, one sequence's last KV row left out. The calls, the batches and the measurements behind the
-bounds are bench/negative_controls.py's (docs/2026-12-01-amd-check.md has the table).
+bounds are testkit/controls.py's, measured by bench/negative_controls.py (docs/2026-12-01-amd-check.md has the table).
 
-Two kinds of data, random-normal and grid (reference.generate_grid_input, on which every kernel's roundings are
+Two kinds of data, random-normal and grid (testkit.inputs.generate_grid_input, on which every kernel's roundings are
 exact). On random data the cuda wgmma kernels (FP8 and MXFP4) are held loosest: their e4m3 P is emulated exactly
-(numerics.emulate walks their splits and tiles), but their FP8 scores still move a few of its roundings.
+(testkit.emulation.emulate walks their splits and tiles), but their FP8 scores still move a few of its roundings.
 """
 
 import pytest
 import torch
-from bench_scripts import load_bench_script
 
 import reference as R
-
-NC = load_bench_script("negative_controls")
+import testkit.controls as NC
+from testkit.inputs import GRID_REL_L2_BOUND
 
 # (kernel, data) -> the bound on the worst sequence's error against the emulation. Measured on the H200
 # (bench/negative_controls.py, 2026-12-01, both batches of each kind), the correct call / the smallest planted bug:
@@ -22,13 +21,13 @@ NC = load_bench_script("negative_controls")
 # triton fp8 fast 2.0e-3 / 1.30e-2; cuda mma.sync 2.3e-3 / 1.34e-2; triton fp8 precise 1.7e-3 / 1.32e-2; triton mxfp4
 # 1.7e-3 / 1.41e-2. grid: every kernel 1.7-2.4e-3 / 1.09e-2 or more.
 BOUNDS = {(kernel, "random"): 1.4e-2 if kernel in ("cuda wgmma fp8", "cuda mxfp4") else 6e-3 for kernel in NC.KERNELS}
-BOUNDS |= {(kernel, "grid"): R.GRID_REL_L2_BOUND for kernel in NC.KERNELS}
+BOUNDS |= {(kernel, "grid"): GRID_REL_L2_BOUND for kernel in NC.KERNELS}
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                 reason="needs an NVIDIA GPU")
 
 
-@pytest.fixture(scope="module", params=NC.BATCHES)
+@pytest.fixture(scope="module", params=NC.BATCHES, ids=" ".join)
 def batch(request):
     return request.param, NC.batch_input(request.param)
 
@@ -37,12 +36,11 @@ def batch(request):
 @needs_cuda
 @pytest.mark.parametrize("kernel", sorted(NC.KERNELS))
 def test_the_kernel_meets_its_bound_and_every_planted_bug_fails_it(batch, kernel):
-    name, data = batch
-    data_kind = name.split(" ")[0]
+    (data_kind, _), data = batch
     bound = BOUNDS[(kernel, data_kind)]
     backend, kv_format, _ = NC.KERNELS[kernel]
     if backend == "cuda":
-        pytest.importorskip("mla_decode_cuda")
+        pytest.importorskip("mla_decode.cuda")
     exact = NC.exact(kernel, data)
     correct = NC.call(kernel, data, "correct")
     assert R.worst_row_relative_l2(correct, exact) < bound

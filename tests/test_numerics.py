@@ -1,5 +1,5 @@
-"""Accuracy under stress: large common logit offsets and attention sinks (reference.generate_shifted_input), in the
-fast and the precise mode (submission.select_precision).
+"""Accuracy under stress: large common logit offsets and attention sinks (testkit.inputs.generate_shifted_input), in the
+fast and the precise mode.
 
 CPU: bench/numerics.py under Triton's interpreter, whose dots are exact fp32, so the Triton kernel must match the
 float64 emulation of exactly what it rounds (fast: Q to e4m3 per head; precise: nothing beyond the cache).
@@ -14,28 +14,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from bench_scripts import load_bench_script
 
 import reference as R
+from testkit.emulation import emulate
+from testkit.inputs import SHIFT_KEY_VALUE, generate_shifted_input
 
 ROOT = Path(__file__).resolve().parent.parent
-NUMERICS = load_bench_script("numerics")  # its emulate: the emulation of what each kernel rounds
 LENS = [10, 118, 64, 64, 1, 33]
 MARGIN_BOUND = 0.9 * R.REL_L2_BOUND["fp8"]  # no case may sit within 10% of the strict gate
 
 
 def test_shifted_input_shifts_every_logit_by_the_offset():
-    base = R.generate_shifted_input([3, 0, 5], seed=1, shift=0.0, device=torch.device("cpu"))
-    shifted = R.generate_shifted_input([3, 0, 5], seed=1, shift=100.0, device=torch.device("cpu"))
+    base = generate_shifted_input([3, 0, 5], seed=1, shift=0.0, device=torch.device("cpu"))
+    shifted = generate_shifted_input([3, 0, 5], seed=1, shift=100.0, device=torch.device("cpu"))
     scores = [torch.einsum("bhd,nd->bhn", d[0].double(), d[1]["bf16"][:, 0].double()) * R.SM_SCALE
               for d in (base, shifted)]
     torch.testing.assert_close(scores[1] - scores[0], torch.full_like(scores[0], 100.0), rtol=0, atol=1e-9)
 
 
 def test_sink_input_puts_one_key_per_sequence_above_the_rest():
-    data = R.generate_shifted_input([3, 0, 5, 1], seed=2, shift=30.0, sink=True, device=torch.device("cpu"))
+    data = generate_shifted_input([3, 0, 5, 1], seed=2, shift=30.0, sink=True, device=torch.device("cpu"))
     last = data[1]["bf16"][:, 0, -1]
-    assert last.tolist() == [R.SHIFT_KEY_VALUE, 0, 0, R.SHIFT_KEY_VALUE, 0, 0, 0, 0, R.SHIFT_KEY_VALUE]
+    assert last.tolist() == [SHIFT_KEY_VALUE, 0, 0, SHIFT_KEY_VALUE, 0, 0, 0, 0, SHIFT_KEY_VALUE]
     assert (data[0][..., -1] == 30.0).all()
 
 
@@ -97,7 +97,7 @@ def test_gpu_stress_passes_the_strict_gate(monkeypatch, backend, precision, case
     monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
     import submission as S
 
-    data = R.generate_shifted_input(LENS, seed=11, shift=shift, sink=sink)
+    data = generate_shifted_input(LENS, seed=11, shift=shift, sink=sink)
     out = S.custom_kernel(data)
     ok, msg = R.check_implementation(data, out)
     assert ok, msg
@@ -108,5 +108,5 @@ def test_gpu_stress_passes_the_strict_gate(monkeypatch, backend, precision, case
     # what its emulation keeps: 1.28e-2 at +100 (H200, bench/numerics.py), hence 2e-2 there.
     bound = {("triton", "fast"): 2e-2}.get((backend, precision), 6e-3)
     if (backend, precision) != ("cuda", "fast"):
-        exact = NUMERICS.emulate(data, backend, "fp8", precision)
+        exact = emulate(data, backend, "fp8", precision)
         assert R.worst_row_relative_l2(out, exact) < bound

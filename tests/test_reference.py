@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from attention_ref import fp32_attention
 
 import reference as R
+from testkit.attention import fp32_attention
 
 # The aiter contract's MXFP4 example: one row of 128 bf16 values (4 blocks of 32) and what aiter's
 # dynamic_mxfp4_quant writes.
@@ -235,82 +235,3 @@ def test_zeros_are_rejected_on_every_task_yml_case(case):
     ok, msg = R.check_implementation(data, torch.zeros_like(ref))
     assert not ok, msg
     assert R.check_implementation(data, ref)[0]
-
-
-@pytest.mark.parametrize("kv_lens", [[1024] * 3, [8191, 1, 0, 517]], ids=["uniform", "mixed"])
-def test_grid_input_makes_the_fast_kernels_roundings_exact(kv_lens):
-    """generate_grid_input's promises: every cache holds the keys exactly, each head's logits (log2 units) lie near
-    integers within GRID_Q_TERMS / 2 of each other, Q is exactly e4m3 after its per-head scale, and P rounded to e4m3
-    (biased as the wgmma kernel stores it, or not) changes the output only by the unrounded row sums' 2^(offset) gain
-    (~1e-3), far below a 1% sm_scale error's."""
-    data = R.generate_grid_input(kv_lens, seed=1, device=torch.device("cpu"))
-    q, kv_data, _, kv_indptr, config = data
-    keys = kv_data["bf16"][:, 0].double()
-    kv8, kv_scale = kv_data["fp8"]
-    assert torch.allclose(kv8[:, 0].double() * kv_scale.double(), keys, rtol=1e-6, atol=0)
-    assert torch.equal(R.dequantize_mxfp4(*kv_data["mxfp4"], torch.float64)[:, 0], keys)
-    q_scale = 448.0 / q.double().abs().amax(dim=-1, keepdim=True)
-    assert torch.equal(R._round_e4m3(q.double() * q_scale), q.double() * q_scale)
-    bounds = kv_indptr.tolist()
-    for b in range(len(kv_lens)):
-        logits = q[b].double() @ keys[bounds[b]:bounds[b + 1]].T * config["sm_scale"] * math.log2(math.e)
-        if logits.numel():
-            assert (logits - logits.round()).abs().max() < 0.01
-            assert (logits.amax(dim=-1) - logits.amin(dim=-1)).max() <= R.GRID_Q_TERMS + 0.01
-    exact = R.kernel_emulation(data, "cache")
-    assert (exact.flatten(1).norm(dim=1)[torch.tensor(kv_lens) > 0] > 0.05).all()  # no all-zero rows
-    assert R.worst_row_relative_l2(R.kernel_emulation(data, "+Q+P"), exact) < 1.5e-3
-    wrong = (q, kv_data, data[2], kv_indptr, dict(config, sm_scale=config["sm_scale"] * 1.01))
-    assert R.worst_row_relative_l2(R.kernel_emulation(wrong, "+Q+P"), exact) > 3 * R.GRID_REL_L2_BOUND
-
-
-def walk_like_the_wgmma_kernel(data, tiling: R.Tiling) -> torch.Tensor:
-    """The wgmma kernel's algorithm as a plain loop (mla_decode_cuda/csrc/wgmma.cuh, float64): per split of whole
-    64-row tiles, the running maximum per tile, P = 2^(logit - (max - 8)) rounded to e4m3, the rescales, the row sums
-    of the unrounded P, and with several splits bf16 partials merged by their log2-sum-exp."""
-    q, kv_data, _, kv_indptr, config = data
-    kv, scale = kv_data["fp8"]
-    keys = kv[:, 0].double() * scale.double()
-    q8, q_scale = R.round_q_per_head(q)
-    qd = q8.double() / q_scale.double()
-    out = torch.zeros((q.shape[0], 16, 512), dtype=torch.float64)
-    bounds = kv_indptr.tolist()
-    for b in range(len(bounds) - 1):
-        n = bounds[b + 1] - bounds[b]
-        logits = qd[b] @ keys[bounds[b]:bounds[b + 1]].T * config["sm_scale"] * math.log2(math.e)
-        values = keys[bounds[b]:bounds[b + 1], :512]
-        per_split = math.ceil(math.ceil(n / tiling.num_splits) / tiling.block_n) * tiling.block_n
-        partials = []
-        for lo in range(0, n, max(per_split, 1)):
-            m = torch.full((16, 1), -math.inf, dtype=torch.float64)
-            row_sum = torch.zeros((16, 1), dtype=torch.float64)
-            acc = torch.zeros((16, 512), dtype=torch.float64)
-            for t0 in range(lo, min(lo + per_split, n), tiling.block_n):
-                t1 = min(t0 + tiling.block_n, lo + per_split, n)
-                new_max = torch.maximum(m, logits[:, t0:t1].amax(dim=-1, keepdim=True))
-                alpha, m = torch.exp2(m - new_max), new_max
-                p = torch.exp2(logits[:, t0:t1] - (new_max - R.P_LOG2_BIAS))
-                row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
-                acc = acc * alpha + R._round_e4m3(p) @ values[t0:t1]
-            partials.append((acc / row_sum, m + torch.log2(row_sum) - R.P_LOG2_BIAS))
-        if not partials:
-            continue
-        if tiling.num_splits == 1:
-            out[b] = partials[0][0]
-            continue
-        lse = torch.stack([lse for _, lse in partials])
-        weights = torch.exp2(lse - lse.amax(dim=0))
-        rounded = torch.stack([o for o, _ in partials]).to(tiling.partial_dtype).double()
-        out[b] = (weights * rounded).sum(dim=0) / weights.sum(dim=0)
-    return out
-
-
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
-def test_the_e4m3_p_emulation_is_the_wgmma_kernels_walk(num_splits):
-    """kernel_emulation's "+Q+P" (vectorized) against the kernel's loop written out, on odd, empty, one-row and
-    one-tile-plus-one lengths; and it is not the "+Q" emulation (P's rounding shows)."""
-    data = R.generate_varlen_input([1000, 1, 0, 130, 64, 65, 300], seed=5, device=torch.device("cpu"))
-    tiling = R.Tiling(num_splits=num_splits)
-    emulated = R.kernel_emulation(data, "+Q+P", "fp8", tiling)
-    assert torch.allclose(emulated, walk_like_the_wgmma_kernel(data, tiling), rtol=1e-12, atol=1e-12)
-    assert R.worst_row_relative_l2(emulated, R.kernel_emulation(data, "+Q")) > 5e-3

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from attention_ref import assert_matches, fp32_attention, nan_outside
 
 import reference as R
 import submission as S
+from testkit.attention import assert_matches, fp32_attention, nan_outside
 
 CPU = torch.device("cpu")
 
@@ -293,9 +293,9 @@ def test_a_shorter_kv_indptr_than_the_cache_is_allowed():
 
 def test_auto_picks_torch_on_cpu(monkeypatch):
     monkeypatch.setenv("MLA_BACKEND", "auto")
-    assert S.select_backend(CPU) == "torch"
+    assert S.leaderboard_backend(CPU) == "torch"
     monkeypatch.delenv("MLA_BACKEND")
-    assert S.select_backend(CPU) == "torch"
+    assert S.leaderboard_backend(CPU) == "torch"
 
 
 @pytest.mark.parametrize("value,exc,match", [
@@ -305,17 +305,17 @@ def test_auto_picks_torch_on_cpu(monkeypatch):
 def test_forced_backend_fails_clearly(monkeypatch, value, exc, match):
     monkeypatch.setenv("MLA_BACKEND", value)
     monkeypatch.setitem(__import__("sys").modules, "aiter", None)  # make sure no aiter imports
-    S._aiter_importable.cache_clear()
+    S.aiter_importable.cache_clear()
     with pytest.raises(exc, match=match):
-        S.select_backend(CPU)
-    S._aiter_importable.cache_clear()  # forget the probe made without aiter
+        S.leaderboard_backend(CPU)
+    S.aiter_importable.cache_clear()  # forget the probe made without aiter
 
 
 def test_forced_triton_without_gpu_or_interpreter_fails(monkeypatch):
     monkeypatch.setenv("MLA_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="MLA_BACKEND=triton"):
-        S.select_backend(CPU)
+        S.leaderboard_backend(CPU)
 
 
 def test_bad_kv_format_fails_clearly(monkeypatch):
@@ -334,10 +334,10 @@ def test_the_defaults_apply_where_the_environment_sets_nothing(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert S.select_kv_format() == "mxfp4"
     if S.triton is not None:  # forced triton runs on the CPU under the interpreter
-        assert S.select_backend(CPU) == "triton"
+        assert S.leaderboard_backend(CPU) == "triton"
     monkeypatch.setenv("MLA_BACKEND", "torch")
     monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
-    assert (S.select_backend(CPU), S.select_kv_format()) == ("torch", "fp8")
+    assert (S.leaderboard_backend(CPU), S.select_kv_format()) == ("torch", "fp8")
 
 
 @pytest.mark.parametrize("name,value", [("DEFAULT_BACKEND", "rocm"), ("DEFAULT_KV_FORMAT", "int4"),

@@ -2,6 +2,7 @@
 all be in the kernel sources as they stand, so an edit that drops or moves one fails here, not on a GPU), its stamped
 sources built by nvcc, and both modes run on an NVIDIA GPU."""
 
+import ctypes
 import difflib
 import importlib.util
 import os
@@ -9,11 +10,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import mla_decode_cuda as C
+import mla_decode.cuda as C
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNE = ROOT / "bench" / "tune_cuda.py"
@@ -104,6 +106,34 @@ def test_a_kernel_edit_that_loses_a_timeline_anchor_fails(tune, csrc, edit):
         kernel.write_text(kernel.read_text().replace("  // TUNE: merged\n", "  // TUNE: merged\n  // TUNE: lse\n"))
     with pytest.raises(ValueError, match="timeline mark 'lse': expected one `// TUNE: lse` line, in merge.cuh"):
         tune.add_timeline(csrc)
+
+
+@pytest.mark.parametrize("library", ["same", "fields", "offsets", "no export"])
+def test_a_variant_whose_decode_call_differs_is_refused(tune, monkeypatch, library):
+    """A variant's library must read the DecodeCall mla_decode.cuda passes (a --source from before a change to the
+    struct would read garbage): one whose field count or offsets differ, or that cannot say, is refused."""
+    fields = len(C.DecodeCall._fields_)
+    offsets = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_] + [ctypes.sizeof(C.DecodeCall)]
+    if library == "offsets":
+        offsets[4] += 8
+
+    def layout(out):
+        for i, offset in enumerate(offsets):
+            out[i] = offset
+
+    lib = SimpleNamespace(mla_decode_call_layout=layout, mla_decode_call_fields=lambda: fields - (library == "fields"))
+    if library == "no export":
+        del lib.mla_decode_call_fields
+    monkeypatch.setattr(C, "library", lambda capability, precise=False: lib)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    variant = tune.Variant("old", Path("/nowhere"), None)
+    if library == "same":
+        variant.check_layout()
+        assert variant.checked
+    else:
+        with pytest.raises(SystemExit, match="variant 'old' .*DecodeCall"):
+            variant.check_layout()
+        assert not variant.checked
 
 
 @needs_nvcc

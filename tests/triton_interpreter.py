@@ -6,7 +6,7 @@ Used by the interpreted checks of tests/test_triton.py and by tests/test_bench.p
 
 
 def patch() -> None:
-    from triton.runtime import interpreter
+    from triton.runtime import interpreter  # ImportError without triton
 
     patch_tensor = interpreter._patch_lang_tensor
 

@@ -1,12 +1,12 @@
-"""tests/attention_ref.py, the backend tests' shared reference: it reads what each backend reads, and its check
+"""testkit/attention.py, the backend tests' shared reference: it reads what each backend reads, and its check
 fails on wrong outputs."""
 
 import numpy as np
 import pytest
 import torch
-from attention_ref import assert_matches, dequantized_cache, fp8_per_head, fp8_per_tensor, fp32_attention
 
 import reference as R
+from testkit.attention import assert_matches, dequantized_cache, fp8_per_head, fp8_per_tensor, fp32_attention
 
 CPU = torch.device("cpu")
 

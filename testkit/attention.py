@@ -1,4 +1,5 @@
-"""fp32 attention over exactly what a backend reads, and the check every backend test makes with it.
+"""fp32 attention over exactly what a backend reads (in the competition's tuple), and the check every backend test
+makes with it.
 
 A backend's output is held to two references: fp32 attention over the same quantized cache (and the same quantized
 Q where the backend quantizes Q), where only the output's bf16 rounding and what the kernel rounds on purpose
@@ -10,6 +11,8 @@ picks what each backend reads.
 import torch
 
 import reference as R
+from testkit.emulation import round_q_per_head
+from testkit.inputs import GRID_REL_L2_BOUND, generate_grid_input
 
 
 def dequantized_cache(kv_data: dict, kv_format: str) -> torch.Tensor:
@@ -28,7 +31,7 @@ def fp8_per_tensor(q: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn) -> t
 
 def fp8_per_head(q: torch.Tensor) -> torch.Tensor:
     """The triton kernel's Q on the fp8 path: per-head E4M3 with scale 448 / max|q_h|, dequantized to fp32."""
-    q8, scale = R.round_q_per_head(q)
+    q8, scale = round_q_per_head(q)
     return q8 / scale
 
 
@@ -47,14 +50,15 @@ def triton_reference(data, kv_format: str, scaled_scores: bool = False) -> torch
 
 
 def assert_matches(data, out: torch.Tensor, exact: torch.Tensor, bound: float,
-                   metric=R.worst_row_relative_l2) -> str:
+                   metric=R.worst_row_relative_l2, kv_format: str | None = None) -> str:
     """`out` within `bound` of `exact`, the fp32 computation over the same quantized data, by `metric` (default
     per sequence: the worst row's relative L2, where an empty sequence must be all zeros; or
     reference.relative_l2 over the whole output), and `out` through reference.check_implementation against the
-    BF16 truth. Returns a line with both results."""
+    BF16 truth, with the bound of `kv_format` (default: the environment's, MLA_KV_FORMAT). Returns a line with both
+    results."""
     error = metric(out, exact)
     assert error < bound, f"{metric.__name__} {error:.3e} against fp32 over the same data (bound {bound:g})"
-    ok, msg = R.check_implementation(data, out)
+    ok, msg = R.check_implementation(data, out, kv_format)
     assert ok, msg
     return f"{metric.__name__} {error:.2e} against fp32 over the same data; BF16 truth: {msg}"
 
@@ -83,9 +87,9 @@ def nan_outside(data, kv_format: str, keep: int, trailing: int):
 
 def assert_grid_match(decode, expect, lens: list[int], seed: int) -> None:
     """decode(data) (custom_kernel, with the backend and format the environment selects) on grid data of these KV
-    lengths (reference.generate_grid_input, where the fast kernels' roundings are exact) within
-    reference.GRID_REL_L2_BOUND of expect(data), the emulation of what the kernel rounds, worst sequence."""
-    data = R.generate_grid_input(lens, seed=seed)
+    lengths (testkit.inputs.generate_grid_input, where the fast kernels' roundings are exact) within
+    GRID_REL_L2_BOUND of expect(data), the emulation of what the kernel rounds, worst sequence."""
+    data = generate_grid_input(lens, seed=seed)
     error = R.worst_row_relative_l2(decode(data), expect(data))
-    bound = R.GRID_REL_L2_BOUND
+    bound = GRID_REL_L2_BOUND
     assert error < bound, f"grid data, {len(lens)} sequences: worst sequence {error:.3e} (bound {bound:g})"

@@ -47,9 +47,11 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
 constexpr int MERGE_THREADS = 128;
 constexpr int MERGE_LOADS = 16;
 constexpr int MAX_SPLITS = 512;        // a quad's threads stay within one warp (S / 16 <= 32)
+// A split's NaN LSE marks a page outside the cache: the whole sequence becomes NaN. out_lse (16,) fp32, or null:
+// the merged natural-log LSE per head, written by the thread of each head's first quad.
 template <int W>
 __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
-                                            int num_splits, int split, bool valid) {
+                                            float* out_lse, int num_splits, int split, bool valid) {
   constexpr int G = MERGE_LOADS / W;  // splits per thread
   const int log_splits = __ffs(num_splits) - 1;
   const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
@@ -68,8 +70,13 @@ __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat1
   }
   float mx = -INFINITY, wsum = 0.f;
   float4 acc[W];
+  bool bad_page = false;
 #pragma unroll
-  for (int j = 0; j < G; ++j) mx = fmaxf(mx, l[j]);
+  for (int j = 0; j < G; ++j) {
+    bad_page |= l[j] != l[j];
+    l[j] = l[j] != l[j] ? -INFINITY : l[j];
+    mx = fmaxf(mx, l[j]);
+  }
 #pragma unroll
   for (int w = 0; w < W; ++w) acc[w] = make_float4(0.f, 0.f, 0.f, 0.f);
   // TUNE: lse
@@ -102,9 +109,12 @@ __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat1
     }
     wsum = wsum * a + ows * c;
     mx = nm;
+    bad_page |= __shfl_xor_sync(0xffffffffu, bad_page, lane);
   }
   if (threadIdx.x & (per_quad - 1)) return;
-  const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (valid ? 1.f : NAN);  // every split empty: zeros
+  const bool ok = valid && !bad_page;
+  const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (ok ? 1.f : NAN);  // every split empty: zeros
+  if (out_lse && col == 0) out_lse[h] = ok ? (wsum > 0.f ? (mx + __log2f(wsum)) * LN2 : -INFINITY) : NAN;
 #pragma unroll
   for (int w = 0; w < W; ++w)
     store_bf16x4(out + h * DV + col + 4 * w,
@@ -121,11 +131,12 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
   const float* lse = call.part_lse + static_cast<size_t>(b) * num_splits * H;
   const __nv_bfloat16* po = call.part_o + static_cast<size_t>(b) * num_splits * H * DV;
   __nv_bfloat16* o = call.out + static_cast<size_t>(b) * H * DV;
+  float* out_lse = call.lse ? call.lse + static_cast<size_t>(b) * H : nullptr;
   switch (num_splits) {
-    case 2: merge_quads<8>(lse, po, o, num_splits, split, valid); break;
-    case 4: merge_quads<4>(lse, po, o, num_splits, split, valid); break;
-    case 8: merge_quads<2>(lse, po, o, num_splits, split, valid); break;
-    default: merge_quads<1>(lse, po, o, num_splits, split, valid);
+    case 2: merge_quads<8>(lse, po, o, out_lse, num_splits, split, valid); break;
+    case 4: merge_quads<4>(lse, po, o, out_lse, num_splits, split, valid); break;
+    case 8: merge_quads<2>(lse, po, o, out_lse, num_splits, split, valid); break;
+    default: merge_quads<1>(lse, po, o, out_lse, num_splits, split, valid);
   }
 }
 

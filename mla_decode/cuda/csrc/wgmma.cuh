@@ -37,9 +37,10 @@ constexpr bool SUPPORTS_MXFP4 = true;
 constexpr int MX_ROW = D / 2;          // bytes of codes per row, two values per byte, low nibble first
 constexpr int MX_STAGE = BN * MX_ROW;
 constexpr int MX_BLOCKS = D / 32;      // E8M0 scales per row
+constexpr int SMEM_PAGED = (ROW_SLOTS * BN + 4) * 4;  // PagedRows: the next tiles' rows and the bad-page flag
 template <int STAGES, bool MX>
 constexpr int smem_bytes() {
-  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + SMEM_P + SMEM_RED + H * 4;
+  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + SMEM_P + SMEM_RED + H * 4 + SMEM_PAGED;
 }
 constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
 
@@ -155,7 +156,7 @@ __device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, flo
   }
 }
 
-template <int STAGES, bool MX>
+template <int STAGES, bool MX, bool PAGED>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const DecodeCall call) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -166,12 +167,17 @@ split_kernel(const DecodeCall call) {
   uint8_t* ps = qs + SMEM_Q;
   float* red = reinterpret_cast<float*>(ps + SMEM_P);
   float* qscale = red + NWARPS * H;
+  const PagedRows paged_rows{reinterpret_cast<int*>(qscale + H), reinterpret_cast<int*>(qscale + H) + ROW_SLOTS * BN};
 
   const int split = blockIdx.x, b = blockIdx.y;
-  const SplitRange range = split_range(call.kv_indptr, b, split, call.num_splits, call.total_kv);
+  const SplitRange range = split_range(call, b, split);
   const unsigned base = arrival_base(call.sync, b, call.num_splits);
-  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
+  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
+  constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
+  // A tile's rows are consecutive in the cache (one address per tile) when ragged or in pages of a multiple of BN
+  // rows; otherwise each copy looks its row up in paged_rows.
+  const bool consecutive = !paged || call.page_size % BN == 0;
   // TUNE: start
 
   // Copy plan: thread tid copies units c = tid + NTHREADS * it of a tile, row c / 36, unit c % 36: its global
@@ -188,22 +194,34 @@ split_kernel(const DecodeCall call) {
     const int c = tid + NTHREADS * it;
     soff[it] = MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
   }
+  constexpr int ROW_BYTES = MX ? MX_ROW : D;
   auto load_tile = [&](int i) {
     const uint32_t dst = ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE);
     const int n0 = lo + i * BN;
-    const uint8_t* src = call.kv + static_cast<size_t>(n0) * (MX ? MX_ROW : D) + tid * 16;
-    const int rows = hi - n0;
-    if (rows >= BN) {
+    if (consecutive) {
+      const int first = paged ? paged_rows.at(i, 0) : start + n0;  // -1: a page outside the cache
+      const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * ROW_BYTES + tid * 16;
+      const int rows = first < 0 ? 0 : hi - n0;
+      if (rows >= BN) {
 #pragma unroll
-      for (int it = 0; it < COPIES; ++it)
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff[it]),
-                     "l"(src + it * NTHREADS * 16));
-    } else {
+        for (int it = 0; it < COPIES; ++it)
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff[it]),
+                       "l"(src + it * NTHREADS * 16));
+      } else {
+#pragma unroll
+        for (int it = 0; it < COPIES; ++it) {
+          const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
+                       "l"(in ? src + it * NTHREADS * 16 : call.kv), "r"(in ? 16 : 0));
+        }
+      }
+    } else {  // each 16-byte unit's row looked up (a thread's units lie in several rows; warps stay coalesced)
 #pragma unroll
       for (int it = 0; it < COPIES; ++it) {
-        const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
-                     "l"(in ? src + it * NTHREADS * 16 : call.kv), "r"(in ? 16 : 0));
+        const int c = tid + NTHREADS * it, row = paged_rows.at(i, c / ROW_UNITS);  // -1: past hi or a bad page
+        const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * ROW_BYTES + (c % ROW_UNITS) * 16;
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]), "l"(src),
+                     "r"(row >= 0 ? 16 : 0));
       }
     }
   };
@@ -224,6 +242,7 @@ split_kernel(const DecodeCall call) {
     if (i < ntiles) load_tile(i);
     asm volatile("cp.async.commit_group;\n");
   };
+  if (paged) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) load_group(i);
   // TUNE: issued
@@ -236,9 +255,9 @@ split_kernel(const DecodeCall call) {
 #pragma unroll
     for (int j = 0; j < MX_JOBS; ++j) {
       const int c = tid + NTHREADS * j, n = lo + i * BN + c / MX_BLOCKS;
-      next_scales[j] = i < ntiles && n < hi
-                           ? call.kv_block_scales[static_cast<size_t>(n) * call.scale_stride + c % MX_BLOCKS]
-                           : 127u;
+      const int row = i >= ntiles || n >= hi ? -1 : paged ? paged_rows.at(i, c / MX_BLOCKS) : start + n;
+      next_scales[j] = row >= 0 ? call.kv_block_scales[static_cast<size_t>(row) * call.scale_stride + c % MX_BLOCKS]
+                                : 127u;
     }
   };
   if constexpr (MX) load_scales(0);
@@ -294,6 +313,7 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1
     // TUNE: tile
     load_group(i + STAGES - 1);
+    const int next_row = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // stored after the products
     uint32_t kt = ks_addr + (i % STAGES) * TILE;
     if constexpr (MX) {  // codes + scales -> the e5m2 tile at offset 0 (free: every warp is done with tile i - 1)
       uint32_t scales[MX_JOBS];
@@ -398,6 +418,7 @@ split_kernel(const DecodeCall call) {
     wg_wait0();
 #pragma unroll
     for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);
+    if (paged) paged_rows.put(i + STAGES, tid, next_row, lo, hi);  // read after the next iteration's barrier
     // TUNE: PV
   }
   asm volatile("cp.async.wait_group 0;\n");
@@ -409,11 +430,18 @@ split_kernel(const DecodeCall call) {
   float scale[4];  // kv_scale / the sum (no rows: zeros)
 #pragma unroll
   for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
+  const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
+  const bool ok = valid && !bad_page;
   const size_t part = static_cast<size_t>(b) * call.num_splits + split;
-  if (call.num_splits > 1 && tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
+  if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      call.part_lse[part * H + heads[e]] = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
+    for (int e = 0; e < 4; ++e) {
+      const float lse2 = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
+      if (call.num_splits > 1)
+        call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the sequence NaN
+      else if (call.lse)
+        call.lse[static_cast<size_t>(b) * H + heads[e]] = ok ? lse2 * LN2 : NAN;
+    }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
   // that each warp store writes whole 128-byte lines; from the fragments, each store wrote four 64-byte pieces and
@@ -437,7 +465,7 @@ split_kernel(const DecodeCall call) {
 #pragma unroll 4
   for (int h = 0; h < H; ++h) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
-    if (call.num_splits == 1 && !valid) v = make_float4(NAN, NAN, NAN, NAN);
+    if (call.num_splits == 1 && !ok) v = make_float4(NAN, NAN, NAN, NAN);
     __nv_bfloat16* dst =
         call.num_splits == 1 ? call.out + static_cast<size_t>(b) * H * DV : call.part_o + part * H * DV;
     store_bf16x4(dst + h * DV + col, v);

@@ -21,8 +21,9 @@ constexpr int KSTEPS = D / 16;         // k16 steps of the score product
 constexpr int SMEM_Q = H * QROW * 2;
 constexpr int SMEM_P = H * PROW * 2;
 constexpr int SMEM_RED = NWARPS * H * 4;
+constexpr int SMEM_PAGED = (ROW_SLOTS * BN + 4) * 4;  // PagedRows: the next tiles' rows and the bad-page flag
 template <int STAGES, bool MX>
-constexpr int smem_bytes() { return STAGES * BN * KROW + SMEM_Q + SMEM_P + SMEM_RED; }
+constexpr int smem_bytes() { return STAGES * BN * KROW + SMEM_Q + SMEM_P + SMEM_RED + SMEM_PAGED; }
 
 __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -43,7 +44,7 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <int STAGES, bool MX>  // MX: not supported here (the launcher never instantiates it)
+template <int STAGES, bool MX, bool PAGED>  // MX: not supported here (the launcher never instantiates it)
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const DecodeCall call) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -52,25 +53,29 @@ split_kernel(const DecodeCall call) {
   __half* qs = reinterpret_cast<__half*>(tail);
   __half* ps = reinterpret_cast<__half*>(tail + SMEM_Q);
   float* red = reinterpret_cast<float*>(tail + SMEM_Q + SMEM_P);
+  int* const rows_smem = reinterpret_cast<int*>(tail + SMEM_Q + SMEM_P + SMEM_RED);
+  const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const SplitRange range = split_range(call.kv_indptr, b, split, call.num_splits, call.total_kv);
+  const SplitRange range = split_range(call, b, split);
   const unsigned base = arrival_base(call.sync, b, call.num_splits);
-  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles;
+  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
+  constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
 
-  auto load_tile = [&](int i) {  // rows past hi are zero-filled, never read
+  auto load_tile = [&](int i) {  // rows past hi (and on a page outside the cache) are zero-filled, never read
     uint8_t* dst = ks + (i % STAGES) * BN * KROW;
     const int n0 = lo + i * BN;
     for (int c = tid; c < BN * (D / 16); c += NTHREADS) {
       const int r = c / (D / 16), col = (c % (D / 16)) * 16;
-      const int n = n0 + r;
-      const uint8_t* src = call.kv + static_cast<size_t>(n < hi ? n : lo) * D + col;
+      const int row = n0 + r >= hi ? -1 : paged ? paged_rows.at(i, r) : start + n0 + r;
+      const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * D + col;
       const uint32_t d = smem_u32(dst + r * KROW + col);
-      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n < hi ? 16 : 0));
+      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(row >= 0 ? 16 : 0));
     }
   };
+  if (paged) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < ntiles) load_tile(i);
@@ -110,6 +115,7 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // tile i is visible; every warp is done with tile i - 1 (its stage, P and red)
     if (i + STAGES - 1 < ntiles) load_tile(i + STAGES - 1);
     asm volatile("cp.async.commit_group;\n");
+    const int next_row = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // stored after the products
     const uint8_t* kt = ks + (i % STAGES) * BN * KROW;
     const int n0 = lo + i * BN;
 
@@ -197,6 +203,7 @@ split_kernel(const DecodeCall call) {
         }
       }
     }
+    if (paged) paged_rows.put(i + STAGES, tid, next_row, lo, hi);  // read after the next iteration's barrier
   }
   asm volatile("cp.async.wait_group 0;\n");
 
@@ -218,6 +225,8 @@ split_kernel(const DecodeCall call) {
     l1 += red[w * H + g + 8];
   }
   const float inv0 = l0 > 0.f ? kv_scale / l0 : 0.f, inv1 = l1 > 0.f ? kv_scale / l1 : 0.f;  // no rows: zeros
+  const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
+  const bool ok = valid && !bad_page;
   // Group `grp` holds dims base + 4*t4 + {0, 1, 2, 3} as (even c0, odd c0, even c1, odd c1) for head g (c2, c3: g + 8).
   const size_t part = static_cast<size_t>(b) * call.num_splits + split;
 #pragma unroll
@@ -228,7 +237,7 @@ split_kernel(const DecodeCall call) {
     float4 v0 = make_float4(ev[0] * inv0, od[0] * inv0, ev[1] * inv0, od[1] * inv0);
     float4 v1 = make_float4(ev[2] * inv1, od[2] * inv1, ev[3] * inv1, od[3] * inv1);
     if (call.num_splits == 1) {
-      if (!valid) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
+      if (!ok) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
       __nv_bfloat16* o = call.out + static_cast<size_t>(b) * H * DV + col;
       store_bf16x4(o + g * DV, v0);
       store_bf16x4(o + (g + 8) * DV, v1);
@@ -238,9 +247,15 @@ split_kernel(const DecodeCall call) {
       store_bf16x4(o + (g + 8) * DV, v1);
     }
   }
-  if (call.num_splits > 1 && warp == 0 && t4 == 0) {
-    call.part_lse[part * H + g] = l0 > 0.f ? m0 + log2f(l0) : -INFINITY;
-    call.part_lse[part * H + g + 8] = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
+  if (warp == 0 && t4 == 0) {
+    const float lse0 = l0 > 0.f ? m0 + log2f(l0) : -INFINITY, lse1 = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
+    if (call.num_splits > 1) {  // NaN: a page outside the cache; the merge makes the sequence NaN
+      call.part_lse[part * H + g] = bad_page ? NAN : lse0;
+      call.part_lse[part * H + g + 8] = bad_page ? NAN : lse1;
+    } else if (call.lse) {
+      call.lse[static_cast<size_t>(b) * H + g] = ok ? lse0 * LN2 : NAN;
+      call.lse[static_cast<size_t>(b) * H + g + 8] = ok ? lse1 * LN2 : NAN;
+    }
   }
   if (call.num_splits > 1) merge_splits(call, base, b, split, valid);
 }

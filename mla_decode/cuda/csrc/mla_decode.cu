@@ -1,11 +1,11 @@
-// The cuda backend's kernel library: mla_decode_cuda builds it with nvcc at first use and calls it through ctypes.
+// The cuda backend's kernel library: mla_decode.cuda builds it with nvcc at first use and calls it through ctypes.
 // common.cuh: the problem's constants, helpers and the rows of a split; merge.cuh: the splits' barrier and merge;
 // wgmma.cuh: the Hopper kernel (MLA_WGMMA, sm_90a); mma_sync.cuh: the kernel for sm_80 and later; here: the C ABI
 // and the launcher. `// TUNE: name` lines mark where bench/tune_cuda.py's timeline stamps go.
 //
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX>(DecodeCall): grid (num_splits, batch) of CTAs of NTHREADS threads, the call's fields as
+// split_kernel<STAGES, MX, PAGED>(DecodeCall): grid (num_splits, batch) of CTAs of NTHREADS threads, the call's fields as
 // common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
 // its normalised partial output, and part_lse (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
 // sequence meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
@@ -54,13 +54,13 @@ extern "C" int mla_limit_shared_memory(int bytes) {
 // first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
-template <int STAGES, bool MX>
+template <int STAGES, bool MX, bool PAGED>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
   constexpr int smem = mla::smem_bytes<STAGES, MX>();
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
   if (!(configured & (1u << dev))) {
     const cudaError_t e =
-        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX, PAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured |= 1u << dev;
   }
@@ -87,19 +87,30 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
   }
   cfg.attrs = attrs;
   cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX>, a);
+  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX, PAGED>, a);
+}
+
+// The ragged and the paged instance of a configuration: the ragged one is the contiguous cache's kernel as it was.
+template <int STAGES, bool MX>
+static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window) {
+  return a.page_size ? launch_split<STAGES, MX, true>(dev, a, max_window)
+                     : launch_split<STAGES, MX, false>(dev, a, max_window);
 }
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
-// offsets[16] = its size.
+// offsets[DECODE_CALL_FIELDS] = its size.
+constexpr int DECODE_CALL_FIELDS = 20;
+extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
-  const size_t layout[] = {offsetof(DecodeCall, q), offsetof(DecodeCall, kv), offsetof(DecodeCall, kv_scale),
-                           offsetof(DecodeCall, kv_block_scales), offsetof(DecodeCall, kv_indptr),
-                           offsetof(DecodeCall, out), offsetof(DecodeCall, part_o), offsetof(DecodeCall, part_lse),
-                           offsetof(DecodeCall, sync), offsetof(DecodeCall, stream), offsetof(DecodeCall, scale_stride),
-                           offsetof(DecodeCall, kv_format), offsetof(DecodeCall, batch), offsetof(DecodeCall, total_kv),
-                           offsetof(DecodeCall, num_splits), offsetof(DecodeCall, qk_scale), sizeof(DecodeCall)};
-  for (int i = 0; i < 17; ++i) offsets[i] = static_cast<int>(layout[i]);
+  const size_t layout[DECODE_CALL_FIELDS + 1] = {
+      offsetof(DecodeCall, q), offsetof(DecodeCall, kv), offsetof(DecodeCall, kv_scale),
+      offsetof(DecodeCall, kv_block_scales), offsetof(DecodeCall, seqs), offsetof(DecodeCall, block_table),
+      offsetof(DecodeCall, out), offsetof(DecodeCall, lse), offsetof(DecodeCall, part_o),
+      offsetof(DecodeCall, part_lse), offsetof(DecodeCall, sync), offsetof(DecodeCall, stream),
+      offsetof(DecodeCall, scale_stride), offsetof(DecodeCall, kv_format), offsetof(DecodeCall, batch),
+      offsetof(DecodeCall, total_kv), offsetof(DecodeCall, num_splits), offsetof(DecodeCall, page_size),
+      offsetof(DecodeCall, max_pages), offsetof(DecodeCall, qk_scale), sizeof(DecodeCall)};
+  for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
 // Launches the split kernel (which merges its splits itself) on c->stream.
@@ -110,7 +121,8 @@ extern "C" int mla_decode(const DecodeCall* c) {
   cudaGetDevice(&dev);
   const int num_splits = c->num_splits, batch = c->batch, kv_format = c->kv_format;
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
-  if (dev >= 32 || !splits_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
+  const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table);
+  if (dev >= 32 || !splits_ok || !pages_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
     return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) {
     cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
@@ -120,16 +132,16 @@ extern "C" int mla_decode(const DecodeCall* c) {
   cudaError_t e;
 #if MLA_WGMMA
   if (kv_format == 1)
-    e = launch_split<mla::MX_STAGES, true>(dev, *c, max_window[dev]);
+    e = launch_layout<mla::MX_STAGES, true>(dev, *c, max_window[dev]);
   else if (batch * num_splits > sms[dev])
-    e = launch_split<mla::STAGES_SHARED, false>(dev, *c, max_window[dev]);
+    e = launch_layout<mla::STAGES_SHARED, false>(dev, *c, max_window[dev]);
   else
-    e = launch_split<mla::STAGES_ALONE, false>(dev, *c, max_window[dev]);
+    e = launch_layout<mla::STAGES_ALONE, false>(dev, *c, max_window[dev]);
 #else
   switch (mma_sync_stages(smem_per_block[dev])) {
-    case 4: e = launch_split<4, false>(dev, *c, max_window[dev]); break;
-    case 3: e = launch_split<3, false>(dev, *c, max_window[dev]); break;
-    default: e = launch_split<2, false>(dev, *c, max_window[dev]);
+    case 4: e = launch_layout<4, false>(dev, *c, max_window[dev]); break;
+    case 3: e = launch_layout<3, false>(dev, *c, max_window[dev]); break;
+    default: e = launch_layout<2, false>(dev, *c, max_window[dev]);
   }
 #endif
   return static_cast<int>(e);

@@ -1,0 +1,271 @@
+"""The call: arguments checked at the door (before any kernel runs), the backend chosen, the plan made and run.
+
+Layouts:
+  q:             (batch, q_len, num_heads, 576) bfloat16, contiguous
+  paged:  kv_cache (num_pages, page_size, 1, 576) FP8 | bfloat16, or (num_pages, page_size, 1, 288) MXFP4 codes;
+          block_table (batch, max_pages) int32: sequence b's i-th page is kv_cache[block_table[b, i]];
+          cache_seqlens (batch,) int32: sequence b owns its first cache_seqlens[b] slots, in table order
+  ragged: kv_cache (num_rows, 1, width); kv_indptr (batch + 1,) int32: sequence b owns rows kv_indptr[b] ..
+          kv_indptr[b + 1] - 1 (the leaderboard's contiguous cache)
+  kv_scale:      FP8: (1,) float32, kv ~= kv_fp8 * kv_scale; MXFP4: E8M0 block scales (uint8 or float8_e8m0fnu),
+                 paged (num_pages, page_size, 1, 18) contiguous, ragged (>= num_rows, >= 18) with unit stride along
+                 a row; BF16: None
+  out:           (batch, q_len, num_heads, 512) bfloat16
+  lse:           (batch, num_heads, q_len) float32, the natural log of each softmax denominator (scores scaled)
+Causal (q_len > 1): query token t of sequence b sees the first cache_seqlens[b] - q_len + 1 + t slots. A query that
+sees nothing gives out 0 and lse -inf. The GPU kernels never follow a page outside [0, num_pages) or read past a
+sequence's length: a sequence whose length or pages are invalid comes out NaN (out and lse); check_contents=True
+(a host sync) raises instead, naming the argument and the sequence, and the torch backend always does.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .aiter_backend import AiterDecode
+from .contract import (
+    DEFAULT_SOFTMAX_SCALE,
+    E8M0_DTYPES,
+    MXFP4_BLOCKS_PER_ROW,
+    PLAN_CACHE_LIMIT,
+    PRECISIONS,
+    QK_HEAD_DIM,
+    ROW_WIDTH,
+    V_HEAD_DIM,
+    Problem,
+    expect,
+    expect_choice,
+    expect_int,
+    expect_on_device,
+    expect_softmax_scale,
+    expect_tensor,
+    kv_format_of,
+    kv_format_of_dtype,
+    remember,
+)
+from .select import cuda_package, select_backend
+from .torch_backend import TorchDecode, sequence_rows
+from .triton_backend import TritonDecode
+
+
+def _backend_plan(backend: str, problem: Problem, options: dict):
+    if backend == "torch":
+        return TorchDecode(problem)
+    if backend == "triton":
+        return TritonDecode(problem, **options)
+    if backend == "aiter":
+        return AiterDecode(problem, **options)
+    return cuda_package()[0].CudaDecode(problem)
+
+
+class DecodePlan:
+    """A decode planned for one problem (every shape, dtype and setting of a call but the data) on one backend: its
+    workspace allocated, its split plan made. run() checks its arguments against the plan, then launches; on the
+    cuda and triton backends it allocates nothing when out (and lse) are given, makes no host sync and reads no
+    length or table on the host, so a CUDA graph can capture it (after one run outside the capture, which compiles
+    the kernels) and replay it with new lengths and tables of the same shapes. Runs of one plan share its workspace:
+    issue them in order on one queue."""
+
+    def __init__(self, problem: Problem, backend: str = "auto", check_contents: bool = False,
+                 backend_options: dict | None = None):
+        selection = select_backend(problem, backend)
+        self.problem, self.backend, self.passed_over = problem, selection.backend, selection.passed_over
+        self.check_contents = check_contents and self.backend != "torch"  # the torch backend always checks
+        self.impl = _backend_plan(self.backend, problem, backend_options or {})
+        self._switch_device = problem.device.type == "cuda" and torch.cuda.device_count() > 1
+
+    def _outputs(self, q: torch.Tensor, out, lse) -> tuple:
+        p = self.problem
+        if out is None:
+            out = q.new_empty((p.batch, p.q_len, p.num_heads, V_HEAD_DIM))
+        else:
+            _expect_buffer(out, "out", (p.batch, p.q_len, p.num_heads, V_HEAD_DIM), torch.bfloat16, p.device)
+        if not p.return_lse:
+            expect(lse is None, "lse", "None (the plan was made with return_lse=False)", type(lse).__name__)
+        elif lse is None:
+            lse = torch.empty((p.batch, p.num_heads, p.q_len), dtype=torch.float32, device=q.device)
+        else:
+            _expect_buffer(lse, "lse", (p.batch, p.num_heads, p.q_len), torch.float32, p.device)
+        return out, lse
+
+    def launch(self, q, kv, scale, seqs, table, out, lse):
+        """run's launch, on arguments it does not check: as the backends take them (TritonDecode.run), for a caller
+        that checked them once per kind of call (the leaderboard adapter)."""
+        if self.check_contents:
+            sequence_rows(self.problem, seqs, table, kv.shape[0])
+        if self._switch_device and q.device.index != torch.cuda.current_device():
+            with torch.cuda.device(q.device):  # ctypes, Triton and aiter launch on the current device
+                self.impl.run(q, kv, scale, seqs, table, out, lse)
+        else:
+            self.impl.run(q, kv, scale, seqs, table, out, lse)
+        return out, lse
+
+    def run(self, q, kv_cache, block_table, cache_seqlens, kv_scale=None, *, out=None, lse=None):
+        """The decode of a paged cache (the module's docstring gives the layouts) -> (out, lse); lse is None when
+        the plan was made with return_lse=False. out, lse: buffers to write (else allocated)."""
+        p = self.problem
+        expect(p.layout == "paged", "run", "kv_indptr (this plan is ragged: run_ragged)", "block_table")
+        _expect_q(q, p)
+        kv, scale = _expect_cache(kv_cache, kv_scale, p, (p.page_size,))
+        _expect_buffer(block_table, "block_table", (p.batch, p.max_pages), torch.int32, p.device)
+        _expect_buffer(cache_seqlens, "cache_seqlens", (p.batch,), torch.int32, p.device)
+        return self.launch(q, kv, scale, cache_seqlens, block_table, *self._outputs(q, out, lse))
+
+    def run_ragged(self, q, kv_cache, kv_indptr, kv_scale=None, *, out=None, lse=None):
+        """The decode of a ragged cache: sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of kv_cache
+        (num_rows, 1, width) -> (out, lse)."""
+        p = self.problem
+        expect(p.layout == "ragged", "run_ragged", "block_table and cache_seqlens (this plan is paged: run)",
+               "kv_indptr")
+        _expect_q(q, p)
+        kv, scale = _expect_cache(kv_cache, kv_scale, p, ())
+        _expect_buffer(kv_indptr, "kv_indptr", (p.batch + 1,), torch.int32, p.device)
+        return self.launch(q, kv, scale, kv_indptr, None, *self._outputs(q, out, lse))
+
+
+def _expect_buffer(x, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    expect_tensor(x, name)
+    expect(tuple(x.shape) == shape, f"{name}.shape", str(shape), tuple(x.shape))
+    expect(x.dtype == dtype, f"{name}.dtype", str(dtype), x.dtype)
+    expect_on_device(x, name, device)
+    expect(x.is_contiguous(), name, "a contiguous tensor", "a strided view")
+
+
+def _expect_q(q, p: Problem) -> None:
+    _expect_buffer(q, "q", (p.batch, p.q_len, p.num_heads, QK_HEAD_DIM), torch.bfloat16, p.device)
+
+
+def _expect_cache(kv_cache, kv_scale, p: Problem, page: tuple) -> tuple:
+    """(kv, scale): the cache as rows (num_rows, width) and its scale as the kernels read it, after the checks."""
+    expect_tensor(kv_cache, "kv_cache")
+    width = ROW_WIDTH[p.kv_format]
+    tail = (*page, 1, width)  # after num_pages (paged) or num_rows (ragged)
+    expect(kv_cache.dim() == 1 + len(tail) and tuple(kv_cache.shape[1:]) == tail, "kv_cache.shape",
+           f"({'num_pages' if page else 'num_rows'}, {', '.join(map(str, tail))})", tuple(kv_cache.shape))
+    expect(kv_cache.dtype == p.kv_dtype, "kv_cache.dtype", f"{p.kv_dtype} (the plan's)", kv_cache.dtype)
+    expect_on_device(kv_cache, "kv_cache", p.device)
+    expect(kv_cache.is_contiguous(), "kv_cache", "a contiguous tensor", "a strided view")
+    kv = kv_cache.view(-1, width)
+    if p.kv_format == "bf16":
+        expect(kv_scale is None, "kv_scale", "None for a bfloat16 cache", type(kv_scale).__name__)
+        return kv, None
+    expect_tensor(kv_scale, "kv_scale")
+    expect_on_device(kv_scale, "kv_scale", p.device)
+    expect(kv_scale.dtype == p.scale_dtype, "kv_scale.dtype", f"{p.scale_dtype} (the plan's)", kv_scale.dtype)
+    if p.kv_format == "fp8":
+        expect(kv_scale.numel() == 1, "kv_scale.shape", "(1,) float32", tuple(kv_scale.shape))
+        return kv, kv_scale
+    rows = kv.shape[0]
+    if page:
+        want = (*kv_cache.shape[:-1], MXFP4_BLOCKS_PER_ROW)
+        expect(tuple(kv_scale.shape) == want and kv_scale.is_contiguous(), "kv_scale",
+               f"E8M0 block scales of shape {want}, contiguous", f"{tuple(kv_scale.shape)}")
+        return kv, kv_scale.view(rows, MXFP4_BLOCKS_PER_ROW)
+    expect(kv_scale.dim() == 2 and kv_scale.shape[0] >= rows and kv_scale.shape[1] >= MXFP4_BLOCKS_PER_ROW
+           and kv_scale.stride(1) == 1 and kv_scale.stride(0) == p.scale_stride, "kv_scale",
+           f"(>= {rows}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales with row stride {p.scale_stride}",
+           f"shape {tuple(kv_scale.shape)}, strides {kv_scale.stride()}")
+    return kv, kv_scale
+
+
+def _scale_dtype(kv_format: str, scale_dtype: torch.dtype | None) -> torch.dtype | None:
+    if kv_format == "fp8":
+        return torch.float32
+    if kv_format == "bf16":
+        return None
+    expect(scale_dtype in E8M0_DTYPES, "kv_scale.dtype", f"one of {E8M0_DTYPES}", scale_dtype)
+    return scale_dtype
+
+
+def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 0, max_pages: int = 0,
+                 num_heads: int = 16, q_len: int = 1, max_seqlen: int | None = None, softmax_scale=None,
+                 causal: bool = False, precision: str = "fast", return_lse: bool = True,
+                 scale_dtype: torch.dtype | None = torch.uint8, scale_stride: int | None = None) -> Problem:
+    """The Problem of a plan, every argument checked (a ValueError or TypeError naming it)."""
+    expect_int(batch_size, "batch_size", 1)
+    expect_int(num_heads, "num_heads", 1)
+    expect_int(q_len, "q_len", 1)
+    if layout == "paged":
+        expect_int(page_size, "page_size", 1)
+        expect_int(max_pages, "max_pages", 1)
+        max_seqlen = page_size * max_pages if max_seqlen is None else max_seqlen
+    expect_int(max_seqlen, "max_seqlen", 0)
+    kv_format = kv_format_of_dtype(kv_dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the current GPU, as tensors made on "cuda" say it
+        device = torch.device("cuda", torch.cuda.current_device())
+    expect_choice(precision, "precision", PRECISIONS)
+    if not isinstance(causal, bool) or not isinstance(return_lse, bool):
+        raise TypeError("causal, return_lse: expected bools")
+    softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else expect_softmax_scale(softmax_scale)
+    scale_dtype = _scale_dtype(kv_format, scale_dtype)
+    if kv_format != "mxfp4":
+        scale_stride = 0
+    elif scale_stride is None:
+        scale_stride = MXFP4_BLOCKS_PER_ROW
+    return Problem(device, batch_size, q_len, num_heads, kv_format, kv_dtype, scale_dtype, scale_stride, layout,
+                   page_size if layout == "paged" else 0, max_pages if layout == "paged" else 0, max_seqlen, causal,
+                   softmax_scale, precision, return_lse)
+
+
+def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype, device, *, num_heads: int = 16,
+         q_len: int = 1, max_seqlen: int | None = None, softmax_scale: float | None = None, causal: bool = False,
+         backend: str = "auto", precision: str = "fast", return_lse: bool = True, kv_scale_dtype=torch.uint8,
+         check_contents: bool = False) -> DecodePlan:
+    """A plan for paged decodes of `batch_size` sequences: block_table (batch_size, max_pages), pages of page_size
+    rows, a cache of kv_dtype (float8_e4m3fn / e4m3fnuz, bfloat16, or uint8 / float4_e2m1fn_x2 for MXFP4 codes with
+    kv_scale_dtype block scales). max_seqlen: the longest sequence to size the split plan for (default: what the
+    table holds). precision: "fast" (FP8 score products where the backend has them) or "precise" (fp16 or wider).
+    backend: "auto" or one of mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan)."""
+    problem = make_problem(batch_size, kv_dtype, device, layout="paged", page_size=page_size, max_pages=max_pages,
+                           num_heads=num_heads, q_len=q_len, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
+                           causal=causal, precision=precision, return_lse=return_lse, scale_dtype=kv_scale_dtype)
+    return DecodePlan(problem, backend, check_contents)
+
+
+def plan_ragged(batch_size: int, kv_dtype: torch.dtype, device, max_seqlen: int, *, num_heads: int = 16,
+                q_len: int = 1, softmax_scale: float | None = None, causal: bool = False, backend: str = "auto",
+                precision: str = "fast", return_lse: bool = True, kv_scale_dtype=torch.uint8,
+                kv_scale_stride: int | None = None, check_contents: bool = False,
+                backend_options: dict | None = None) -> DecodePlan:
+    """A plan for ragged decodes (run_ragged): sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of a cache
+    (num_rows, 1, width); max_seqlen sizes the split plan. kv_scale_stride: the MXFP4 scales' row stride (default
+    18). backend_options: passed to the backend's plan (the leaderboard adapter's aiter variant and triton plan)."""
+    problem = make_problem(batch_size, kv_dtype, device, layout="ragged", num_heads=num_heads, q_len=q_len,
+                           max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=causal, precision=precision,
+                           return_lse=return_lse, scale_dtype=kv_scale_dtype, scale_stride=kv_scale_stride)
+    return DecodePlan(problem, backend, check_contents, backend_options)
+
+
+class _CallKey(NamedTuple):
+    problem: Problem
+    backend: str
+    check_contents: bool
+
+
+_PLANS: dict = {}
+
+
+def mla_decode_with_kvcache(q, kv_cache, block_table, cache_seqlens, kv_scale=None, softmax_scale=None,
+                            causal=False, backend="auto", precision="fast", *, return_lse=True, max_seqlen=None,
+                            check_contents=False, out=None, lse=None):
+    """MLA decode over a paged cache in one call -> (out, lse): the module's docstring gives the layouts, plan() the
+    settings. The plan is made at the first call of each kind and kept (bounded); its runs share a workspace, so
+    calls of one kind must be issued in order on one queue."""
+    q = expect_tensor(q, "q")
+    kv_cache = expect_tensor(kv_cache, "kv_cache")
+    block_table = expect_tensor(block_table, "block_table")
+    expect(q.dim() == 4, "q.shape", "(batch, q_len, num_heads, 576)", tuple(q.shape))
+    expect(kv_cache.dim() == 4, "kv_cache.shape", "(num_pages, page_size, 1, width)", tuple(kv_cache.shape))
+    expect(block_table.dim() == 2, "block_table.shape", "(batch, max_pages)", tuple(block_table.shape))
+    kv_format = kv_format_of(kv_cache)
+    scale_dtype = kv_scale.dtype if kv_format == "mxfp4" and isinstance(kv_scale, torch.Tensor) else None
+    problem = make_problem(q.shape[0], kv_cache.dtype, q.device, layout="paged", page_size=kv_cache.shape[1],
+                           max_pages=block_table.shape[1], num_heads=q.shape[2], q_len=q.shape[1],
+                           max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=causal, precision=precision,
+                           return_lse=return_lse, scale_dtype=scale_dtype)
+    key = _CallKey(problem, backend, check_contents)
+    decode = _PLANS.get(key)
+    if decode is None:
+        decode = remember(_PLANS, key, DecodePlan(problem, backend, check_contents), PLAN_CACHE_LIMIT)
+    return decode.run(q, kv_cache, block_table, cache_seqlens, kv_scale, out=out, lse=lse)

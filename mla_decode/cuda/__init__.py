@@ -1,0 +1,266 @@
+"""The cuda backend (NVIDIA): the CUDA kernels in csrc/, built at first use with the machine's nvcc and called
+through ctypes. mla_decode imports it the first time it considers the cuda backend; the leaderboard file alone has
+no such package and runs the Triton kernel on NVIDIA.
+
+One source, two split kernels, each for the ragged and the paged layout (docs/design-notes.md has the measurements
+behind each choice):
+- Hopper (sm_90a, MLA_WGMMA; csrc/wgmma.cuh): one warpgroup per CTA, two CTAs per SM. S^T = K Q^T by warpgroup MMAs
+  with both FP8 operands in shared memory (the tile as the 64-row M side, Q in e4m3 per head as the N side); P =
+  2^8 * the softmax numerators in e4m3; O^T = V^T P^T with V^T from ldmatrix.trans of the FP8 rows. MXFP4: each
+  tile of codes is dequantized once into an e5m2 tile (exact), read as e5m2 x e4m3.
+- Other GPUs (sm_80+; csrc/mma_sync.cuh): mma.sync m16n8k16 in fp16 with fp32 sums, Q in registers; also the
+  precise mode on Hopper.
+With more than one split per sequence the grid is launched cooperatively and its CTAs merge their own partials
+behind a per-sequence barrier (csrc/merge.cuh): one launch per call.
+Nothing here imports the rest of mla_decode: the few constants it needs are its own.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+NUM_HEADS = 16  # query heads (H in the source)
+V_HEAD_DIM = 512  # value width (DV in the source)
+KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
+MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
+WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
+BLOCK_N = 64  # KV rows per tile (BN in the source)
+MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
+CSRC = Path(__file__).resolve().parent / "csrc"  # the sources built (bench/tune_cuda.py points it at patched copies)
+MAIN_SOURCE = "mla_decode.cu"  # the one translation unit; it includes the .cuh files beside it
+
+log = logging.getLogger("mla_decode")
+
+_LIBS: dict = {}  # (device capability, precise) -> ctypes library, or the build error (str) when it could not be built
+
+
+def find_nvcc() -> str | None:
+    """$CUDA_HOME/bin/nvcc (or $CUDA_PATH's), else the one on PATH, else /usr/local/cuda/bin/nvcc; None if none."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else []
+    found = shutil.which("nvcc")
+    candidates += [found] if found else []
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def source_files(csrc: Path) -> list[Path]:
+    """Every file of the library's source: the .cu and the .cuh files of `csrc`."""
+    return sorted(p for p in Path(csrc).iterdir() if p.suffix in (".cu", ".cuh"))
+
+
+def build_library(nvcc: str, arch: str, wgmma: bool, csrc: Path | None = None) -> str:
+    """Path of the library built from `csrc` (default CSRC) for sm_<arch> (the wgmma kernel or the mma.sync one) in
+    MLA_CUDA_CACHE (default ~/.cache/mla_decode), keyed by a hash of every source file, the flags and the nvcc; built
+    there once per machine. nvcc compiles the sources where they lie, so its messages name the real files and lines.
+    A RuntimeError carries nvcc's message when it cannot be built."""
+    csrc = Path(csrc or CSRC)
+    flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "177",
+             f"-DMLA_WGMMA={int(wgmma)}", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    digest = hashlib.sha256("\0".join([nvcc, *flags]).encode())
+    for path in source_files(csrc):
+        digest.update(f"\0{path.name}\0".encode())
+        digest.update(path.read_bytes())
+    cache = os.environ.get("MLA_CUDA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mla_decode")
+    path = os.path.join(cache, f"libmla_decode_sm{arch}_{digest.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            built = os.path.join(tmp, "lib.so")
+            cmd = [nvcc, *flags, "-I", str(csrc), "-o", built, str(csrc / MAIN_SOURCE)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"cuda backend: nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            os.replace(built, path)  # atomic: concurrent builders each install a complete file
+    return path
+
+
+def library(capability: tuple[int, int], precise: bool = False):
+    """The kernel library for this capability, built once per machine (see build_library) and loaded: the wgmma
+    kernel on Hopper (sm_90a), or the mma.sync one where that cannot be built (an nvcc older than 12.0; with a
+    warning), on other GPUs, and in the precise mode everywhere (its score product is an fp16 MMA on the exactly
+    converted FP8 tile with fp32 sums, where the wgmma kernel's fp8 x fp8 MMA keeps ~14 bits of each sum of
+    products). A RuntimeError carries nvcc's message when neither can be built."""
+    key = (capability, precise)
+    lib = _LIBS.get(key)
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    if lib is not None:
+        return lib
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("cuda backend: no nvcc found (set CUDA_HOME or put nvcc on PATH)")
+    arch = f"{capability[0]}{capability[1]}"
+    try:
+        if capability == WGMMA_CAPABILITY and not precise:
+            try:
+                path = build_library(nvcc, arch + "a", wgmma=True)
+            except RuntimeError as e:
+                log.warning("MLA decode: the Hopper (wgmma) kernel did not build, using the mma.sync one: %s", e)
+                path = build_library(nvcc, arch, wgmma=False)
+        else:
+            path = build_library(nvcc, arch, wgmma=False)
+    except RuntimeError as e:
+        _LIBS[key] = str(e)
+        raise
+    lib = ctypes.CDLL(path)
+    lib.mla_decode.restype = ctypes.c_int
+    lib.mla_decode.argtypes = [ctypes.c_void_p]  # the address of a DecodeCall
+    lib.mla_decode_call_layout.restype = None
+    lib.mla_decode_call_layout.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.mla_limit_shared_memory.restype = ctypes.c_int
+    lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
+    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = []
+    _LIBS[key] = lib
+    return lib
+
+
+@functools.cache
+def capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool = False) -> str | None:
+    """None when the cuda backend reads `kv_format` ("fp8" or "mxfp4") on `device` in the fast or the precise mode
+    (an NVIDIA GPU of capability >= 8.0 whose kernel library builds with the machine's nvcc, once per machine; MXFP4
+    only with the Hopper kernel, so not in the precise mode), else why not."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"cuda backend: needs an NVIDIA GPU; device is {device}"
+    if capability(device) < MIN_CAPABILITY:
+        return f"cuda backend: needs compute capability >= 8.0, this GPU has {capability(device)}"
+    if kv_format == "mxfp4" and precise:
+        return "cuda backend: the precise mode reads the FP8 cache only (its mma.sync kernel has no MXFP4 path)"
+    try:
+        lib = library(capability(device), precise)
+    except RuntimeError as e:
+        return str(e)
+    if kv_format == "mxfp4" and not lib.mla_supports_mxfp4():
+        return (f"cuda backend: reads MXFP4 only with its Hopper (sm_90a) kernel; this GPU has capability "
+                f"{capability(device)}")
+    return None
+
+
+def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
+    """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once (ctas_per_sm x
+    SMs; the merge's barrier needs them all resident), at most MAX_SPLITS and at least one 64-row tile per split;
+    then, while a second CTA per SM would be needed (batch x splits > SMs), halved as long as a split would hold fewer
+    than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little work). The sweeps behind it
+    are in docs/design-notes.md."""
+    tiles = max(1, seq_len // BLOCK_N)
+    limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, MAX_SPLITS))
+    splits = 1 << (limit.bit_length() - 1)
+    while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
+        splits //= 2
+    return splits
+
+
+class DecodeCall(ctypes.Structure):
+    """mla_decode's one argument (csrc/common.cuh, struct DecodeCall: the same fields in the same order). A plan
+    holds one with its own fields set (workspace, batch, splits, format, layout); a run sets its inputs' and passes
+    the address: one converted argument instead of 20."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "kv", "kv_scale", "kv_block_scales", "seqs", "block_table",
+                                                       "out", "lse", "part_o", "part_lse", "sync", "stream")]
+                + [(name, ctypes.c_int) for name in ("scale_stride", "kv_format", "batch", "total_kv", "num_splits",
+                                                     "page_size", "max_pages")]
+                + [("qk_scale", ctypes.c_float)])
+
+
+_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The current stream's handle on that GPU. torch.cuda.current_stream(device).cuda_stream builds a Stream object:
+    4.5 us of host time per call on the H200's host, against 0.2 for the raw handle (the private call Triton and
+    Inductor make)."""
+    if _GET_RAW_STREAM is not None:
+        return _GET_RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+class LaunchKey(NamedTuple):
+    """What a launch's split plan depends on."""
+
+    device: torch.device
+    batch: int
+    seq_len: int  # the longest sequence the split plan is sized for
+    kv_format: str
+    precise: bool
+
+
+def plan_splits(key: LaunchKey) -> int:
+    """The splits per sequence of the launch plan of `key` (cuda_plan on its GPU, with its kernel's CTAs per SM)."""
+    lib = library(capability(key.device), key.precise)
+    return cuda_plan(key.batch, key.seq_len, torch.cuda.get_device_properties(key.device).multi_processor_count,
+                     lib.mla_ctas_per_sm())
+
+
+def cuda_unusable_reason(problem) -> str | None:
+    """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): 16 heads, one query token, the
+    FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build; else why not."""
+    if (problem.q_len, problem.num_heads) != (1, NUM_HEADS):
+        return (f"cuda backend: serves q_len 1 with {NUM_HEADS} heads, not q_len {problem.q_len} with "
+                f"{problem.num_heads}")
+    if problem.kv_format not in KV_FORMATS:
+        return f"cuda backend: reads the FP8 and MXFP4 caches, not {problem.kv_format}"
+    if problem.kv_format == "fp8" and problem.kv_dtype != torch.float8_e4m3fn:
+        return f"cuda backend: reads float8_e4m3fn caches, not {problem.kv_dtype}"
+    return unusable_reason(problem.device, problem.kv_format, problem.precision == "precise")
+
+
+class CudaDecode:
+    """The cuda backend's plan for a problem: the kernel library, the split count, the workspace (the splits'
+    partials and the per-sequence barrier's counters, all empty with one split) and one DecodeCall with the plan's
+    fields set. run() sets the inputs' fields and makes one ctypes call: no allocation, no host read. Runs of one
+    plan share its workspace: they must be issued in order on one stream."""
+
+    def __init__(self, problem):
+        device, batch = problem.device, problem.batch
+        precise = problem.precision == "precise"
+        self.key = LaunchKey(device, batch, problem.max_seqlen, problem.kv_format, precise)
+        self.decode = library(capability(device), precise).mla_decode
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.num_splits = splits = plan_splits(self.key)
+        rows = batch * splits if splits > 1 else 0
+        self.part_o = torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+        self.part_lse = torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device)
+        self.sync = torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device)
+        self.call = DecodeCall(part_o=self.part_o.data_ptr(), part_lse=self.part_lse.data_ptr(),
+                               sync=self.sync.data_ptr(), batch=batch, num_splits=splits,
+                               kv_format=int(problem.kv_format == "mxfp4"), page_size=problem.page_size,
+                               max_pages=problem.max_pages, qk_scale=problem.qk_scale)
+        self.address = ctypes.addressof(self.call)
+
+    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+        """q (batch, 1, 16, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes, scale (1,) fp32 or (num_rows, >= 18)
+        E8M0; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,) (ragged); table (batch, max_pages) or
+        None; out (batch, 1, 16, 512) bf16; lse (batch, 16, 1) fp32 or None. q, kv, seqs and table start on 16-byte
+        boundaries."""
+        q_ptr, kv_ptr, seqs_ptr = q.data_ptr(), kv.data_ptr(), seqs.data_ptr()
+        table_ptr = 0 if table is None else table.data_ptr()
+        if (q_ptr | kv_ptr | seqs_ptr | table_ptr) % 16:
+            raise ValueError(f"cuda backend: q, the KV cache ({kv.dtype}), the sequence lengths or offsets and the "
+                             "page table must start on 16-byte boundaries")
+        call = self.call
+        call.q, call.kv, call.seqs, call.block_table = q_ptr, kv_ptr, seqs_ptr, table_ptr
+        call.out, call.lse = out.data_ptr(), 0 if lse is None else lse.data_ptr()
+        if call.kv_format:
+            call.kv_block_scales, call.scale_stride = scale.data_ptr(), scale.stride(0)
+        else:
+            call.kv_scale = scale.data_ptr()
+        call.total_kv = kv.shape[0]
+        call.stream = current_raw_stream(self.device_index)
+        err = self.decode(self.address)
+        if err:
+            raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")

@@ -1,0 +1,135 @@
+// Shared by both kernels: the problem's constants, shared-memory helpers and the rows of a split.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace mla {
+
+constexpr int H = 16;                  // query heads
+constexpr int D = 576;                 // key width = bytes per FP8 row
+constexpr int DV = 512;                // value width
+constexpr int BN = 64;                 // KV rows per tile
+
+// One call's arguments, the one list from the Python launcher to the kernels: mla_decode.cuda.DecodeCall is a ctypes
+// Structure of the same fields in the same order (mla_decode_call_layout lets it check the layout), a plan sets its
+// own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it by value.
+// q (batch, 16, 576) bf16; kv: kv_format 0, the FP8 cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32; 1,
+// the MXFP4 codes (total_kv rows of 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride.
+// The rows of sequence b: page_size 0 (ragged), seqs is kv_indptr (batch + 1,) and they are kv_indptr[b] ..
+// kv_indptr[b+1] - 1; otherwise seqs is cache_seqlens (batch,) and position n is row block_table[b * max_pages + n /
+// page_size] * page_size + n % page_size. out (batch, 16, 512) bf16; lse (batch, 16) fp32, natural log, or null;
+// part_o (batch * num_splits, 16, 512) bf16, part_lse (batch * num_splits, 16) fp32 and sync (batch,) uint32: the
+// splits' partials and barrier (unused with one split); stream: the cudaStream_t to launch on; qk_scale =
+// sm_scale * log2(e).
+struct DecodeCall {
+  const __nv_bfloat16* q;
+  const uint8_t* kv;
+  const float* kv_scale;
+  const uint8_t* kv_block_scales;
+  const int* seqs;
+  const int* block_table;
+  __nv_bfloat16* out;
+  float* lse;
+  __nv_bfloat16* part_o;
+  float* part_lse;
+  unsigned* sync;
+  void* stream;
+  int scale_stride, kv_format, batch, total_kv, num_splits, page_size, max_pages;
+  float qk_scale;
+};
+
+constexpr float LN2 = 0.6931471805599453f;  // the kernels' log-sum-exp is base 2, the caller's natural
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// v rounded to bf16, stored as 4 consecutive values (8-byte aligned dst).
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(dst) =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+// The positions [lo, hi) of sequence b that split `split` attends to: splits of whole 64-row tiles, ntiles of them;
+// `start`: the sequence's first row (ragged). An invalid kv_indptr range or length reads nothing (valid = false; its
+// output rows become NaN).
+struct SplitRange {
+  int lo, hi, ntiles, start;
+  bool valid;
+};
+
+__device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, int split) {
+  int start = 0, len;
+  bool valid;
+  if (c.page_size == 0) {
+    start = c.seqs[b];
+    const int end = c.seqs[b + 1];
+    valid = start >= 0 && end >= start && end <= c.total_kv;
+    len = end - start;
+  } else {
+    len = c.seqs[b];
+    valid = len >= 0 && len <= c.max_pages * c.page_size;
+  }
+  if (!valid) start = len = 0;
+  const int per_split = ((len + c.num_splits - 1) / c.num_splits + BN - 1) / BN * BN;
+  const int lo = split * per_split;
+  const int hi = min(lo + per_split, len);
+  return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, start, valid};
+}
+
+// Paged caches: the cache row of position pos of sequence b, or -1 where its page lies outside the cache (never
+// followed: the sequence's output becomes NaN).
+__device__ __forceinline__ int paged_row(const DecodeCall& c, int b, int pos) {
+  const int page = __ldg(c.block_table + static_cast<size_t>(b) * c.max_pages + pos / c.page_size);
+  return page >= 0 && page < c.total_kv / c.page_size ? page * c.page_size + pos % c.page_size : -1;
+}
+
+// The rows of the next tiles of a paged split, in shared memory: ROW_SLOTS tiles of BN rows (tile i in slot i %
+// ROW_SLOTS), written one iteration before the copies that read them. Threads 0..BN-1 each look up one row; `bad`
+// records a page outside the cache.
+constexpr int ROW_SLOTS = 4;  // the copies' STAGES - 1 tiles ahead (3 at most) and the tile after the current one
+struct PagedRows {
+  int* rows;  // [ROW_SLOTS][BN]
+  int* bad;   // shared flag
+
+  // Thread tid < BN: the row of tile `tile`'s row tid (-1 past hi or on a bad page), to be stored by put().
+  __device__ __forceinline__ int fetch(const DecodeCall& c, int b, int lo, int hi, int tile, int tid) const {
+    const int pos = lo + tile * BN + tid;
+    return tid < BN && pos < hi ? paged_row(c, b, pos) : -1;
+  }
+  __device__ __forceinline__ void put(int tile, int tid, int row, int lo, int hi) const {
+    if (tid < BN) {
+      rows[(tile % ROW_SLOTS) * BN + tid] = row;
+      if (row < 0 && lo + tile * BN + tid < hi) *bad = 1;
+    }
+  }
+  __device__ __forceinline__ int at(int tile, int r) const { return rows[(tile % ROW_SLOTS) * BN + r]; }
+
+  // The rows of tiles 0 .. STAGES - 1, visible to the whole CTA on return (the loop looks the later ones up a tile
+  // ahead).
+  template <int STAGES>
+  __device__ __forceinline__ void first_tiles(const DecodeCall& c, int b, int lo, int hi, int tid) const {
+    if (tid == 0) *bad = 0;
+    int first[STAGES];
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) first[i] = fetch(c, b, lo, hi, i, tid);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) put(i, tid, first[i], lo, hi);
+    __syncthreads();
+  }
+};
+
+}  // namespace mla

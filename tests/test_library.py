@@ -1,0 +1,429 @@
+"""The library's call, mla_decode_with_kvcache and its plans, on the CPU: the torch backend and the triton kernel under
+Triton's interpreter, against the float64 truth over the exactly dequantized pages (testkit.paged), with every slot
+no sequence owns poisoned, shuffled page tables, lengths 0, 1, odd and off the page size, the LSE, the bad
+arguments' messages, and the bounds' negative controls."""
+
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import mla_decode
+from testkit.emulation import round_q_per_head
+from testkit.paged import errors, make_paged_case, owned_rows, paged_reference
+
+# The worst query token's output against the float64 truth: the bf16 output's rounding alone is ~1.7e-3 (the
+# interpreter's bf16 cast truncates: ~3.3e-3), and a 1% softmax-scale error is >= 1.2e-2 (test_bounds_fail_on_bugs).
+OUT_BOUND = 5e-3
+# The largest LSE error: fp32 sums give < 1e-6; a 1% softmax-scale error moves it by ~2e-2.
+LSE_BOUND = 1e-4
+LENS = [0, 1, 77, 130, 64]
+FORMATS = ["fp8", "mxfp4", "bf16"]
+# The triton kernel runs on the CPU under Triton's interpreter (conftest.py turns it on where there is no GPU).
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or mla_decode.contract.triton is None,
+                                       reason="needs triton under its interpreter (a CPU-only machine)")
+CPU_BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+def kernel_queries(case, backend: str, precision: str = "fast"):
+    """The queries as the backend's kernel rounds them: the triton kernel's fast FP8 score product takes Q in e4m3
+    per head (reference.round_q_per_head); everything else the bf16 Q exactly."""
+    if backend == "triton" and precision == "fast" and case.kv_format == "fp8":
+        values, scale = round_q_per_head(case.q)
+        return values.double() / scale.double()
+    return None
+
+
+def check(case, out, lse, backend: str, precision: str = "fast", softmax_scale=None) -> str:
+    ref_out, ref_lse = paged_reference(case, softmax_scale, kernel_queries(case, backend, precision))
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < OUT_BOUND and lse_error < LSE_BOUND, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    return f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_paged_decode_matches_float64(backend, page_size, kv_format):
+    case = make_paged_case(kv_format, page_size, LENS, seed=page_size)
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), backend=backend)
+    assert out.shape == (5, 1, 16, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (5, 16, 1) and lse.dtype == torch.float32
+    check(case, out, lse, backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_precise_mode_and_a_page_size_off_the_tile(backend):
+    """The precise score product (fp16 with fp32 sums in the triton kernel), pages of 3 rows (not a power of two,
+    tiles straddle pages) and a softmax scale of the caller's."""
+    case = make_paged_case("fp8", 3, [5, 0, 200, 1], seed=3)
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), softmax_scale=0.07, backend=backend,
+                                                  precision="precise")
+    check(case, out, lse, backend, "precise", softmax_scale=0.07)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("chunked_pages", [True, False])
+def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages):
+    """Pages of 64 rows (whole tiles): the chunked walk (NVIDIA's plans) and the row-by-row one (AMD's: the chunked
+    walk does not compile for gfx950 with Triton 3.6) give the truth, over 2 splits."""
+    case = make_paged_case("fp8", 64, LENS, seed=21)
+    problem = mla_decode.api.make_problem(len(LENS), case.kv_cache.dtype, "cpu", layout="paged", page_size=64,
+                                          max_pages=case.block_table.shape[1])
+    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": (2, 64, 4, 3, False, chunked_pages)})
+    assert decode.impl.key.plan.chunked_pages == chunked_pages
+    check(case, *decode.run(*case.args()), "triton")
+
+
+@pytest.mark.parametrize("q_len,num_heads", [(2, 16), (4, 16), (1, 32), (2, 128)])
+def test_torch_serves_every_shape(q_len, num_heads):
+    """q_len 2 and 4 (causal: token t sees the first len - q_len + 1 + t slots; a token that sees nothing gives out
+    0 and LSE -inf) and 32 or 128 heads, on the torch backend; the fast backends refuse them with the reason."""
+    case = make_paged_case("bf16", 16, [0, 1, 3, 40], seed=q_len * num_heads, q_len=q_len, num_heads=num_heads)
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend="torch")
+    assert out.shape == (4, q_len, num_heads, 512) and lse.shape == (4, num_heads, q_len)
+    check(case, out, lse, "torch")
+    with pytest.raises(RuntimeError, match=f"triton backend: serves q_len 1 with 16 heads, not q_len {q_len}"):
+        mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend="triton")
+
+
+def test_non_causal_multi_token_sees_everything():
+    case = make_paged_case("fp8", 16, [5, 33], seed=7, q_len=3, causal=False)
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=False, backend="torch")
+    check(case, out, lse, "torch")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_plan_runs_again_with_new_lengths_and_tables(backend):
+    """One plan, two batches of the same shapes but other lengths, pages and data, into the caller's buffers: each
+    result is its own batch's (a stale plan, or a kernel that read the first batch's lengths, fails)."""
+    first = make_paged_case("fp8", 16, [40, 3, 0], seed=1)
+    second = make_paged_case("fp8", 16, [2, 45, 17], seed=2)
+    assert first.block_table.shape == second.block_table.shape  # the caches differ: a plan does not fix their size
+    decode = mla_decode.plan(3, 16, first.block_table.shape[1], torch.float8_e4m3fn, "cpu", backend=backend)
+    assert decode.backend == backend
+    out = torch.full((3, 1, 16, 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((3, 16, 1), float("nan"))
+    for case in (first, second):
+        got = decode.run(*case.args(), out=out, lse=lse)
+        assert got[0] is out and got[1] is lse
+        check(case, out, lse, backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_ragged_plan_matches_the_paged_call(backend):
+    """The ragged layout (kv_indptr over consecutive rows, the leaderboard's) gives what page size 1 gives over the
+    same rows."""
+    case = make_paged_case("mxfp4", 1, [9, 0, 70], seed=4)
+    rows = [torch.as_tensor(case.block_table[b, :n].long()) for b, n in enumerate(case.cache_seqlens.tolist())]
+    order = torch.cat(rows)
+    kv = case.kv_cache.view(torch.uint8).view(-1, 1, 288)[order].contiguous()
+    scale = case.kv_scale.view(torch.uint8).view(-1, 18)[order].contiguous()
+    indptr = torch.tensor([0, 9, 9, 79], dtype=torch.int32)
+    decode = mla_decode.plan_ragged(3, kv.dtype, "cpu", 70, backend=backend)
+    out, lse = decode.run_ragged(case.q, kv, indptr, scale)
+    check(case, out, lse, backend)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Invalid contents: never followed; NaN rows from the kernels, an error from the checking option and from torch
+# ---------------------------------------------------------------------------------------------------------------
+
+BAD_CONTENTS = {
+    "a page outside the cache": (lambda t, n: t.__setitem__((1, 2), 10_000), None, "block_table[1, 2]"),
+    "a negative page": (lambda t, n: t.__setitem__((1, 0), -1), None, "block_table[1, 0]"),
+    "a negative length": (None, lambda t, n: n.__setitem__(1, -3), "cache_seqlens[1]"),
+    "a length past the table": (None, lambda t, n: n.__setitem__(1, 10_000), "cache_seqlens[1]"),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", sorted(BAD_CONTENTS))
+def test_invalid_contents_give_nan_rows_or_an_error(name):
+    """Sequence 1's table or length is invalid: the triton kernel gives it NaN (out and LSE) and the others their
+    truth, reading nothing outside the cache; check_contents=True and the torch backend raise, naming it."""
+    edit_table, edit_lens, field = BAD_CONTENTS[name]
+    case = make_paged_case("fp8", 16, [20, 45, 7], seed=5)
+    table, lens = case.block_table.clone(), case.cache_seqlens.clone()
+    (edit_table or edit_lens)(table, lens)
+    args = (case.q, case.kv_cache, table, lens, case.kv_scale)
+    out, lse = mla_decode.mla_decode_with_kvcache(*args, backend="triton")
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    keep = [0, 2]
+    ref_out, ref_lse = paged_reference(case, q=kernel_queries(case, "triton"))
+    out_error, lse_error = errors(out[keep], lse[keep], ref_out[keep], ref_lse[keep])
+    assert out_error < OUT_BOUND and lse_error < LSE_BOUND
+    for backend, option in (("triton", True), ("torch", False)):
+        with pytest.raises(ValueError, match="^" + re.escape(field)):
+            mla_decode.mla_decode_with_kvcache(*args, backend=backend, check_contents=option)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bounds fail on planted bugs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_bounds_fail_on_bugs():
+    """Each bound of this module fails for: the softmax scale 1% high, the output 2% high, one sequence's last row
+    left out, all-zero outputs; the correct call passes."""
+    case = make_paged_case("fp8", 16, [130, 77, 5], seed=11)
+    ref_out, ref_lse = paged_reference(case)
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), backend="torch")
+    assert max(errors(out, lse, ref_out, ref_lse)) < LSE_BOUND or errors(out, lse, ref_out, ref_lse)[0] < OUT_BOUND
+    scaled = mla_decode.mla_decode_with_kvcache(*case.args(), softmax_scale=1.01 / math.sqrt(576), backend="torch")
+    shorter = case.cache_seqlens.clone()
+    shorter[0] -= 1
+    dropped = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, case.block_table, shorter, case.kv_scale,
+                                                 backend="torch")
+    bugs = {"softmax scale x 1.01": scaled, "output x 1.02": ((out.float() * 1.02).to(out.dtype), lse),
+            "a row left out": dropped, "zeros": (torch.zeros_like(out), lse)}
+    for bug, (bad_out, bad_lse) in bugs.items():
+        out_error, lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
+        assert out_error >= OUT_BOUND or lse_error >= LSE_BOUND, bug
+        if bug != "output x 1.02" and bug != "zeros":
+            assert lse_error >= LSE_BOUND, bug  # the LSE catches what changes the scores or the rows on its own
+        if bug != "a row left out":
+            assert out_error >= 2 * OUT_BOUND, (bug, out_error)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad arguments: a ValueError or TypeError naming the argument, before any kernel runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _good():
+    case = make_paged_case("fp8", 16, [5, 9], seed=0)
+    return dict(q=case.q, kv_cache=case.kv_cache, block_table=case.block_table, cache_seqlens=case.cache_seqlens,
+                kv_scale=case.kv_scale)
+
+
+BAD_ARGUMENTS = {
+    "q float32": (dict(q=lambda a: a.float()), ValueError, "q.dtype"),
+    "q 3-d": (dict(q=lambda a: a[:, 0]), ValueError, "q.shape"),
+    "q strided": (dict(q=lambda a: a.transpose(0, 2).contiguous().transpose(0, 2)), ValueError, "q: expected a "
+                  "contiguous"),
+    "q 575 wide": (dict(q=lambda a: a[..., :575].contiguous()), ValueError, "q.shape"),
+    "kv_cache float32": (dict(kv_cache=lambda a: a.float()), TypeError, "kv_cache.dtype"),
+    "kv_cache 3-d": (dict(kv_cache=lambda a: a[:, :, 0]), ValueError, "kv_cache.shape"),
+    "kv_cache mxfp4 576 wide": (dict(kv_cache=lambda a: a.view(torch.uint8)), ValueError, "kv_cache.shape[-1]"),
+    "block_table int64": (dict(block_table=lambda a: a.long()), ValueError, "block_table.dtype"),
+    "block_table 1-d": (dict(block_table=lambda a: a[0]), ValueError, "block_table.shape"),
+    "cache_seqlens int64": (dict(cache_seqlens=lambda a: a.long()), ValueError, "cache_seqlens.dtype"),
+    "cache_seqlens too long": (dict(cache_seqlens=lambda a: torch.cat([a, a])), ValueError, "cache_seqlens.shape"),
+    "cache_seqlens a list": (dict(cache_seqlens=lambda a: a.tolist()), TypeError, "cache_seqlens"),
+    "kv_scale missing": (dict(kv_scale=lambda a: None), TypeError, "kv_scale"),
+    "kv_scale float64": (dict(kv_scale=lambda a: a.double()), ValueError, "kv_scale.dtype"),
+    "kv_scale two values": (dict(kv_scale=lambda a: torch.cat([a, a])), ValueError, "kv_scale.shape"),
+    "block_table on meta": (dict(block_table=lambda a: a.to("meta")), ValueError, "block_table: expected a tensor "
+                            "on cpu"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ARGUMENTS))
+def test_bad_argument_names_itself(name):
+    edits, exc, field = BAD_ARGUMENTS[name]
+    args = _good()
+    args.update({key: edit(args[key]) for key, edit in edits.items()})
+    with pytest.raises(exc) as info:
+        mla_decode.mla_decode_with_kvcache(**args, backend="torch")
+    assert str(info.value).startswith(field), str(info.value)
+
+
+BAD_SETTINGS = {
+    "softmax_scale negative": (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    "softmax_scale nan": (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    "precision": (dict(precision="exact"), ValueError, "precision"),
+    "backend": (dict(backend="rocm"), ValueError, "backend"),
+    "causal not a bool": (dict(causal=1), TypeError, "causal"),
+    "max_seqlen negative": (dict(max_seqlen=-1), ValueError, "max_seqlen"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SETTINGS))
+def test_bad_setting_names_itself(name):
+    settings, exc, field = BAD_SETTINGS[name]
+    with pytest.raises(exc) as info:
+        mla_decode.mla_decode_with_kvcache(**_good(), **{"backend": "torch", **settings})
+    assert str(info.value).startswith(field), str(info.value)
+
+
+def test_bf16_cache_takes_no_scale_and_mxfp4_wants_its_block_scales():
+    bf16 = make_paged_case("bf16", 16, [3], seed=0)
+    with pytest.raises(ValueError, match="^kv_scale: expected None"):
+        mla_decode.mla_decode_with_kvcache(*bf16.args()[:4], torch.ones(1), backend="torch")
+    mx = make_paged_case("mxfp4", 16, [3], seed=0)
+    with pytest.raises(ValueError, match="^kv_scale: expected E8M0 block scales of shape"):
+        mla_decode.mla_decode_with_kvcache(*mx.args()[:4], mx.kv_scale[:, :, :, :17].contiguous(), backend="torch")
+
+
+def test_a_plan_refuses_other_shapes_by_name():
+    case = make_paged_case("fp8", 16, [5, 9], seed=0)
+    decode = mla_decode.plan(2, 16, case.block_table.shape[1], torch.float8_e4m3fn, "cpu", backend="torch")
+    with pytest.raises(ValueError, match=r"^block_table.shape: expected \(2, 2\)"):
+        decode.run(case.q, case.kv_cache, case.block_table[:, :1].contiguous(), case.cache_seqlens, case.kv_scale)
+    with pytest.raises(ValueError, match=r"^kv_cache.dtype: expected torch.float8_e4m3fn \(the plan's\)"):
+        decode.run(case.q, case.kv_cache.view(torch.float8_e4m3fnuz), case.block_table, case.cache_seqlens,
+                   case.kv_scale)
+    with pytest.raises(ValueError, match=r"^out.shape"):
+        decode.run(*case.args(), out=torch.empty(2, 1, 16, 511, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^run: expected kv_indptr"):
+        mla_decode.plan_ragged(2, torch.float8_e4m3fn, "cpu", 9, backend="torch").run(*case.args())
+
+
+def test_auto_picks_torch_on_the_cpu_and_says_what_it_passed_over():
+    decode = mla_decode.plan(2, 16, 4, torch.float8_e4m3fn, "cpu")
+    assert decode.backend == "torch" and decode.passed_over == ()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the cuda and triton kernels over paged caches, CUDA-graph capture (run with `pytest -m gpu`)
+# ---------------------------------------------------------------------------------------------------------------
+
+needs_nvidia = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                                  reason="needs an NVIDIA GPU")
+# (backend, format, precision) of every GPU kernel the library runs on NVIDIA
+GPU_KERNELS = [("cuda", "fp8", "fast"), ("cuda", "fp8", "precise"), ("cuda", "mxfp4", "fast"),
+               ("triton", "fp8", "fast"), ("triton", "fp8", "precise"), ("triton", "mxfp4", "fast"),
+               ("triton", "bf16", "fast")]
+GPU_LENS = [0, 1, 77, 1000, 8191, 64, 3]
+# Against the float64 truth over the same pages with Q rounded as the kernel rounds it, (backend, format, precision)
+# -> the bound on the worst token's output and on the LSE. Measured on the H200 (the worst of 4 seeds x
+# pages 1, 16, 64, q scaled up to 4x, 2026-12-02): the cuda fast kernels round P to e4m3 too (out 2.0-2.2e-2; held to
+# the emulation of their walk in test_cuda.py), and the FP8 MMAs' sums move the LSE by up to 1.1e-2 (cuda and triton
+# fast FP8), the fp16 Q of the mma.sync kernel and the dequantizing MXFP4 triton kernel by 2.7-2.8e-3, the cuda MXFP4
+# kernel's by 4.8e-3; the fp16 and bf16 products keep it within 1e-5.
+GPU_BOUNDS = {("cuda", "fp8", "fast"): (4e-2, 2e-2), ("cuda", "mxfp4", "fast"): (4e-2, 1e-2),
+              ("cuda", "fp8", "precise"): (OUT_BOUND, 5e-3), ("triton", "fp8", "fast"): (OUT_BOUND, 2e-2),
+              ("triton", "mxfp4", "fast"): (OUT_BOUND, 5e-3), ("triton", "fp8", "precise"): (OUT_BOUND, LSE_BOUND),
+              ("triton", "bf16", "fast"): (OUT_BOUND, LSE_BOUND)}
+
+
+def _gpu_queries(case, backend, precision):
+    if precision == "fast" and (backend == "cuda" or case.kv_format == "fp8"):
+        values, scale = round_q_per_head(case.q)  # the FP8 score products' Q, e4m3 per head
+        return values.double() / scale.double()
+    return None
+
+
+def _ragged_twin(case):
+    """The rows each sequence owns gathered consecutively: (kv (total, 1, width), scale, kv_indptr)."""
+    order = torch.cat([owned_rows(case, b) for b in range(case.q.shape[0])]).to(case.q.device)
+    rows = case.kv_cache.view(torch.uint8)  # byte rows: MXFP4's float4_e2m1fn_x2 has no indexing
+    kv = rows.view(-1, 1, rows.shape[-1])[order].view(case.kv_cache.dtype)
+    scale = case.kv_scale
+    if case.kv_format == "mxfp4":
+        scale = case.kv_scale.view(torch.uint8).view(-1, 18)[order].view(case.kv_scale.dtype)
+    indptr = torch.zeros(case.q.shape[0] + 1, dtype=torch.int32, device=case.q.device)
+    indptr[1:] = torch.cumsum(case.cache_seqlens, 0)
+    return kv.contiguous(), None if scale is None else scale.contiguous(), indptr
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
+def test_gpu_paged_is_the_ragged_kernel_over_the_same_rows(kernel, page_size):
+    """Paged with every unowned slot NaN and shuffled pages: bit for bit what the same kernel and split plan give
+    over the owned rows laid out consecutively (the leaderboard's layout, which test_cuda and test_triton hold to
+    each kernel's emulation), and within bounds of the float64 truth, LSE included."""
+    backend, kv_format, precision = kernel
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    case = make_paged_case(kv_format, page_size, GPU_LENS, seed=page_size, device="cuda")
+    max_seqlen = max(GPU_LENS)
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), backend=backend, precision=precision,
+                                                  max_seqlen=max_seqlen)
+    kv, scale, indptr = _ragged_twin(case)
+    twin = mla_decode.plan_ragged(len(GPU_LENS), kv.dtype, "cuda", max_seqlen, backend=backend, precision=precision,
+                                  kv_scale_dtype=None if scale is None else scale.dtype)
+    twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
+    assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    out_bound, lse_bound = GPU_BOUNDS[kernel]
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    # these bounds are sanity bounds (the paged result is the ragged one, held tightly elsewhere), yet each fails on a
+    # planted 10% softmax-scale error
+    bad_out, bad_lse = mla_decode.mla_decode_with_kvcache(*case.args(), softmax_scale=1.1 / math.sqrt(576),
+                                                          backend=backend, precision=precision, max_seqlen=max_seqlen)
+    bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
+    assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bad_out_error, bad_lse_error)
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("name", sorted(BAD_CONTENTS))
+def test_gpu_invalid_contents_give_nan_rows(backend, name):
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    edit_table, edit_lens, _ = BAD_CONTENTS[name]
+    case = make_paged_case("fp8", 16, [200, 4500, 7], seed=5, device="cuda")
+    table, lens = case.block_table.cpu(), case.cache_seqlens.cpu()
+    (edit_table or edit_lens)(table, lens)
+    out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table.cuda(), lens.cuda(), case.kv_scale,
+                                                  backend=backend, max_seqlen=4500)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    assert torch.isfinite(out[[0, 2]]).all() and torch.isfinite(lse[[0, 2]]).all()
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_graph_capture_replays_with_new_lengths_tables_and_data(backend, kv_format):
+    """A plan's run captured once in a CUDA graph, then replayed over other lengths, page tables, queries and cache
+    contents copied into the same buffers: each replay gives its own batch's truth. With out and lse given, a run
+    allocates nothing."""
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    cases = [make_paged_case(kv_format, 16, lens, seed=seed, device="cuda")
+             for seed, lens in ((1, [40, 3, 0, 700]), (2, [700, 45, 17, 2]), (3, [1, 700, 690, 0]))]
+    max_pages = cases[0].block_table.shape[1]
+    assert all(case.block_table.shape[1] == max_pages for case in cases)
+    pages = max(case.kv_cache.shape[0] for case in cases)
+    first = cases[0]
+    cache = torch.empty((pages, *first.kv_cache.shape[1:]), dtype=first.kv_cache.dtype, device="cuda")
+    scale = None if first.kv_scale is None else torch.empty((pages, *first.kv_scale.shape[1:]) if kv_format ==
+                                                            "mxfp4" else (1,), dtype=first.kv_scale.dtype,
+                                                            device="cuda")
+    q, table, lens = first.q.clone(), first.block_table.clone(), first.cache_seqlens.clone()
+
+    def load(case):
+        n = case.kv_cache.shape[0]
+        cache.view(torch.uint8)[:n] = case.kv_cache.view(torch.uint8)
+        cache.view(torch.uint8)[n:] = 0xFF  # NaN pages (e4m3 and E8M0 NaN bytes) beyond this case's cache
+        if kv_format == "mxfp4":
+            scale.view(torch.uint8)[:n] = case.kv_scale.view(torch.uint8)
+            scale.view(torch.uint8)[n:] = 0xFF
+        else:
+            scale.copy_(case.kv_scale)
+        q.copy_(case.q)
+        table.copy_(case.block_table)
+        lens.copy_(case.cache_seqlens)
+
+    decode = mla_decode.plan(4, 16, max_pages, cache.dtype, "cuda", backend=backend, max_seqlen=704,
+                             kv_scale_dtype=None if kv_format == "fp8" else scale.dtype)
+    out = torch.empty((4, 1, 16, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((4, 16, 1), dtype=torch.float32, device="cuda")
+    load(first)
+    decode.run(q, cache, table, lens, scale, out=out, lse=lse)  # compiles and binds the launchers
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    decode.run(q, cache, table, lens, scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.run(q, cache, table, lens, scale, out=out, lse=lse)
+    for case in cases[1:] + cases[:1]:
+        out.fill_(float("nan"))
+        load(case)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, "fast"))
+        out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+        out_bound, lse_bound = GPU_BOUNDS[(backend, kv_format, "fast")]
+        assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
