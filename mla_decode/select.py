@@ -41,8 +41,9 @@ def _cuda_reason_for_auto(problem: Problem) -> str | None:
     """cuda_unusable_reason, cached (auto asks it for every new problem), and logged as a warning where an NVIDIA GPU
     cannot have the cuda backend at all (no package, no nvcc): the triton backend runs there instead."""
     reason = cuda_unusable_reason(problem)
-    if reason is not None and _on_nvidia(problem.device) and cuda_unusable_reason(
-            problem._replace(q_len=1, num_heads=16, kv_format="fp8", precision="fast")) is not None:
+    plainest = problem._replace(q_len=1, num_heads=16, kv_format="fp8", kv_dtype=torch.float8_e4m3fn,
+                                scale_dtype=torch.float32, precision="fast")  # what every cuda build serves
+    if reason is not None and _on_nvidia(problem.device) and cuda_unusable_reason(plainest) is not None:
         log.warning("MLA decode: using the triton backend, not cuda: %s", reason)
     return reason
 

@@ -183,6 +183,18 @@ def test_without_the_package_auto_takes_triton_and_forced_cuda_says_how_to_insta
         S.leaderboard_backend(fake_nvidia_gpu)
 
 
+def test_auto_warns_only_where_the_cuda_backend_serves_nothing(fake_nvidia_gpu, monkeypatch, caplog):
+    """A GPU whose cuda kernels build but do not read MXFP4 (not Hopper): auto takes triton for an MXFP4 cache with no
+    warning (the reason is only logged among what auto passed over), and cuda for FP8."""
+    package = S.cuda_package()[0]
+    monkeypatch.setattr(package, "unusable_reason", lambda device, kv_format="fp8", precise=False: (
+        "cuda backend: reads MXFP4 only with its Hopper (sm_90a) kernel" if kv_format == "mxfp4" else None))
+    with caplog.at_level("WARNING", logger="mla_decode"):
+        assert S.leaderboard_backend(fake_nvidia_gpu, "mxfp4") == ("triton" if S.triton is not None else "torch")
+        assert S.leaderboard_backend(fake_nvidia_gpu, "fp8") == "cuda"
+    assert "not cuda" not in caplog.text
+
+
 def test_a_package_that_fails_to_import_says_why(fake_nvidia_gpu, monkeypatch, tmp_path):
     """A cuda package that is there but whose own import fails: the reason carries that import's error. The broken
     package stands first on mla_decode's search path; the real one is back in sys.modules afterwards."""
