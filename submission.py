@@ -1568,9 +1568,10 @@ def select_backend(problem: Problem, backend: str = "auto") -> Selection:
                 raise BackendUnavailable(backend, reason)
             break
         if backend == "auto" and choice.auto_on(problem.device):
-            if choice.unusable_reason(problem) is None:
+            reason = choice.unusable_reason(problem)
+            if reason is None:
                 break
-            passed_over.append(f"{choice.name}: {choice.unusable_reason(problem)}")
+            passed_over.append(f"{choice.name}: {reason}")
     announced = (problem.device, backend, choice.name, problem.kv_format, problem.precision)
     if announced not in _ANNOUNCED:
         _ANNOUNCED.add(announced)

@@ -53,10 +53,6 @@ def shifted(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
     return torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)[elements:].view(t.shape).copy_(t)
 
 
-def triton_ragged(data, kv_format: str, plan=None) -> torch.Tensor:
-    return ragged_decode(data, kv_format, "triton", plan=plan)
-
-
 @pytest.fixture
 def triton_backend(monkeypatch):
     import submission
@@ -75,7 +71,7 @@ def triton_backend(monkeypatch):
 def test_interpreted_matches_fp32_and_passes_the_gate(kv_format, case):
     lens, plan = CASES[case]
     data = R.generate_varlen_input(lens, seed=len(lens) * 7 + sum(lens), device=CPU)
-    out = triton_ragged(data, kv_format, plan)
+    out = ragged_decode(data, kv_format, "triton", plan=plan)
     assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all(), "NaN/Inf in the output"
     assert all((out[b] == 0).all() for b, n in enumerate(lens) if n == 0), "empty sequence not zeros"
@@ -110,7 +106,7 @@ def test_interpreted_reads_no_row_outside_a_sequence(kv_format, keep):
     clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=keep, device=CPU)
     data, _ = nan_outside(clean, kv_format, keep, 1)
     exact = triton_reference(clean, kv_format)[keep]
-    out = triton_ragged(data, kv_format, (2, 64, 4, 3))
+    out = ragged_decode(data, kv_format, "triton", plan=(2, 64, 4, 3))
     assert torch.isfinite(out[keep]).all(), "a row outside the sequence was read"
     assert R.worst_row_relative_l2(out[keep][None], exact[None]) < KERNEL_REL_L2
 
@@ -130,13 +126,13 @@ def test_interpreted_scaled_mxfp4_scores(case):
         clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=2, device=CPU)
         data, _ = nan_outside(clean, "mxfp4", 3, 1)
         exact = triton_reference(clean, "mxfp4", scaled_scores=True)[3]
-        out = triton_ragged(data, "mxfp4", SCALED_PLAN)
+        out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN)
         assert torch.isfinite(out[3]).all(), "a row outside the sequence was read"
         assert R.worst_row_relative_l2(out[3][None], exact[None]) < KERNEL_REL_L2
         return
     else:
         data = R.generate_varlen_input(SCALED_CASES[case], seed=4, device=CPU)
-    out = triton_ragged(data, "mxfp4", SCALED_PLAN)
+    out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN)
     assert_matches(data, out, triton_reference(data, "mxfp4", scaled_scores=True), KERNEL_REL_L2, kv_format="mxfp4")
 
 
@@ -153,7 +149,7 @@ def test_interpreted_hostile_data(case, kv_format):
         data[0][2].zero_()
     else:
         data = generate_shifted_input(lens, seed=9, shift=shift, sink=sink, device=CPU)
-    out = triton_ragged(data, kv_format)
+    out = ragged_decode(data, kv_format, "triton")
     assert torch.isfinite(out).all(), "NaN/Inf in the output"
     error = R.worst_row_relative_l2(out, triton_reference(data, kv_format))
     assert error < KERNEL_REL_L2, f"worst sequence {error:.3e} against fp32 (bound {KERNEL_REL_L2:g})"
@@ -166,7 +162,7 @@ def test_interpreted_invalid_ranges_give_nan_rows(case, splits):
     indptr, bad = INVALID[case]
     q, kv_data, qo, _, config = R.generate_varlen_input([10, 20, 5, 7], seed=3, device=CPU)
     data = (q, kv_data, qo, torch.tensor(indptr, dtype=torch.int32), dict(config, kv_seq_len=None))
-    out = triton_ragged(data, "fp8", (splits, 64, 4, 3))
+    out = ragged_decode(data, "fp8", "triton", plan=(splits, 64, 4, 3))
     for b in range(4):
         assert (torch.isnan(out[b]).all() if b in bad else torch.isfinite(out[b]).all()), b
 
@@ -318,7 +314,7 @@ def test_gpu_reads_no_row_outside_a_sequence(on_gpu, monkeypatch, kv_format, kee
 def test_gpu_invalid_ranges_give_nan_rows(on_gpu, splits):
     q, kv_data, qo, _, config = R.generate_varlen_input([100, 200, 50, 70], seed=3)
     bad = torch.tensor([0, 100, 50, 420 + 1000, 420], dtype=torch.int32, device=q.device)
-    out = triton_ragged((q, kv_data, qo, bad, dict(config, kv_seq_len=None)), "fp8", (splits, 64, 4, 3))
+    out = ragged_decode((q, kv_data, qo, bad, dict(config, kv_seq_len=None)), "fp8", "triton", plan=(splits, 64, 4, 3))
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
     assert torch.isfinite(out[0]).all()
