@@ -235,7 +235,7 @@ def attention_reference(q: torch.Tensor, kv: torch.Tensor, qo_indptr: torch.Tens
 
     q: (total_q, heads, 576); kv: (total_kv, 1, 576) in any float dtype (already dequantized). With more than
     one query row per sequence, query i of L sees the first n - L + 1 + i KV rows (causal, bottom-right). A
-    sequence with no KV rows gives zeros.
+    sequence with no KV rows, or a query that sees none, gives zeros.
     """
     qo = qo_indptr.tolist()
     kvp = kv_indptr.tolist()
@@ -252,6 +252,8 @@ def attention_reference(q: torch.Tensor, kv: torch.Tensor, qo_indptr: torch.Tens
             visible = torch.arange(n, device=q.device)[None, :] <= (n - lq + torch.arange(lq, device=q.device))[:, None]
             scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if lq > 1:  # a query that sees no row (n < lq) gives zeros, as a sequence with no rows does
+            probs = probs.masked_fill(~visible.any(dim=-1)[:, None, None], 0.0)
         out[q0:q1] = torch.einsum("qhn,nd->qhd", probs, keys[:, :V_HEAD_DIM])
     return out
 

@@ -3,17 +3,19 @@ call. The settings the leaderboard cannot pass (backend, cache format, precision
 DEFAULT_* constants below: this module is the only place that reads them.
 
 The competition's input (task.py's input_t):
-  q:         (total_q, 16, 576) bfloat16, total_q = batch, one query token per sequence
+  q:         (total_q, 16, 576) bfloat16, total_q = batch x q_seq_len, sequence b's tokens consecutive
   kv_data:   "fp8":   (kv (total_kv, 1, 576) float8_e4m3fn (e4m3fnuz on gfx942), scale (1,) float32)
              "mxfp4": (kv (total_kv, 1, 288) float4_e2m1fn_x2 or uint8, two E2M1 codes a byte, low nibble = even
                        element; scales E8M0 (rows >= total_kv, cols >= 18), padded (M_pad, 24) or (M, 18))
              "bf16":  (total_kv, 1, 576) bfloat16 (not read)
-  qo_indptr: (batch + 1,) int32 = [0, 1, ..., batch]; kv_indptr: (batch + 1,) int32, sequence b owns KV rows
-             kv_indptr[b]:kv_indptr[b+1] (0 = first, non-decreasing, last <= total_kv)
-  config:    batch_size, num_heads (16), num_kv_heads (1), qk_head_dim (576), v_head_dim (512), q_seq_len (1),
+  qo_indptr: (batch + 1,) int32 = [0, L, 2L, ..., batch L], L = q_seq_len
+  kv_indptr: (batch + 1,) int32, sequence b owns KV rows kv_indptr[b]:kv_indptr[b+1] (0 = first, non-decreasing,
+             last <= total_kv)
+  config:    batch_size, num_heads (16), num_kv_heads (1), qk_head_dim (576), v_head_dim (512), q_seq_len (L),
              kv_seq_len (every sequence's length in a uniform batch; None or the maximum otherwise; when
              batch * kv_seq_len == total_kv every sequence has exactly kv_seq_len rows), sm_scale
-Output: (total_q, 16, 512) bfloat16. A sequence with no KV rows gives zeros; an invalid kv_indptr range gives NaN
+Output: (total_q, 16, 512) bfloat16. With L > 1 the tokens are causal (reference.py's rule: token i of L sees the
+first n - L + 1 + i rows). A token that sees no KV rows gives zeros; an invalid kv_indptr range gives NaN
 rows on the GPU backends (MLA_VALIDATE=1: an error, at the cost of a host sync; the torch backend always checks).
 """
 
@@ -86,9 +88,11 @@ def _validate_config(config, batch: int) -> None:
     missing = [k for k in CONFIG_KEYS if k not in config]
     expect(not missing, "config", f"keys {list(CONFIG_KEYS)}", f"a dict missing {missing}")
     for key, want in (("num_heads", NUM_HEADS), ("num_kv_heads", NUM_KV_HEADS), ("qk_head_dim", QK_HEAD_DIM),
-                      ("v_head_dim", V_HEAD_DIM), ("q_seq_len", 1)):
+                      ("v_head_dim", V_HEAD_DIM)):
         _expect_config_int(config[key], f"config[{key!r}]")
         expect(config[key] == want, f"config[{key!r}]", str(want), config[key])
+    _expect_config_int(config["q_seq_len"], "config['q_seq_len']")
+    expect(config["q_seq_len"] >= 1, "config['q_seq_len']", ">= 1", config["q_seq_len"])
     _expect_config_int(config["batch_size"], "config['batch_size']")
     expect(config["batch_size"] == batch, "config['batch_size']", f"{batch} (len(qo_indptr) - 1)",
            config["batch_size"])
@@ -158,17 +162,19 @@ def validate(data, kv_format: str) -> tuple:
     kv_indptr = _validate_indptr(kv_indptr, "kv_indptr", qo_indptr.shape[0], q.device)
     batch = qo_indptr.shape[0] - 1
     _validate_config(config, batch)
-    expect(q.shape[0] == batch, "q.shape[0]", f"{batch} (batch x q_seq_len)", q.shape[0])
+    q_len = config["q_seq_len"]
+    expect(q.shape[0] == batch * q_len, "q.shape[0]", f"{batch * q_len} (batch x q_seq_len)", q.shape[0])
     kv, scale = _validate_kv(kv_data, kv_format, q.device)
     return q, kv, scale, qo_indptr, kv_indptr, config
 
 
 def validate_indptr_contents(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, total_kv: int,
-                             kv_seq_len: int | None) -> list[int]:
+                             kv_seq_len: int | None, q_len: int = 1) -> list[int]:
     """Host-side check of the indptr contents (a device sync). Returns the KV lengths."""
     qo = qo_indptr.tolist()
     kvp = kv_indptr.tolist()
-    expect(qo == list(range(len(qo))), "qo_indptr", "[0, 1, ..., batch] (one query per sequence)", qo[:8])
+    expect(qo == [b * q_len for b in range(len(qo))], "qo_indptr",
+           f"[0, {q_len}, ..., batch x {q_len}] (q_seq_len = {q_len} queries per sequence)", qo[:8])
     expect(kvp[0] == 0, "kv_indptr[0]", "0", kvp[0])
     lens = [b - a for a, b in zip(kvp[:-1], kvp[1:], strict=True)]
     expect(min(lens) >= 0, "kv_indptr", "non-decreasing values", kvp[:8])
@@ -279,9 +285,11 @@ def leaderboard_backend(device: torch.device, kv_format: str | None = None, prec
 
 def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
     precision, backend = select_precision(), select_backend_setting()
-    batch, kv_seq_len = q.shape[0], config["kv_seq_len"]
+    q_len, kv_seq_len = config["q_seq_len"], config["kv_seq_len"]
+    batch = q.shape[0] // q_len
     max_seqlen = kv_seq_len if kv_seq_len is not None else -(-kv.shape[0] // batch)
-    problem = make_problem(batch, kv.dtype, q.device, layout="ragged", max_seqlen=max_seqlen,
+    problem = make_problem(batch, kv.dtype, q.device, layout="ragged", q_len=q_len, causal=q_len > 1,
+                           max_seqlen=max_seqlen,
                            softmax_scale=float(config["sm_scale"]), precision=precision, return_lse=False,
                            scale_dtype=scale.dtype, scale_stride=scale.stride(0) if kv_format == "mxfp4" else None)
     chosen = _choose(problem, backend)
@@ -332,11 +340,12 @@ def dispatch(data) -> tuple:
 def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
     """custom_kernel's second half: the decided plan, run on dispatch's outputs (checked by kind already)."""
     if decision.check_contents:
-        validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"])
-    batch = q.shape[0]
-    out = q.new_empty((batch, 1, NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
-    decision.plan.launch(q.view(batch, 1, NUM_HEADS, QK_HEAD_DIM), kv, scale, kv_indptr, None, out, None)
-    return out.view(batch, NUM_HEADS, V_HEAD_DIM)
+        validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"], config["q_seq_len"])
+    problem = decision.plan.problem
+    batch, q_len = problem.batch, problem.q_len
+    out = q.new_empty((batch, q_len, NUM_HEADS, V_HEAD_DIM))  # q is bf16; new_empty parses no dtype or device
+    decision.plan.launch(q.view(batch, q_len, NUM_HEADS, QK_HEAD_DIM), kv, scale, kv_indptr, None, out, None)
+    return out.view(batch * q_len, NUM_HEADS, V_HEAD_DIM)
 
 
 def custom_kernel(data):

@@ -1,9 +1,12 @@
 """The triton backend: one split-KV decode kernel for every KV format and both layouts, and an LSE combine. It runs
 on NVIDIA and AMD GPUs (and on the CPU under TRITON_INTERPRET=1); its plans are sized per target.
 
-Program (split, b) walks its share of sequence b's rows in tiles of BLOCK_N rows, each tile read once for all 16
-heads. Scores are computed transposed, S^T (BLOCK_N x 16) = K Q^T, so that the rows are the MMA's M side (wgmma
-needs M >= 64); the output likewise, O^T (512 x 16) += V^T P^T, in four 128-dim chunks so each operand dies early.
+A sequence's q_len x num_heads query rows are folded as row t * num_heads + h (token t, head h; q's own layout) and
+taken 16 at a time: program (split, b, group) walks its share of sequence b's rows in tiles of BLOCK_N rows, each
+tile read once for the group's 16 query rows. Causal: token t sees the positions before end - (q_len - 1 - t), a
+mask per query row. Scores are computed transposed, S^T (BLOCK_N x 16) = K Q^T, so that the rows are the MMA's M
+side (wgmma needs M >= 64); the output likewise, O^T (512 x 16) += V^T P^T, in four 128-dim chunks so each operand
+dies early.
 The softmax is online, fp32, base 2. A tile's rows come from the layout: consecutive rows (ragged, or pages of whole
 tiles, whose bases are read from the table PAGE_CHUNK_TILES at a time; not on AMD, TritonPlan.chunked_pages) or
 one table read per row (smaller pages).
@@ -37,9 +40,8 @@ from .contract import (
     triton,
 )
 
-TRITON_HEADS = 16  # query heads per program: the kernel's N side
+TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program: the kernel's N side
 PAGE_CHUNK_TILES = 32  # pages of whole tiles: the tiles whose bases are read from the table at once
-TRITON_Q_LEN = 1
 
 
 class TritonTarget(NamedTuple):
@@ -100,15 +102,14 @@ def triton_unusable_reason(problem: Problem) -> str | None:
         return f"triton does not import: {TRITON_IMPORT_ERROR!r}"
     if problem.device.type != "cuda" and not triton_interpreted():
         return f"triton backend: needs a GPU (or TRITON_INTERPRET=1); device is {problem.device}"
-    if (problem.q_len, problem.num_heads) != (TRITON_Q_LEN, TRITON_HEADS):
-        return (f"triton backend: serves q_len {TRITON_Q_LEN} with {TRITON_HEADS} heads, not q_len {problem.q_len} "
-                f"with {problem.num_heads}")
+    if problem.num_heads % TRITON_BLOCK_H:
+        return f"triton backend: serves multiples of {TRITON_BLOCK_H} heads, not {problem.num_heads}"
     return None
 
 
 if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals).
-    _HEADS = tl.constexpr(TRITON_HEADS)
+    _BLOCK_H = tl.constexpr(TRITON_BLOCK_H)
     _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
     _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
@@ -243,12 +244,13 @@ if triton is not None:
         return tl.dot_scaled(codes, scales, "e2m1", q_t, None, "e4m3", acc)
 
     @triton.jit
-    def _q_cols(q_ptr, b, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
+    def _q_cols(q_grp, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
                 FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr):
-        """Q^T rows COL0:COL0+WIDTH of sequence b, (WIDTH, 16), times the per-head q_scale (16,), as Q_DTYPE; FP8_MAX
-        > 0: Q_DTYPE is an FP8 type of that largest value, to which the values are clamped."""
+        """Dims COL0:COL0+WIDTH of the 16 query rows from q_grp on, transposed, (WIDTH, 16), times the per-row
+        q_scale (16,), as Q_DTYPE; FP8_MAX > 0: Q_DTYPE is an FP8 type of that largest value, to which the values
+        are clamped."""
         d = COL0 + tl.arange(0, WIDTH)
-        x = tl.load(q_ptr + b * (_HEADS * _QK_DIM) + tl.arange(0, _HEADS)[None, :] * _QK_DIM + d[:, None])
+        x = tl.load(q_grp + tl.arange(0, _BLOCK_H)[None, :] * _QK_DIM + d[:, None])
         x = x.to(tl.float32) * q_scale[None, :]
         if FP8_MAX > 0:
             x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
@@ -258,17 +260,19 @@ if triton is not None:
 
     @triton.jit
     def _store_chunk(ptr, acc, inv, valid, COL0: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """Writes the (128, 16) O^T chunk acc * inv to ptr[h * 512 + COL0 + d]; NaN where not valid."""
+        """Writes the (128, 16) O^T chunk acc * inv to ptr[r * 512 + COL0 + d] (query row r); NaN where not valid."""
         d = COL0 + tl.arange(0, acc.shape[0])
         o = tl.where(valid, acc * inv[None, :], float("nan"))
-        tl.store(ptr + tl.arange(0, _HEADS)[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE))
+        tl.store(ptr + tl.arange(0, _BLOCK_H)[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE))
 
     @triton.jit
-    def _attend_tile(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, q0, q1, q2, q3, q_rope, s_scale, m_i, l_i,
-                     acc0, acc1, acc2, acc3, KV_FORMAT: tl.constexpr, K_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     USE_ASM: tl.constexpr, SCALED_SCORES: tl.constexpr):
-        """One tile of the online softmax: the scores of rows base + offs (those not row_ok masked), the running max
-        and sum, and the four 128-dim chunks of O^T, updated."""
+    def _attend_tile(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope,
+                     s_scale, m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT: tl.constexpr, K_DTYPE: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SCALED_SCORES: tl.constexpr,
+                     CAUSAL: tl.constexpr):
+        """One tile of the online softmax: the scores of rows base + offs, positions n0 .. n0 + BLOCK_N - 1 (those
+        not row_ok masked, and under CAUSAL those at or past a query row's limit (16,)), the running max and sum, and
+        the four 128-dim chunks of O^T, updated."""
         if SCALED_SCORES:
             s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 0, 128, q0, None)
             s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 128, 128, q1, s)
@@ -286,10 +290,19 @@ if triton is not None:
                                 K_DTYPE, USE_ASM), q3, s)
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, _V_DIM, _ROPE_DIM, False,
                                 KV_FORMAT, K_DTYPE, USE_ASM), q_rope, s)
-        s = tl.where(row_ok[:, None], s * s_scale[None, :], float("-inf"))  # (BLOCK_N, 16), log2 units
-        m_new = tl.maximum(m_i, tl.max(s, 0))  # -inf only for a first tile all on bad pages: NaN, as it must be
-        p = tl.exp2(s - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
+        if CAUSAL:
+            pos = n0 + tl.arange(0, row_ok.shape[0])
+            seen = row_ok[:, None] & (pos[:, None] < limit[None, :])
+        else:
+            seen = row_ok[:, None]
+        s = tl.where(seen, s * s_scale[None, :], float("-inf"))  # (BLOCK_N, 16), log2 units
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        if CAUSAL:  # a query row that has seen nothing yet keeps p = alpha = 0 (else -inf - -inf = NaN)
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:  # -inf only for a first tile all on bad pages: NaN, as it must be
+            m_base = m_new
+        p = tl.exp2(s - m_base[None, :])
+        alpha = tl.exp2(m_i - m_base)
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
         p = p.to(DOT_DTYPE)
@@ -309,26 +322,34 @@ if triton is not None:
                           BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr,
                           PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
                           USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                          SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr):
+                          SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
+                          NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr):
         split = tl.program_id(0)
         b = tl.program_id(1)
+        group = tl.program_id(2)  # query rows group * 16 .. group * 16 + 15 of sequence b
+        ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
             tl.extra.cuda.gdc_launch_dependents()
         start, end, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, end)
+        qrow = group * _BLOCK_H + tl.arange(0, _BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
+        limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
+        if CAUSAL:
+            hi = tl.minimum(hi, tl.max(limit, 0))
+        first_row = b.to(tl.int64) * ROWS + group * _BLOCK_H  # the group's first row in q, out and the partials
+        q_grp = q_ptr + first_row * _QK_DIM
         table_row = table_ptr + b.to(tl.int64) * max_pages
         if PAGE_SIZE > 0:
             num_pages = kv_rows // PAGE_SIZE
         else:
             num_pages = kv_rows  # unused
 
-        heads = tl.arange(0, _HEADS)
         FP8_Q: tl.constexpr = (KV_FORMAT == "fp8" and not PRECISE) or SCALED_SCORES
         q_fp8_max: tl.constexpr = FP8_MAX if FP8_Q else 0.0
         if KV_FORMAT == "fp8" or SCALED_SCORES:  # one Q scale per head; the fp32 scores get qk_scale / q_scale
-            q_row = q_ptr + b * (_HEADS * _QK_DIM) + heads[:, None] * _QK_DIM
+            q_row = q_grp + tl.arange(0, _BLOCK_H)[:, None] * _QK_DIM
             q_max = tl.maximum(
                 tl.max(tl.abs(tl.load(q_row + tl.arange(0, _V_DIM)[None, :]).to(tl.float32)), 1),
                 tl.max(tl.abs(tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :]).to(tl.float32)), 1))
@@ -337,7 +358,7 @@ if triton is not None:
                 q_dtype: tl.constexpr = DOT_DTYPE
             else:  # FP8 Q: the cache's FP8 type, or E4M3 against MXFP4 codes. The scale is the IEEE quotient
                 # (div_rn): NVIDIA's `/` is an ulp off at times, which moves Q values at an E4M3 tie a whole step.
-                q_scale = tl.math.div_rn(tl.full([_HEADS], FP8_MAX, tl.float32), tl.maximum(q_max, 1e-30))
+                q_scale = tl.math.div_rn(tl.full([_BLOCK_H], FP8_MAX, tl.float32), tl.maximum(q_max, 1e-30))
                 q_dtype: tl.constexpr = kv_ptr.dtype.element_ty if KV_FORMAT == "fp8" else tl.float8e4nv
             if KV_FORMAT == "fp8":  # the per-tensor KV scale, on the scores and the output
                 out_scale = tl.load(kscale_ptr)
@@ -346,32 +367,32 @@ if triton is not None:
                 out_scale = 64.0
                 s_scale = qk_scale / q_scale
         elif KV_FORMAT == "bf16":  # bf16 Q as it is against the bf16 tile
-            q_scale = tl.full([_HEADS], 1.0, tl.float32)
+            q_scale = tl.full([_BLOCK_H], 1.0, tl.float32)
             q_dtype: tl.constexpr = DOT_DTYPE
             out_scale = 1.0
-            s_scale = tl.full([_HEADS], qk_scale, tl.float32)
+            s_scale = tl.full([_BLOCK_H], qk_scale, tl.float32)
         else:  # MXFP4 dequantized: fp16 Q pre-scaled by qk_scale; the codes' 2^6 goes into the scores and the output
-            q_scale = tl.full([_HEADS], qk_scale, tl.float32)
+            q_scale = tl.full([_BLOCK_H], qk_scale, tl.float32)
             q_dtype: tl.constexpr = DOT_DTYPE
             out_scale = 64.0
-            s_scale = tl.full([_HEADS], 64.0, tl.float32)
-        q0 = _q_cols(q_ptr, b, q_scale, 0, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q1 = _q_cols(q_ptr, b, q_scale, 128, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q2 = _q_cols(q_ptr, b, q_scale, 256, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q3 = _q_cols(q_ptr, b, q_scale, 384, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q_rope = _q_cols(q_ptr, b, q_scale, _V_DIM, _ROPE_DIM, q_dtype, q_fp8_max, ROUND_FP8)
+            s_scale = tl.full([_BLOCK_H], 64.0, tl.float32)
+        q0 = _q_cols(q_grp, q_scale, 0, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q1 = _q_cols(q_grp, q_scale, 128, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q2 = _q_cols(q_grp, q_scale, 256, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q3 = _q_cols(q_grp, q_scale, 384, 128, q_dtype, q_fp8_max, ROUND_FP8)
+        q_rope = _q_cols(q_grp, q_scale, _V_DIM, _ROPE_DIM, q_dtype, q_fp8_max, ROUND_FP8)
 
         if KV_FORMAT == "fp8" and not PRECISE:
             K_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty
         else:
             K_DTYPE: tl.constexpr = DOT_DTYPE
-        m_i = tl.full([_HEADS], float("-inf"), tl.float32)
-        l_i = tl.zeros([_HEADS], tl.float32)
-        bad = tl.zeros([_HEADS], tl.int32)  # > 0: a page outside the cache was met (its rows were not read)
-        acc0 = tl.zeros([128, _HEADS], tl.float32)
-        acc1 = tl.zeros([128, _HEADS], tl.float32)
-        acc2 = tl.zeros([128, _HEADS], tl.float32)
-        acc3 = tl.zeros([128, _HEADS], tl.float32)
+        m_i = tl.full([_BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([_BLOCK_H], tl.float32)
+        bad = tl.zeros([_BLOCK_H], tl.int32)  # > 0: a page outside the cache was met (its rows were not read)
+        acc0 = tl.zeros([128, _BLOCK_H], tl.float32)
+        acc1 = tl.zeros([128, _BLOCK_H], tl.float32)
+        acc2 = tl.zeros([128, _BLOCK_H], tl.float32)
+        acc3 = tl.zeros([128, _BLOCK_H], tl.float32)
         if PAGE_SIZE > 0 and PAGE_SIZE % BLOCK_N == 0 and CHUNKED_PAGES:
             # Pages of whole tiles: a chunk's tile bases are read from the table at once, so that the tiles' own loads
             # depend on no load inside the inner loop (an in-loop table read keeps Triton from pipelining them).
@@ -390,47 +411,54 @@ if triton is not None:
                     offs = tl.arange(0, BLOCK_N)
                     row_ok = tl.where(tile_ok, n0 + offs < hi, False)
                     m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                        kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, q0, q1, q2, q3, q_rope, s_scale, m_i,
-                        l_i, acc0, acc1, acc2, acc3, KV_FORMAT, K_DTYPE, DOT_DTYPE, USE_ASM, SCALED_SCORES)
+                        kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope,
+                        s_scale, m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT, K_DTYPE, DOT_DTYPE, USE_ASM,
+                        SCALED_SCORES, CAUSAL)
         else:
             for n0 in range(lo, hi, BLOCK_N):
                 base, offs, row_ok, tile_bad = _tile_rows(table_row, n0, hi, num_pages, BLOCK_N, PAGE_SIZE)
                 if PAGE_SIZE > 0:  # ragged: no page to check, and no loop-carried flag to hold
                     bad = bad | tile_bad
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                    kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, q0, q1, q2, q3, q_rope, s_scale, m_i, l_i,
-                    acc0, acc1, acc2, acc3, KV_FORMAT, K_DTYPE, DOT_DTYPE, USE_ASM, SCALED_SCORES)
+                    kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope, s_scale,
+                    m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT, K_DTYPE, DOT_DTYPE, USE_ASM, SCALED_SCORES,
+                    CAUSAL)
 
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
         if NUM_SPLITS == 1:
             valid = valid & (tl.max(bad, 0) == 0)
-            dst = out_ptr + b * (_HEADS * _V_DIM)
+            dst = out_ptr + first_row * _V_DIM
             _store_chunk(dst, acc0, inv, valid, 0, tl.bfloat16)
             _store_chunk(dst, acc1, inv, valid, 128, tl.bfloat16)
             _store_chunk(dst, acc2, inv, valid, 256, tl.bfloat16)
             _store_chunk(dst, acc3, inv, valid, 384, tl.bfloat16)
             if WRITE_LSE:
-                tl.store(lse_ptr + b * _HEADS + heads, tl.where(valid, lse2 * _LN2, float("nan")))
+                # lse (batch, num_heads, q_len)
+                lse_at = lse_ptr + b * ROWS + (qrow % NUM_HEADS) * Q_LEN + qrow // NUM_HEADS
+                tl.store(lse_at, tl.where(valid, lse2 * _LN2, float("nan")))
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache); the combine weighs them
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + part * (_HEADS * _V_DIM)
+            dst = part_o_ptr + (part * ROWS + group * _BLOCK_H) * _V_DIM
             _store_chunk(dst, acc0, inv, True, 0, tl.float32)
             _store_chunk(dst, acc1, inv, True, 128, tl.float32)
             _store_chunk(dst, acc2, inv, True, 256, tl.float32)
             _store_chunk(dst, acc3, inv, True, 384, tl.float32)
-            tl.store(part_lse_ptr + part * _HEADS + heads, tl.where(bad == 0, lse2, float("nan")))
+            tl.store(part_lse_ptr + part * ROWS + qrow, tl.where(bad == 0, lse2, float("nan")))
 
     @triton.jit
     def _mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
                             NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr,
-                            PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr, WRITE_LSE: tl.constexpr):
-        bh = tl.program_id(0)  # b * 16 + head
-        b = bh // _HEADS
+                            PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr, WRITE_LSE: tl.constexpr,
+                            NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
+        ROWS: tl.constexpr = Q_LEN * NUM_HEADS
+        bh = tl.program_id(0)  # b * ROWS + query row
+        b = bh // ROWS
+        r = bh % ROWS
         dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         _, _, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         sp = tl.arange(0, SPLITS_P2)
-        row = (b * NUM_SPLITS + sp) * _HEADS + bh % _HEADS
+        row = (b * NUM_SPLITS + sp) * ROWS + r
         if USE_PDL:  # everything above overlapped the split kernel; the partials are read only after it
             tl.extra.cuda.gdc_wait()
         lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
@@ -445,7 +473,8 @@ if triton is not None:
         if WRITE_LSE:
             if tl.program_id(1) == 0:
                 total = tl.where(denom > 0, (m + tl.log2(denom)) * _LN2, float("-inf"))
-                tl.store(lse_ptr + bh, tl.where(valid, total, float("nan")))
+                lse_at = lse_ptr + b * ROWS + (r % NUM_HEADS) * Q_LEN + r // NUM_HEADS  # (batch, num_heads, q_len)
+                tl.store(lse_at, tl.where(valid, total, float("nan")))
 
 
 class TritonPlan(NamedTuple):
@@ -467,16 +496,17 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str) -> TritonPlan:
-    """The launch plan for `batch` sequences of up to `seq_len` rows on `target`: block_n 64 and 4 warps; splits a
-    power of two that puts batch x splits near the programs resident at once (more only add partials and waves);
+def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, groups: int = 1) -> TritonPlan:
+    """The launch plan for `batch` sequences of up to `seq_len` rows and `groups` programs of query rows each on
+    `target`: block_n 64 and 4 warps; splits a power of two that puts batch x groups x splits near the programs
+    resident at once (more only add partials and waves);
     as many stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and
     gfx950's dot_scaled MXFP4 1 (2 waves per SIMD). docs/design-notes.md has the sweeps behind these numbers."""
     block_n, num_warps = 64, 4
     max_splits = 32 if kv_format == "fp8" else 64
     amd = target.vendor == "amd"
     per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
-    want = max(1, per_sm * target.num_sms // max(batch, 1))
+    want = max(1, per_sm * target.num_sms // max(batch * groups, 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
     scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS
     # bf16 at 3 stages asks an H200 for 241,664 B of shared memory (the model counts 2 buffered tiles; Triton holds
@@ -494,6 +524,9 @@ class TritonKey(NamedTuple):
     device: torch.device
     target: TritonTarget
     batch: int
+    q_len: int
+    num_heads: int
+    causal: bool
     kv_format: str
     kv_dtype: torch.dtype
     scale_dtype: torch.dtype | None
@@ -510,11 +543,12 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     """The launch key of a problem on its device's target (or `target`), with triton_plan's plan (or `plan`: a
     TritonPlan, or its first 4 fields)."""
     target = target or triton_target(problem.device)
+    groups = problem.q_len * problem.num_heads // TRITON_BLOCK_H
     plan = TritonPlan(*plan) if plan is not None else triton_plan(problem.batch, problem.max_seqlen, target,
-                                                                  problem.kv_format)
-    return TritonKey(problem.device, target, problem.batch, problem.kv_format, problem.kv_dtype, problem.scale_dtype,
-                     problem.scale_stride, problem.precision == "precise", problem.page_size, problem.max_seqlen,
-                     problem.return_lse, plan)
+                                                                  problem.kv_format, groups)
+    return TritonKey(problem.device, target, problem.batch, problem.q_len, problem.num_heads, problem.causal,
+                     problem.kv_format, problem.kv_dtype, problem.scale_dtype, problem.scale_stride,
+                     problem.precision == "precise", problem.page_size, problem.max_seqlen, problem.return_lse, plan)
 
 
 class TritonDecode:
@@ -531,9 +565,10 @@ class TritonDecode:
         nvidia, interpreted = target.vendor == "nvidia", target.vendor == "interpreter"
         splits_p2 = triton.next_power_of_2(splits)
         block_dv = min(V_HEAD_DIM, max(16, 8192 // splits_p2))  # a (splits, block_dv) fp32 tile: 64 registers/thread
-        rows = key.batch * splits if splits > 1 else 0
-        self.part_o = torch.empty((rows, TRITON_HEADS, V_HEAD_DIM), dtype=torch.float32, device=key.device)
-        self.part_lse = torch.empty((rows, TRITON_HEADS), dtype=torch.float32, device=key.device)
+        query_rows = key.q_len * key.num_heads  # a sequence's, folded token-major as q lays them out
+        parts = key.batch * splits if splits > 1 else 0
+        self.part_o = torch.empty((parts, query_rows, V_HEAD_DIM), dtype=torch.float32, device=key.device)
+        self.part_lse = torch.empty((parts, query_rows), dtype=torch.float32, device=key.device)
         self.workspace = (self.part_o.data_ptr(), self.part_lse.data_ptr())
         # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none otherwise
         fp8_max = (float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else
@@ -543,11 +578,12 @@ class TritonDecode:
                             KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,
                             USE_ASM=nvidia, ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1,
                             SCALED_SCORES=plan.scaled_scores, WRITE_LSE=key.write_lse,
-                            CHUNKED_PAGES=plan.chunked_pages)
+                            CHUNKED_PAGES=plan.chunked_pages, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
+                            CAUSAL=key.causal and key.q_len > 1)
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
-                              USE_PDL=nvidia, WRITE_LSE=key.write_lse)
-        self.split_grid = (splits, key.batch, 1)  # compiled kernels take 3-D grids
-        self.combine_grid = (key.batch * TRITON_HEADS, V_HEAD_DIM // block_dv, 1)
+                              USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
+        self.split_grid = (splits, key.batch, query_rows // TRITON_BLOCK_H)
+        self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1)
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())
         self.split_meta = dict(split_consts, **triton_launch_options(target, plan.num_warps, plan.num_stages))
@@ -555,10 +591,10 @@ class TritonDecode:
         self.split_run = self.combine_run = None
 
     def run(self, q, kv, scale, seqs, table, out, lse) -> None:
-        """q (batch, 1, 16, 576) bf16; kv (num_rows, width) in the key's format, scale as it has it (fp8 (1,) fp32,
-        mxfp4 (num_rows, >= 18) E8M0 with the key's row stride, bf16 None); seqs: cache_seqlens (batch,) (paged)
-        or kv_indptr (batch + 1,) (ragged); table (batch, max_pages) or None; out (batch, 1, 16, 512) bf16 and lse
-        (batch, 16, 1) fp32 (None when the key does not write it)."""
+        """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) in the key's format, scale as it has it (fp8
+        (1,) fp32, mxfp4 (num_rows, >= 18) E8M0 with the key's row stride, bf16 None); seqs: cache_seqlens (batch,)
+        (paged) or kv_indptr (batch + 1,) (ragged); table (batch, max_pages) or None; out (batch, q_len, num_heads,
+        512) bf16 and lse (batch, num_heads, q_len) fp32 (None when the key does not write it)."""
         scale = kv if scale is None else scale  # bf16: an unused pointer
         table = seqs if table is None else table  # ragged: an unused pointer
         kv_rows, scale_stride = kv.shape[0], self.key.scale_stride

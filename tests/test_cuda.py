@@ -59,7 +59,7 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert C.library(capability) is lib  # built once, then reused
-    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 20
+    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 23
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
     fields = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]

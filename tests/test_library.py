@@ -77,16 +77,25 @@ def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages):
     check(case, *decode.run(*case.args()), "triton")
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("q_len,num_heads", [(2, 16), (4, 16), (1, 32), (2, 128)])
-def test_torch_serves_every_shape(q_len, num_heads):
+def test_serving_shapes(backend, q_len, num_heads):
     """q_len 2 and 4 (causal: token t sees the first len - q_len + 1 + t slots; a token that sees nothing gives out
-    0 and LSE -inf) and 32 or 128 heads, on the torch backend; the fast backends refuse them with the reason."""
-    case = make_paged_case("bf16", 16, [0, 1, 3, 40], seed=q_len * num_heads, q_len=q_len, num_heads=num_heads)
-    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend="torch")
+    0 and LSE -inf) and 32 or 128 heads. Lengths 0, 1 and 3 give tokens that see nothing beside tokens that see one
+    slot; 130 crosses a tile."""
+    case = make_paged_case("fp8", 16, [0, 1, 3, 130], seed=q_len * num_heads, q_len=q_len, num_heads=num_heads)
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend=backend)
     assert out.shape == (4, q_len, num_heads, 512) and lse.shape == (4, num_heads, q_len)
-    check(case, out, lse, "torch")
-    with pytest.raises(RuntimeError, match=f"triton backend: serves q_len 1 with 16 heads, not q_len {q_len}"):
-        mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend="triton")
+    check(case, out, lse, backend)
+
+
+def test_other_head_counts_go_to_torch():
+    """8 heads (Kimi-K2 at TP8): the triton kernel takes query rows 16 at a time and refuses, with the reason; the
+    torch backend serves them."""
+    case = make_paged_case("bf16", 16, [3, 40], seed=8, num_heads=8)
+    with pytest.raises(RuntimeError, match="triton backend: serves multiples of 16 heads, not 8"):
+        mla_decode.mla_decode_with_kvcache(*case.args(), backend="triton")
+    check(case, *mla_decode.mla_decode_with_kvcache(*case.args(), backend="torch"), "torch")
 
 
 def test_non_causal_multi_token_sees_everything():
@@ -347,6 +356,44 @@ def test_gpu_paged_is_the_ragged_kernel_over_the_same_rows(kernel, page_size):
                                                           backend=backend, precision=precision, max_seqlen=max_seqlen)
     bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
     assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bad_out_error, bad_lse_error)
+
+
+SERVING_SHAPES = [(2, 16), (4, 16), (1, 32), (1, 128), (2, 128)]  # (q_len, num_heads)
+SERVING_LENS = [0, 1, 3, 77, 1000, 4097]
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("q_len,num_heads", SERVING_SHAPES)
+@pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
+def test_gpu_serving_shapes(kernel, q_len, num_heads):
+    """MTP (q_len 2 and 4, causal; lengths 0, 1 and 3 leave tokens that see nothing) and 32 or 128 heads, paged (64)
+    and ragged (the same kernel over the owned rows laid out consecutively: bit for bit the paged result), against
+    the float64 truth with the bounds of q_len 1; a planted bug fails them: the tokens not causal, or a 10% softmax
+    scale error."""
+    backend, kv_format, precision = kernel
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    case = make_paged_case(kv_format, 64, SERVING_LENS, seed=q_len * num_heads, q_len=q_len, num_heads=num_heads,
+                           device="cuda")
+    settings = dict(backend=backend, precision=precision, max_seqlen=max(SERVING_LENS))
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, **settings)
+    kv, scale, indptr = _ragged_twin(case)
+    twin = mla_decode.plan_ragged(len(SERVING_LENS), kv.dtype, "cuda", max(SERVING_LENS), q_len=q_len,
+                                  num_heads=num_heads, causal=case.causal, backend=backend, precision=precision,
+                                  kv_scale_dtype=None if scale is None else scale.dtype)
+    twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
+    assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
+    out_bound, lse_bound = GPU_BOUNDS[kernel]
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    planted = [dict(causal=case.causal, softmax_scale=1.1 / math.sqrt(576))] + ([dict(causal=False)] if q_len > 1
+                                                                                 else [])
+    for bug in planted:
+        bad_out, bad_lse = mla_decode.mla_decode_with_kvcache(*case.args(), **bug, **settings)
+        bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
+        assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bug, bad_out_error, bad_lse_error)
 
 
 @pytest.mark.gpu

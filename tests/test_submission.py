@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import mla_decode
 import reference as R
 import submission as S
-from testkit.attention import assert_matches, fp32_attention, nan_outside
+from testkit.attention import assert_matches, fp8_per_head, fp32_attention, nan_outside
 
 CPU = torch.device("cpu")
 
@@ -58,6 +59,26 @@ def test_torch_backend_reads_no_row_outside_a_sequence(monkeypatch, kv_format, k
     out = S.custom_kernel(data)[keep]
     assert torch.isfinite(out).all()
     assert R.worst_row_relative_l2(out[None], exact[None]) < 4e-3
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton under its interpreter"))])
+@pytest.mark.parametrize("q_seq_len", [2, 4])
+def test_multi_token_tuples_are_causal(monkeypatch, backend, q_seq_len):
+    """The tuple with q_seq_len L > 1 (qo_indptr steps of L): token i of L sees the first n - L + 1 + i rows
+    (reference.py's rule); lengths 0, 1 and 2 leave tokens that see nothing (zeros)."""
+    monkeypatch.setenv("MLA_BACKEND", backend)
+    data = R.generate_varlen_input([0, 1, 2, 77, 130], seed=q_seq_len, qseqlen=q_seq_len, device=CPU)
+    out = S.custom_kernel(clone(data))
+    assert tuple(out.shape) == (5 * q_seq_len, 16, 512)
+    q = fp8_per_head(data[0]) if backend == "triton" else None  # the triton kernel's fast FP8 Q
+    exact = fp32_attention(data, "fp8", q)
+    assert_matches(data, out, exact, 4e-3, kv_format="fp8")
+    # the bound fails on a planted bug: the tokens not causal (every one sees its whole sequence)
+    kv, scale = data[1]["fp8"]
+    blind = mla_decode.plan_ragged(5, kv.dtype, CPU, 130, q_len=q_seq_len, causal=False, backend="torch")
+    wrong, _ = blind.run_ragged(data[0].view(5, q_seq_len, 16, 576), kv, data[3], scale)
+    assert R.worst_row_relative_l2(wrong.view(out.shape), exact) > 4e-3
 
 
 def test_torch_backend_leaderboard_case_uniform_1024():
@@ -158,7 +179,8 @@ BAD_INPUTS = {
     "config missing key": (with_config(sm_scale=KeyError), ValueError, "config"),
     "config batch_size": (with_config(batch_size=7), ValueError, "config['batch_size']"),
     "config num_heads": (with_config(num_heads=32), ValueError, "config['num_heads']"),
-    "config q_seq_len 4": (with_config(q_seq_len=4), ValueError, "config['q_seq_len']"),
+    "config q_seq_len 0": (with_config(q_seq_len=0), ValueError, "config['q_seq_len']"),
+    "config q_seq_len 4, q of 1": (with_config(q_seq_len=4), ValueError, "q.shape[0]"),
     "config kv_seq_len str": (with_config(kv_seq_len="8"), TypeError, "config['kv_seq_len']"),
     "config sm_scale nan": (with_config(sm_scale=float("nan")), ValueError, "config['sm_scale']"),
     "config sm_scale tensor": (with_config(sm_scale=torch.tensor(0.04)), ValueError, "config['sm_scale']"),

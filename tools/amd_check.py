@@ -18,8 +18,9 @@ shapes and dtypes (never written: the driver launches nothing):
     makes, no LSE;
   - the library call, mla_decode_with_kvcache, with return_lse=True, on a PAGED cache for every mode, the bf16
     cache included, and each `--library` case: batch x kv length x page size (0: a ragged cache, by plan_ragged's
-    run_ragged). By default page sizes 1, 16, 64 and 48 on a small batch, whose splits meet in the combine, and 16
-    on a large one of one split, whose split kernel writes the LSE itself (LIBRARY_CASES); with the first `--triton`
+    run_ragged) [x q_len x heads]. By default page sizes 1, 16, 64 and 48 on a small batch, whose splits meet in the
+    combine, 16 on a large one of one split, whose split kernel writes the LSE itself, and the serving shapes (MTP,
+    32 and 128 heads) (LIBRARY_CASES); with the first `--triton`
     only (the runner's in `make amd-check`: that keeps the check's time in bounds; --library-every-triton: all);
   - the aiter path's Q quantizer where it uses Triton (gfx950, whose FP8 is e4m3fn).
 So the JIT specializes, packs the launch options and compiles exactly as on the GPU: an option the target's backend
@@ -75,8 +76,10 @@ SHAPES = ((4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), 
 # The library's calls (batch, kv length, page size; 0: a ragged cache), each page size a walk of its own in the split
 # kernel: pages that divide a tile of BLOCK_N = 64 rows (1, 16), that a tile divides (64), and neither (48: a table
 # read per row). Each on a small batch (many splits: the combine writes the LSE), and 16 on a large one too (one split
-# on both targets: the split kernel writes the LSE itself).
-LIBRARY_CASES = ((4, 1024, 1), (4, 1024, 16), (4, 1024, 64), (4, 1024, 48), (512, 4096, 16))
+# on both targets: the split kernel writes the LSE itself). Then the serving shapes, with q_len and heads as the fourth
+# and fifth figures: MTP (q_len 2 and 4, causal) and 32 and 128 heads, pages of 64.
+LIBRARY_CASES = ((4, 1024, 1), (4, 1024, 16), (4, 1024, 64), (4, 1024, 48), (512, 4096, 16), (4, 1024, 64, 2, 16),
+                 (8, 4096, 64, 4, 32), (16, 4096, 64, 1, 128))
 # mode -> (KV format, precision); the leaderboard serves the first three (its LEADERBOARD_KV_FORMATS), the library all.
 MODES = {"fp8-fast": ("fp8", "fast"), "fp8-precise": ("fp8", "precise"), "mxfp4": ("mxfp4", "fast"),
          "bf16": ("bf16", "fast")}
@@ -212,15 +215,18 @@ def _leaderboard_input(batch: int, kv_len: int, kv_format: str, fp8):
     return q, kv_data, qo_indptr, kv_indptr, config
 
 
-def _library_call(S, batch: int, kv_len: int, kv_format: str, precision: str, page_size: int, fp8) -> None:
+def _library_call(S, batch: int, kv_len: int, kv_format: str, precision: str, page_size: int, fp8, q_len: int = 1,
+                  num_heads: int = 16) -> None:
     """The library's call on a cache of `page_size` rows a page (0: ragged) holding `batch` sequences of up to kv_len
-    rows, with the LSE, on CPU tensors of its layouts (api.py's docstring), never written: twice, through one plan."""
+    rows, q_len tokens (causal) of num_heads heads each, with the LSE, on CPU tensors of its layouts (api.py's
+    docstring), never written: twice, through one plan."""
     import torch
 
     width = {"fp8": 576, "mxfp4": 288, "bf16": 576}[kv_format]
     codes, e8m0 = _fp4x2_e8m0()
     kv_dtype = {"fp8": fp8, "mxfp4": codes, "bf16": torch.bfloat16}[kv_format]
-    q = torch.empty((batch, 1, 16, 576), dtype=torch.bfloat16)
+    q = torch.empty((batch, q_len, num_heads, 576), dtype=torch.bfloat16)
+    causal = q_len > 1
     if page_size:
         max_pages = -(-kv_len // page_size)
         page = (batch * max_pages, page_size)  # room for every sequence
@@ -233,10 +239,10 @@ def _library_call(S, batch: int, kv_len: int, kv_format: str, precision: str, pa
         cache_seqlens = torch.full((batch,), kv_len, dtype=torch.int32)
         for _ in range(2):  # the JIT, then the bound launchers of the compiled kernels (the call keeps its plan)
             S.mla_decode_with_kvcache(q, kv_cache, block_table, cache_seqlens, kv_scale, precision=precision,
-                                      return_lse=True)
+                                      causal=causal, return_lse=True)
     else:
-        decode = S.plan_ragged(batch, kv_dtype, q.device, kv_len, precision=precision, return_lse=True,
-                               kv_scale_dtype=e8m0)
+        decode = S.plan_ragged(batch, kv_dtype, q.device, kv_len, num_heads=num_heads, q_len=q_len, causal=causal,
+                               precision=precision, return_lse=True, kv_scale_dtype=e8m0)
         kv_indptr = torch.arange(0, batch * kv_len + 1, kv_len, dtype=torch.int32)
         for _ in range(2):
             decode.run_ragged(q, kv_cache, kv_indptr, kv_scale.view(-1, 18) if kv_format == "mxfp4" else kv_scale)
@@ -393,12 +399,13 @@ def run_worker(arch: str, submission: Path, spec: Cases) -> dict:
                      "kv_format": kv_format, "precise": precision == "precise"})
     for mode in modes:  # the library's call, with the LSE
         kv_format, precision = MODES[mode]
-        for batch, kv_len, page_size in library:
+        for batch, kv_len, page_size, *serving in library:
             def library_call(batch=batch, kv_len=kv_len, kv_format=kv_format, precision=precision,
-                             page_size=page_size):
-                _library_call(S, batch, kv_len, kv_format, precision, page_size, fp8)
+                             page_size=page_size, serving=serving):
+                _library_call(S, batch, kv_len, kv_format, precision, page_size, fp8, *serving)
             layout = f"page {page_size}" if page_size else "ragged"
-            one_case(f"library {mode} {layout} lse {batch}x{kv_len}", library_call,
+            shape = " q_len {} x {} heads".format(*serving) if serving else ""
+            one_case(f"library {mode} {layout} lse {batch}x{kv_len}{shape}", library_call,
                      {"page_size": page_size, "write_lse": True, "kv_format": kv_format,
                       "precise": precision == "precise"})
     if gpu.fp8 == "float8_e4m3fn":  # the aiter path's Q quantizer runs Triton for e4m3fn only (see QQuantizer)
@@ -606,7 +613,8 @@ def main(argv=None) -> int:
                     help="the leaderboard's: batch x kv length, comma-separated (empty: none)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {tuple(MODES)}")
     ap.add_argument("--library", type=_shapes, default=LIBRARY_CASES,
-                    help="the library call's: batch x kv length x page size (0: ragged), comma-separated (empty: none)")
+                    help="the library call's: batch x kv length x page size (0: ragged) [x q_len x heads], "
+                         "comma-separated (empty: none)")
     ap.add_argument("--library-every-triton", action="store_true",
                     help="the library's cases with every --triton (default: the first only)")
     ap.add_argument("--json", type=Path, help="write every figure here")
@@ -620,9 +628,10 @@ def main(argv=None) -> int:
         unknown = [x for x in given if x not in known]
         if unknown:
             ap.error(f"{name}: unknown {unknown}; expected some of {tuple(known)}")
-    for name, given, size in (("--shapes", args.shapes, 2), ("--library", args.library, 3)):
-        if any(len(case) != size or min(case) < 0 for case in given):
-            ap.error(f"{name}: expected {'x'.join(('B', 'N', 'P')[:size])} of figures >= 0, got {_unshapes(given)}")
+    for name, given, sizes in (("--shapes", args.shapes, (2,)), ("--library", args.library, (3, 5))):
+        if any(len(case) not in sizes or min(case) < 0 for case in given):
+            forms = " or ".join("x".join("BNPLH"[:size]) for size in sizes)
+            ap.error(f"{name}: expected {forms} of figures >= 0, got {_unshapes(given)}")
     cases = Cases(args.shapes, modes, args.library)
     if args.worker:
         args.out.write_text(json.dumps(run_worker(args.worker, args.submission.resolve(), cases)))

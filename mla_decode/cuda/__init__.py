@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-NUM_HEADS = 16  # query heads (H in the source)
+QUERY_ROWS = 16  # query rows per CTA, 16 heads of one token (H in the source): heads come in multiples of it
 V_HEAD_DIM = 512  # value width (DV in the source)
 KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
@@ -168,12 +168,12 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> i
 class DecodeCall(ctypes.Structure):
     """mla_decode's one argument (csrc/common.cuh, struct DecodeCall: the same fields in the same order). A plan
     holds one with its own fields set (workspace, batch, splits, format, layout); a run sets its inputs' and passes
-    the address: one converted argument instead of 20."""
+    the address: one converted argument instead of 23."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "kv", "kv_scale", "kv_block_scales", "seqs", "block_table",
                                                        "out", "lse", "part_o", "part_lse", "sync", "stream")]
                 + [(name, ctypes.c_int) for name in ("scale_stride", "kv_format", "batch", "total_kv", "num_splits",
-                                                     "page_size", "max_pages")]
+                                                     "page_size", "max_pages", "num_heads", "q_len", "causal")]
                 + [("qk_scale", ctypes.c_float)])
 
 
@@ -193,7 +193,7 @@ class LaunchKey(NamedTuple):
     """What a launch's split plan depends on."""
 
     device: torch.device
-    batch: int
+    units: int  # CTAs per split: batch x q_len x num_heads / 16
     seq_len: int  # the longest sequence the split plan is sized for
     kv_format: str
     precise: bool
@@ -202,16 +202,15 @@ class LaunchKey(NamedTuple):
 def plan_splits(key: LaunchKey) -> int:
     """The splits per sequence of the launch plan of `key` (cuda_plan on its GPU, with its kernel's CTAs per SM)."""
     lib = library(capability(key.device), key.precise)
-    return cuda_plan(key.batch, key.seq_len, torch.cuda.get_device_properties(key.device).multi_processor_count,
+    return cuda_plan(key.units, key.seq_len, torch.cuda.get_device_properties(key.device).multi_processor_count,
                      lib.mla_ctas_per_sm())
 
 
 def cuda_unusable_reason(problem) -> str | None:
-    """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): 16 heads, one query token, the
+    """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): a multiple of 16 heads, the
     FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build; else why not."""
-    if (problem.q_len, problem.num_heads) != (1, NUM_HEADS):
-        return (f"cuda backend: serves q_len 1 with {NUM_HEADS} heads, not q_len {problem.q_len} with "
-                f"{problem.num_heads}")
+    if problem.num_heads % QUERY_ROWS:
+        return f"cuda backend: serves multiples of {QUERY_ROWS} heads, not {problem.num_heads}"
     if problem.kv_format not in KV_FORMATS:
         return f"cuda backend: reads the FP8 and MXFP4 caches, not {problem.kv_format}"
     if problem.kv_format == "fp8" and problem.kv_dtype != torch.float8_e4m3fn:
@@ -228,24 +227,27 @@ class CudaDecode:
     def __init__(self, problem):
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
-        self.key = LaunchKey(device, batch, problem.max_seqlen, problem.kv_format, precise)
+        units = batch * problem.q_len * problem.num_heads // QUERY_ROWS
+        self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise)
         self.decode = library(capability(device), precise).mla_decode
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.num_splits = splits = plan_splits(self.key)
-        rows = batch * splits if splits > 1 else 0
-        self.part_o = torch.empty((rows, NUM_HEADS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
-        self.part_lse = torch.empty((rows, NUM_HEADS), dtype=torch.float32, device=device)
-        self.sync = torch.zeros((batch if splits > 1 else 0,), dtype=torch.int32, device=device)
+        parts = units * splits if splits > 1 else 0
+        self.part_o = torch.empty((parts, QUERY_ROWS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+        self.part_lse = torch.empty((parts, QUERY_ROWS), dtype=torch.float32, device=device)
+        self.sync = torch.zeros((units if splits > 1 else 0,), dtype=torch.int32, device=device)
         self.call = DecodeCall(part_o=self.part_o.data_ptr(), part_lse=self.part_lse.data_ptr(),
                                sync=self.sync.data_ptr(), batch=batch, num_splits=splits,
                                kv_format=int(problem.kv_format == "mxfp4"), page_size=problem.page_size,
-                               max_pages=problem.max_pages, qk_scale=problem.qk_scale)
+                               max_pages=problem.max_pages, num_heads=problem.num_heads, q_len=problem.q_len,
+                               causal=int(problem.causal and problem.q_len > 1), qk_scale=problem.qk_scale)
         self.address = ctypes.addressof(self.call)
 
     def run(self, q, kv, scale, seqs, table, out, lse) -> None:
-        """q (batch, 1, 16, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes, scale (1,) fp32 or (num_rows, >= 18)
-        E8M0; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,) (ragged); table (batch, max_pages) or
-        None; out (batch, 1, 16, 512) bf16; lse (batch, 16, 1) fp32 or None. q, kv, seqs and table start on 16-byte
+        """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes, scale (1,) fp32 or
+        (num_rows, >= 18) E8M0; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,) (ragged); table
+        (batch, max_pages) or None; out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len) fp32 or
+        None. q, kv, seqs and table start on 16-byte
         boundaries."""
         q_ptr, kv_ptr, seqs_ptr = q.data_ptr(), kv.data_ptr(), seqs.data_ptr()
         table_ptr = 0 if table is None else table.data_ptr()

@@ -6,7 +6,7 @@
 
 namespace mla {
 
-constexpr int H = 16;                  // query heads
+constexpr int H = 16;                  // query rows per CTA: 16 heads of one token
 constexpr int D = 576;                 // key width = bytes per FP8 row
 constexpr int DV = 512;                // value width
 constexpr int BN = 64;                 // KV rows per tile
@@ -14,14 +14,15 @@ constexpr int BN = 64;                 // KV rows per tile
 // One call's arguments, the one list from the Python launcher to the kernels: mla_decode.cuda.DecodeCall is a ctypes
 // Structure of the same fields in the same order (mla_decode_call_layout lets it check the layout), a plan sets its
 // own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it by value.
-// q (batch, 16, 576) bf16; kv: kv_format 0, the FP8 cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32; 1,
+// q (batch, q_len, num_heads, 576) bf16, num_heads a multiple of 16; kv: kv_format 0, the FP8 cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32; 1,
 // the MXFP4 codes (total_kv rows of 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride.
 // The rows of sequence b: page_size 0 (ragged), seqs is kv_indptr (batch + 1,) and they are kv_indptr[b] ..
 // kv_indptr[b+1] - 1; otherwise seqs is cache_seqlens (batch,) and position n is row block_table[b * max_pages + n /
-// page_size] * page_size + n % page_size. out (batch, 16, 512) bf16; lse (batch, 16) fp32, natural log, or null;
-// part_o (batch * num_splits, 16, 512) bf16, part_lse (batch * num_splits, 16) fp32 and sync (batch,) uint32: the
-// splits' partials and barrier (unused with one split); stream: the cudaStream_t to launch on; qk_scale =
-// sm_scale * log2(e).
+// page_size] * page_size + n % page_size. out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len)
+// fp32, natural log, or null; with units = batch * q_len * num_heads / 16 (QueryRows), part_o (units * num_splits,
+// 16, 512) bf16, part_lse (units * num_splits, 16) fp32 and sync (units,) uint32: the splits' partials and barrier
+// (unused with one split); causal (q_len > 1): token t sees the first length - (q_len - 1 - t) positions; stream:
+// the cudaStream_t to launch on; qk_scale = sm_scale * log2(e).
 struct DecodeCall {
   const __nv_bfloat16* q;
   const uint8_t* kv;
@@ -35,9 +36,23 @@ struct DecodeCall {
   float* part_lse;
   unsigned* sync;
   void* stream;
-  int scale_stride, kv_format, batch, total_kv, num_splits, page_size, max_pages;
+  int scale_stride, kv_format, batch, total_kv, num_splits, page_size, max_pages, num_heads, q_len, causal;
   float qk_scale;
 };
+
+// A CTA's 16 query rows: grid row `unit` = b * groups + group holds rows 16 group .. 16 group + 15 of sequence b's
+// q_len x num_heads (token-major, as q and out lie), all of token t (num_heads is a multiple of 16). The unit indexes
+// q, out, the partials and the barrier as the sequence did with 16 heads; row e's LSE is at lse0 + e * lse_stride.
+struct QueryRows {
+  int b, unit, t;
+  size_t lse0;
+  int lse_stride;
+};
+
+__device__ __forceinline__ QueryRows query_rows(const DecodeCall& c, int unit) {
+  const int groups = c.q_len * c.num_heads / H, b = unit / groups, r0 = (unit % groups) * H, t = r0 / c.num_heads;
+  return {b, unit, t, (static_cast<size_t>(b) * c.num_heads + r0 % c.num_heads) * c.q_len + t, c.q_len};
+}
 
 constexpr float LN2 = 0.6931471805599453f;  // the kernels' log-sum-exp is base 2, the caller's natural
 
@@ -62,15 +77,15 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
       make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }
 
-// The positions [lo, hi) of sequence b that split `split` attends to: splits of whole 64-row tiles, ntiles of them;
-// `start`: the sequence's first row (ragged). An invalid kv_indptr range or length reads nothing (valid = false; its
-// output rows become NaN).
+// The positions [lo, hi) of sequence b that split `split` attends to for token t: splits of whole 64-row tiles,
+// ntiles of them, over the positions the token sees; `start`: the sequence's first row (ragged). An invalid kv_indptr
+// range or length reads nothing (valid = false; its output rows become NaN).
 struct SplitRange {
   int lo, hi, ntiles, start;
   bool valid;
 };
 
-__device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, int split) {
+__device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, int split, int t) {
   int start = 0, len;
   bool valid;
   if (c.page_size == 0) {
@@ -83,6 +98,7 @@ __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, in
     valid = len >= 0 && len <= c.max_pages * c.page_size;
   }
   if (!valid) start = len = 0;
+  if (c.causal) len = max(len - (c.q_len - 1 - t), 0);
   const int per_split = ((len + c.num_splits - 1) / c.num_splits + BN - 1) / BN * BN;
   const int lo = split * per_split;
   const int hi = min(lo + per_split, len);

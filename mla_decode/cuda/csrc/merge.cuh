@@ -47,11 +47,12 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
 constexpr int MERGE_THREADS = 128;
 constexpr int MERGE_LOADS = 16;
 constexpr int MAX_SPLITS = 512;        // a quad's threads stay within one warp (S / 16 <= 32)
-// A split's NaN LSE marks a page outside the cache: the whole sequence becomes NaN. out_lse (16,) fp32, or null:
-// the merged natural-log LSE per head, written by the thread of each head's first quad.
+// A split's NaN LSE marks a page outside the cache: the whole sequence becomes NaN. out_lse, or null: the merged
+// natural-log LSE of row h at out_lse[h * lse_stride], written by the thread of each row's first quad.
 template <int W>
 __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
-                                            float* out_lse, int num_splits, int split, bool valid) {
+                                            float* out_lse, int lse_stride, int num_splits, int split,
+                                            bool valid) {
   constexpr int G = MERGE_LOADS / W;  // splits per thread
   const int log_splits = __ffs(num_splits) - 1;
   const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
@@ -114,29 +115,32 @@ __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat1
   if (threadIdx.x & (per_quad - 1)) return;
   const bool ok = valid && !bad_page;
   const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (ok ? 1.f : NAN);  // every split empty: zeros
-  if (out_lse && col == 0) out_lse[h] = ok ? (wsum > 0.f ? (mx + __log2f(wsum)) * LN2 : -INFINITY) : NAN;
+  if (out_lse && col == 0) out_lse[h * lse_stride] = ok ? (wsum > 0.f ? (mx + __log2f(wsum)) * LN2 : -INFINITY) : NAN;
 #pragma unroll
   for (int w = 0; w < W; ++w)
     store_bf16x4(out + h * DV + col + 4 * w,
                  make_float4(acc[w].x * scale, acc[w].y * scale, acc[w].z * scale, acc[w].w * scale));
 }
 
-// When the splits of sequence b have all written their partials, split `split` merges its share (call.num_splits:
-// a power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on b's range (false: NaN rows).
-__device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned base, int b, int split, bool valid) {
-  const int num_splits = call.num_splits;
-  wait_for_splits(call.sync, b, num_splits, base);
+// When the splits of a unit's rows have all written their partials, split `split` merges its share
+// (call.num_splits: a power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on the
+// sequence's range (false: NaN rows).
+__device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned base, const QueryRows& rows, int split,
+                                             bool valid) {
+  const int num_splits = call.num_splits, u = rows.unit;
+  wait_for_splits(call.sync, u, num_splits, base);
   // TUNE: barrier
   if (threadIdx.x >= MERGE_THREADS) return;
-  const float* lse = call.part_lse + static_cast<size_t>(b) * num_splits * H;
-  const __nv_bfloat16* po = call.part_o + static_cast<size_t>(b) * num_splits * H * DV;
-  __nv_bfloat16* o = call.out + static_cast<size_t>(b) * H * DV;
-  float* out_lse = call.lse ? call.lse + static_cast<size_t>(b) * H : nullptr;
+  const float* lse = call.part_lse + static_cast<size_t>(u) * num_splits * H;
+  const __nv_bfloat16* po = call.part_o + static_cast<size_t>(u) * num_splits * H * DV;
+  __nv_bfloat16* o = call.out + static_cast<size_t>(u) * H * DV;
+  float* out_lse = call.lse ? call.lse + rows.lse0 : nullptr;
+  const int ls = rows.lse_stride;
   switch (num_splits) {
-    case 2: merge_quads<8>(lse, po, o, out_lse, num_splits, split, valid); break;
-    case 4: merge_quads<4>(lse, po, o, out_lse, num_splits, split, valid); break;
-    case 8: merge_quads<2>(lse, po, o, out_lse, num_splits, split, valid); break;
-    default: merge_quads<1>(lse, po, o, out_lse, num_splits, split, valid);
+    case 2: merge_quads<8>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
+    case 4: merge_quads<4>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
+    case 8: merge_quads<2>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
+    default: merge_quads<1>(lse, po, o, out_lse, ls, num_splits, split, valid);
   }
 }
 

@@ -5,10 +5,10 @@
 //
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX, PAGED>(DecodeCall): grid (num_splits, batch) of CTAs of NTHREADS threads, the call's fields as
-// common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (batch * num_splits, 16, 512) bf16,
-// its normalised partial output, and part_lse (batch * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
-// sequence meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
+// split_kernel<STAGES, MX, PAGED>(DecodeCall): grid (num_splits, units) of CTAs (common.cuh's QueryRows) of NTHREADS threads, the call's fields as
+// common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, 16, 512) bf16,
+// its normalised partial output, and part_lse (units * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
+// unit meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
 // each merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
 // resident and the wait cannot hang.
 
@@ -65,7 +65,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
     configured |= 1u << dev;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.num_splits, a.batch);
+  cfg.gridDim = dim3(a.num_splits, a.batch * (a.q_len * a.num_heads / mla::H));
   cfg.blockDim = dim3(mla::NTHREADS);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(a.stream);
@@ -99,7 +99,7 @@ static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window) {
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
-constexpr int DECODE_CALL_FIELDS = 20;
+constexpr int DECODE_CALL_FIELDS = 23;
 extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
   const size_t layout[DECODE_CALL_FIELDS + 1] = {
@@ -109,7 +109,8 @@ extern "C" void mla_decode_call_layout(int* offsets) {
       offsetof(DecodeCall, part_lse), offsetof(DecodeCall, sync), offsetof(DecodeCall, stream),
       offsetof(DecodeCall, scale_stride), offsetof(DecodeCall, kv_format), offsetof(DecodeCall, batch),
       offsetof(DecodeCall, total_kv), offsetof(DecodeCall, num_splits), offsetof(DecodeCall, page_size),
-      offsetof(DecodeCall, max_pages), offsetof(DecodeCall, qk_scale), sizeof(DecodeCall)};
+      offsetof(DecodeCall, max_pages), offsetof(DecodeCall, num_heads), offsetof(DecodeCall, q_len),
+      offsetof(DecodeCall, causal), offsetof(DecodeCall, qk_scale), sizeof(DecodeCall)};
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
@@ -119,10 +120,12 @@ extern "C" int mla_decode(const DecodeCall* c) {
   static thread_local int sms[32] = {}, smem_per_block[32] = {}, max_window[32] = {};  // per device
   int dev = 0;
   cudaGetDevice(&dev);
-  const int num_splits = c->num_splits, batch = c->batch, kv_format = c->kv_format;
+  const int num_splits = c->num_splits, kv_format = c->kv_format;
+  const bool rows_ok = c->num_heads > 0 && c->num_heads % mla::H == 0 && c->q_len > 0;
+  const int units = rows_ok ? c->batch * (c->q_len * c->num_heads / mla::H) : 0;  // CTAs per split
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table);
-  if (dev >= 32 || !splits_ok || !pages_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
+  if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
     return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) {
     cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
@@ -133,7 +136,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
 #if MLA_WGMMA
   if (kv_format == 1)
     e = launch_layout<mla::MX_STAGES, true>(dev, *c, max_window[dev]);
-  else if (batch * num_splits > sms[dev])
+  else if (units * num_splits > sms[dev])
     e = launch_layout<mla::STAGES_SHARED, false>(dev, *c, max_window[dev]);
   else
     e = launch_layout<mla::STAGES_ALONE, false>(dev, *c, max_window[dev]);

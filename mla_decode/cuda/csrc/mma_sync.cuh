@@ -56,10 +56,12 @@ split_kernel(const DecodeCall call) {
   int* const rows_smem = reinterpret_cast<int*>(tail + SMEM_Q + SMEM_P + SMEM_RED);
   const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
-  const int split = blockIdx.x, b = blockIdx.y;
+  const int split = blockIdx.x;
+  const QueryRows rows = query_rows(call, blockIdx.y);
+  const int b = rows.b, unit = rows.unit;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const SplitRange range = split_range(call, b, split);
-  const unsigned base = arrival_base(call.sync, b, call.num_splits);
+  const SplitRange range = split_range(call, b, split, rows.t);
+  const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
   constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
@@ -90,7 +92,7 @@ split_kernel(const DecodeCall call) {
   for (int c = tid; c < H * D / 2; c += NTHREADS) {
     const int h = c / (D / 2), j = c % (D / 2);
     const float2 v =
-        __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(call.q + static_cast<size_t>(b) * H * D)[c]);
+        __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(call.q + static_cast<size_t>(unit) * H * D)[c]);
     *reinterpret_cast<__half2*>(qs + h * QROW + 2 * j) = __floats2half2_rn(v.x * call.qk_scale, v.y * call.qk_scale);
   }
   __syncthreads();
@@ -228,7 +230,7 @@ split_kernel(const DecodeCall call) {
   const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
   const bool ok = valid && !bad_page;
   // Group `grp` holds dims base + 4*t4 + {0, 1, 2, 3} as (even c0, odd c0, even c1, odd c1) for head g (c2, c3: g + 8).
-  const size_t part = static_cast<size_t>(b) * call.num_splits + split;
+  const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
 #pragma unroll
   for (int grp = 0; grp < VCOLS / 16; ++grp) {
     const float* ev = acc[2 * grp];
@@ -238,7 +240,7 @@ split_kernel(const DecodeCall call) {
     float4 v1 = make_float4(ev[2] * inv1, od[2] * inv1, ev[3] * inv1, od[3] * inv1);
     if (call.num_splits == 1) {
       if (!ok) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
-      __nv_bfloat16* o = call.out + static_cast<size_t>(b) * H * DV + col;
+      __nv_bfloat16* o = call.out + static_cast<size_t>(unit) * H * DV + col;
       store_bf16x4(o + g * DV, v0);
       store_bf16x4(o + (g + 8) * DV, v1);
     } else {
@@ -253,11 +255,11 @@ split_kernel(const DecodeCall call) {
       call.part_lse[part * H + g] = bad_page ? NAN : lse0;
       call.part_lse[part * H + g + 8] = bad_page ? NAN : lse1;
     } else if (call.lse) {
-      call.lse[static_cast<size_t>(b) * H + g] = ok ? lse0 * LN2 : NAN;
-      call.lse[static_cast<size_t>(b) * H + g + 8] = ok ? lse1 * LN2 : NAN;
+      call.lse[rows.lse0 + g * rows.lse_stride] = ok ? lse0 * LN2 : NAN;
+      call.lse[rows.lse0 + (g + 8) * rows.lse_stride] = ok ? lse1 * LN2 : NAN;
     }
   }
-  if (call.num_splits > 1) merge_splits(call, base, b, split, valid);
+  if (call.num_splits > 1) merge_splits(call, base, rows, split, valid);
 }
 
 }  // namespace mla

@@ -169,9 +169,11 @@ split_kernel(const DecodeCall call) {
   float* qscale = red + NWARPS * H;
   const PagedRows paged_rows{reinterpret_cast<int*>(qscale + H), reinterpret_cast<int*>(qscale + H) + ROW_SLOTS * BN};
 
-  const int split = blockIdx.x, b = blockIdx.y;
-  const SplitRange range = split_range(call, b, split);
-  const unsigned base = arrival_base(call.sync, b, call.num_splits);
+  const int split = blockIdx.x;
+  const QueryRows rows = query_rows(call, blockIdx.y);
+  const int b = rows.b, unit = rows.unit;
+  const SplitRange range = split_range(call, b, split, rows.t);
+  const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
   constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
@@ -233,7 +235,7 @@ split_kernel(const DecodeCall call) {
 #pragma unroll
   for (int j = 0; j < H / NWARPS; ++j) {
     const __nv_bfloat162* src =
-        reinterpret_cast<const __nv_bfloat162*>(call.q + (static_cast<size_t>(b) * H + warp + j * NWARPS) * D);
+        reinterpret_cast<const __nv_bfloat162*>(call.q + (static_cast<size_t>(unit) * H + warp + j * NWARPS) * D);
 #pragma unroll
     for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
   }
@@ -432,7 +434,7 @@ split_kernel(const DecodeCall call) {
   for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
   const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
   const bool ok = valid && !bad_page;
-  const size_t part = static_cast<size_t>(b) * call.num_splits + split;
+  const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -440,7 +442,7 @@ split_kernel(const DecodeCall call) {
       if (call.num_splits > 1)
         call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the sequence NaN
       else if (call.lse)
-        call.lse[static_cast<size_t>(b) * H + heads[e]] = ok ? lse2 * LN2 : NAN;
+        call.lse[rows.lse0 + heads[e] * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
     }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
@@ -467,11 +469,11 @@ split_kernel(const DecodeCall call) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
     if (call.num_splits == 1 && !ok) v = make_float4(NAN, NAN, NAN, NAN);
     __nv_bfloat16* dst =
-        call.num_splits == 1 ? call.out + static_cast<size_t>(b) * H * DV : call.part_o + part * H * DV;
+        call.num_splits == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
     store_bf16x4(dst + h * DV + col, v);
   }
   // TUNE: partial
-  if (call.num_splits > 1) merge_splits(call, base, b, split, valid);
+  if (call.num_splits > 1) merge_splits(call, base, rows, split, valid);
   // TUNE: merged
 }
 
