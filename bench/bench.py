@@ -326,7 +326,6 @@ def _memwalk(kv_format: str, page: int = 0):
         fk = ctx.floor_kernels()
         _, kv_data, _, kv_indptr, _ = data
         max_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
-        sweep_iters = max(3, ctx.args.iters // 5)
         expected_sum = fk.kv_checksum(kv_format, kv_data, kv_indptr)
         walked, pages = kv_data, None
         if page:
@@ -334,28 +333,44 @@ def _memwalk(kv_format: str, page: int = 0):
             walked = {kv_format: (paged.kv_cache, paged.kv_scale)}
             pages = (paged.block_table, paged.cache_seqlens, page)
         ours = _kernel_plan(ctx, data, kv_format)
-        configs = {(splits, block_n) for block_n in MEMWALK_BLOCK_N for splits in MEMWALK_SPLITS
-                   if splits == 1 or splits <= math.ceil(max_len / block_n)}  # no split without a tile to read
-        sweep = []
-        for splits, block_n in sorted(configs | {ours}):
-            walk = fk.MemWalk(kv_format, walked, kv_indptr, splits, block_n, pages)
-            if walk.checksum(walk()) != expected_sum:
-                raise RuntimeError(f"memwalk {kv_format} splits={splits} BLOCK_N={block_n}: checksum mismatch")
-            sweep.append((statistics.median(ctx.timer.leaderboard(walk, sweep_iters)), splits, block_n, walk))
+        sweep = memwalk_sweep(ctx, kv_format, walked, kv_indptr, pages, max_len, expected_sum, extra=(ours,))
         _, splits, block_n, walk = min(sweep, key=lambda t: t[0])
         note = f"best of sweep: splits {splits}, BLOCK_N {block_n}"
         ours_us = next(t for t, s, b, _ in sweep if (s, b) == ours)
         note += f"; at our kernel's plan (splits {ours[0]}, BLOCK_N {ours[1]}): {ours_us:.1f} µs"
-
-        def check(out) -> tuple[bool, float | None, str]:
-            got = walk.checksum(out)
-            return got == expected_sum, None, f"checksum {got:#010x} (expected {expected_sum:#010x})"
-
         extra = {"sweep": [{"splits": s, "block_n": b, "median_us": t} for t, s, b, _ in sweep],
                  "our_plan": list(ours), "our_plan_us": ours_us}
-        return Prepared(fn=walk, check=check, note=note, extra=extra)
+        return Prepared(fn=walk, check=checksum_check(walk, expected_sum), note=note, extra=extra)
 
     return prepare
+
+
+def memwalk_sweep(ctx: Context, kv_format: str, walked: dict, kv_indptr: torch.Tensor | None, pages: tuple | None,
+                  max_len: int, expected_sum: int, extra: tuple = ()) -> list:
+    """The memory-only walks (floor_kernels.MemWalk over `walked`, through `pages` where given) of every split count
+    x tile height of the sweep and of the `extra` (splits, BLOCK_N) configurations, each checked against
+    `expected_sum` (a mismatch raises) and timed: [(median µs, splits, BLOCK_N, walk)] in configuration order."""
+    fk = ctx.floor_kernels()
+    sweep_iters = max(3, ctx.args.iters // 5)
+    configs = {(splits, block_n) for block_n in MEMWALK_BLOCK_N for splits in MEMWALK_SPLITS
+               if splits == 1 or splits <= math.ceil(max_len / block_n)}  # no split without a tile to read
+    sweep = []
+    for splits, block_n in sorted(configs | set(extra)):
+        walk = fk.MemWalk(kv_format, walked, kv_indptr, splits, block_n, pages)
+        if walk.checksum(walk()) != expected_sum:
+            raise RuntimeError(f"memwalk {kv_format} splits={splits} BLOCK_N={block_n}: checksum mismatch")
+        sweep.append((statistics.median(ctx.timer.leaderboard(walk, sweep_iters)), splits, block_n, walk))
+    return sweep
+
+
+def checksum_check(walk, expected_sum: int) -> Callable[[object], tuple[bool, float | None, str]]:
+    """A memory walk's check: its checksum against the one torch computed over the same bytes."""
+
+    def check(out) -> tuple[bool, float | None, str]:
+        got = walk.checksum(out)
+        return got == expected_sum, None, f"checksum {got:#010x} (expected {expected_sum:#010x})"
+
+    return check
 
 
 class Paged(NamedTuple):
@@ -548,7 +563,7 @@ def measure_empty_launch(ctx: Context) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
@@ -586,11 +601,11 @@ def run_row(ctx: Context, method: Method, shape: Shape, data: tuple, expected: t
                 row.host_fresh_us = ctx.timer.host(_invoke, ctx.args.fresh_iters,
                                                    setup=fresh_calls(shape, prepared.fresh))
     except (Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
-        row.status, row.reason = "skipped", str(e) if isinstance(e, Unavailable) else _first_line(e)
+        row.status, row.reason = "skipped", str(e) if isinstance(e, Unavailable) else first_line(e)
         return row
     except Exception as e:  # a method that raises is reported loudly (ERROR, exit status 1); the others still run
         traceback.print_exc()
-        row.status, row.reason = "ERROR", _first_line(e)
+        row.status, row.reason = "ERROR", first_line(e)
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         return row
@@ -649,7 +664,7 @@ def summarize(rows: list[Row], methods: list[Method], n_shapes: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _f(v: float | None, spec: str) -> str:
+def fmt_or_dash(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
@@ -661,9 +676,10 @@ def detail_cells(r: Row) -> tuple[str, ...]:
     note = r.reason if r.status in ("skipped", "ERROR") else r.note
     if r.status == "FAIL":
         note = f"{r.check}; {note}" if note else r.check
-    return (r.method, r.status, _f(r.median_us, ".1f"), _f(r.mean_us, ".1f"), _f(r.back_to_back_us, ".1f"),
-            _f(r.host_us, ".1f"), _f(r.host_fresh_us, ".1f"), _f(r.gbps, ".0f"), _f(r.pct_ceiling, ".0f"),
-            _f(r.floor_us, ".1f"), _f(r.vs_best_peer, ".2f"), _f(r.rel_l2, ".1e"), note)
+    numbers = ((r.median_us, ".1f"), (r.mean_us, ".1f"), (r.back_to_back_us, ".1f"), (r.host_us, ".1f"),
+               (r.host_fresh_us, ".1f"), (r.gbps, ".0f"), (r.pct_ceiling, ".0f"), (r.floor_us, ".1f"),
+               (r.vs_best_peer, ".2f"), (r.rel_l2, ".1e"))
+    return (r.method, r.status, *(fmt_or_dash(v, spec) for v, spec in numbers), note)
 
 
 def compact_cell(r: Row) -> str:
@@ -691,10 +707,10 @@ def compact_table(rows: list[Row], summary: dict, shapes: list[Shape], methods: 
     for m in methods:
         sm = summary[m.name]
         partial = "" if sm["shapes_timed"] in (0, sm["shapes_total"]) else f" ({sm['shapes_timed']}/{len(shapes)})"
-        gm.append(_f(sm["geomean_us"], ".1f") + ("!" if sm["failed"] else "") + partial)
-        ratio.append(_f(sm["geomean_vs_best_peer"], ".2f"))
-        host.append(_f(sm["geomean_host_us"], ".1f"))
-        host_fresh.append(_f(sm["geomean_host_fresh_us"], ".1f"))
+        gm.append(fmt_or_dash(sm["geomean_us"], ".1f") + ("!" if sm["failed"] else "") + partial)
+        ratio.append(fmt_or_dash(sm["geomean_vs_best_peer"], ".2f"))
+        host.append(fmt_or_dash(sm["geomean_host_us"], ".1f"))
+        host_fresh.append(fmt_or_dash(sm["geomean_host_fresh_us"], ".1f"))
     gm.append(f"{geomean(list(fp8_floor.values())):.1f}")
     return [*table, gm, ratio + [""], host + [""], host_fresh + [""]]
 
@@ -926,7 +942,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"  {shape.name:>9} {m.name:<16} {row.status:<7} "
                   + (f"{row.median_us:9.1f} µs, b2b {row.back_to_back_us:.1f}, host {row.host_us:.1f}, host fresh "
-                     f"{_f(row.host_fresh_us, '.1f')}" if row.median_us is not None else row.reason), flush=True)
+                     f"{fmt_or_dash(row.host_fresh_us, '.1f')}" if row.median_us is not None else row.reason),
+                  flush=True)
         del data, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()
