@@ -591,8 +591,8 @@ if triton is not None:
                           SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
                           NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr):
         split = tl.program_id(0)
-        b = tl.program_id(1)
-        group = tl.program_id(2)  # query rows group * 16 .. group * 16 + 15 of sequence b
+        group = tl.program_id(1)  # query rows group * 16 .. group * 16 + 15 of sequence b: a sequence's groups are
+        b = tl.program_id(2)  # launched together, so all but the first read its tiles from L2
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
             tl.extra.cuda.gdc_launch_dependents()
@@ -848,7 +848,7 @@ class TritonDecode:
                             CAUSAL=key.causal and key.q_len > 1)
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
                               USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
-        self.split_grid = (splits, key.batch, query_rows // TRITON_BLOCK_H)
+        self.split_grid = (splits, query_rows // TRITON_BLOCK_H, key.batch)
         self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1)
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())

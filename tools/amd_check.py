@@ -485,6 +485,8 @@ def _describe(kernel: dict) -> str:
     """What a compiled kernel is, but for its split count (which changes none of its figures but the combine's)."""
     c = kernel["constexprs"]
     layout = (f"page {c['PAGE_SIZE']}" if c.get("PAGE_SIZE") else "ragged") + (" lse" if c.get("WRITE_LSE") else "")
+    if (c.get("Q_LEN", 1), c.get("NUM_HEADS", 16)) != (1, 16):  # a serving shape's query rows
+        layout += f", q_len {c.get('Q_LEN', 1)}{' causal' if c.get('CAUSAL') else ''} x {c.get('NUM_HEADS', 16)} heads"
     if kernel["name"] == "_mla_split_kernel":
         mode = c.get("KV_FORMAT", "?") + (" precise" if c.get("PRECISE") and c.get("KV_FORMAT") == "fp8" else "") + (
             " dot_scaled" if c.get("SCALED_SCORES") else "")
