@@ -1,11 +1,11 @@
-// Shared by both kernels: the per-sequence barrier of the splits and their merge.
+// Shared by both kernels: the per-unit barrier (a unit: 16 query rows of a sequence) of the splits and their merge.
 #pragma once
 
 #include "common.cuh"
 
 namespace mla {
 
-// The per-sequence barrier of the splits: sync[b] counts the arrivals of sequence b's CTAs over every launch (it
+// The per-unit barrier of the splits: sync[u] counts the arrivals of unit u's CTAs over every launch (it
 // only grows, wrapping at 2^32, a multiple of every power-of-two split count). A launch of S splits starts from a
 // multiple of S (every earlier launch on this workspace had S splits and completed) and its CTAs wait until the
 // count reaches the next one. Each CTA reads the count when it starts (arrival_base: off the barrier's path; its

@@ -5,12 +5,13 @@
 //
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX, PAGED>(DecodeCall): grid (num_splits, units) of CTAs (common.cuh's QueryRows) of NTHREADS threads, the call's fields as
-// common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, 16, 512) bf16,
-// its normalised partial output, and part_lse (units * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a
-// unit meet at a barrier (`sync`: per sequence a count of arrivals over all launches, zero before the first) and
-// each merges 1 / num_splits of the sequence's outputs. The grid is launched cooperatively, so all its CTAs are
-// resident and the wait cannot hang.
+// split_kernel<STAGES, MX, PAGED>(DecodeCall): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: 16
+// query rows of a sequence, common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
+// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, 16, 512) bf16,
+// its normalised partial output, and part_lse (units * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a unit
+// meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each merges
+// 1 / num_splits of the unit's outputs. The grid is launched cooperatively, so all its CTAs are resident and the
+// wait cannot hang.
 
 #if MLA_WGMMA
 #include <cstddef>
