@@ -308,6 +308,7 @@ class TorchDecode:
 
 TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program: the kernel's N side
 PAGE_CHUNK_TILES = 32  # pages of whole tiles: the tiles whose bases are read from the table at once
+TRITON_MAX_GRID = 65535  # the split kernel's grid: (splits, groups, batch); CUDA and HIP cap the last two there
 
 
 class TritonTarget(NamedTuple):
@@ -370,6 +371,10 @@ def triton_unusable_reason(problem: Problem) -> str | None:
         return f"triton backend: needs a GPU (or TRITON_INTERPRET=1); device is {problem.device}"
     if problem.num_heads % TRITON_BLOCK_H:
         return f"triton backend: serves multiples of {TRITON_BLOCK_H} heads, not {problem.num_heads}"
+    groups = problem.q_len * problem.num_heads // TRITON_BLOCK_H
+    if max(problem.batch, groups) > TRITON_MAX_GRID:
+        return (f"triton backend: batch {problem.batch} and {groups} groups of query rows a sequence must each be at "
+                f"most {TRITON_MAX_GRID} (the grid's second and third dimensions)")
     return None
 
 
@@ -744,7 +749,7 @@ if triton is not None:
 
 
 class TritonPlan(NamedTuple):
-    num_splits: int  # programs per sequence, each over a contiguous share of its rows
+    num_splits: int  # programs per group of 16 query rows, each over a contiguous share of the sequence's rows
     block_n: int  # rows per tile
     num_warps: int
     num_stages: int  # Triton's software pipeline: num_stages - 1 tiles in flight in shared memory
@@ -1636,8 +1641,10 @@ def select_backend(problem: Problem, backend: str = "auto") -> Selection:
 #   lse:           (batch, num_heads, q_len) float32, the natural log of each softmax denominator (scores scaled)
 # Causal (q_len > 1): query token t of sequence b sees the first cache_seqlens[b] - q_len + 1 + t slots. A query that
 # sees nothing gives out 0 and lse -inf. The GPU kernels never follow a page outside [0, num_pages) or read past a
-# sequence's length: a sequence whose length or pages are invalid comes out NaN (out and lse); check_contents=True
-# (a host sync) raises instead, naming the argument and the sequence, and the torch backend always does.
+# sequence's length: a sequence whose length is invalid comes out NaN (out and lse), and so does every query token
+# that would read a page outside the cache (with q_len 1 or without causal, the whole sequence; causal tokens that
+# stop before it keep their values); check_contents=True (a host sync) raises instead, naming the argument and the
+# sequence, and the torch backend always does.
 # ---------------------------------------------------------------------------------------------------------------------
 
 

@@ -14,8 +14,10 @@ Layouts:
   lse:           (batch, num_heads, q_len) float32, the natural log of each softmax denominator (scores scaled)
 Causal (q_len > 1): query token t of sequence b sees the first cache_seqlens[b] - q_len + 1 + t slots. A query that
 sees nothing gives out 0 and lse -inf. The GPU kernels never follow a page outside [0, num_pages) or read past a
-sequence's length: a sequence whose length or pages are invalid comes out NaN (out and lse); check_contents=True
-(a host sync) raises instead, naming the argument and the sequence, and the torch backend always does.
+sequence's length: a sequence whose length is invalid comes out NaN (out and lse), and so does every query token
+that would read a page outside the cache (with q_len 1 or without causal, the whole sequence; causal tokens that
+stop before it keep their values); check_contents=True (a host sync) raises instead, naming the argument and the
+sequence, and the torch backend always does.
 """
 
 from typing import NamedTuple

@@ -91,6 +91,8 @@ def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8",
     if emulation not in EMULATIONS:
         raise ValueError(f"emulation: expected one of {EMULATIONS}, got {emulation!r}")
     q, kv_data, qo_indptr, kv_indptr, config = data
+    if config["q_seq_len"] != 1:
+        raise ValueError(f"kernel_emulation: one query token per sequence, not q_seq_len {config['q_seq_len']}")
     kv, scale = kv_data[kv_format]
     keys = (kv[:, 0].double() * scale.double() if kv_format == "fp8" else
             dequantize_mxfp4(kv, scale, torch.float64)[:, 0])  # (total_kv, 576)
@@ -128,6 +130,8 @@ def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) ->
     import mla_decode.cuda as C
 
     q, kv_data, _, _, config = data  # the split plan's length as the adapter sizes it
+    if config["q_seq_len"] != 1:
+        raise ValueError(f"emulation_of: one query token per sequence, not q_seq_len {config['q_seq_len']}")
     kv_seq_len = config["kv_seq_len"]
     seq_len = kv_seq_len if kv_seq_len is not None else -(-kv_data[kv_format][0].shape[0] // q.shape[0])
     return emulation, Tiling(num_splits=C.plan_splits(C.LaunchKey(q.device, q.shape[0], seq_len, kv_format, False)))

@@ -98,6 +98,20 @@ def test_other_head_counts_go_to_torch():
     check(case, *mla_decode.mla_decode_with_kvcache(*case.args(), backend="torch"), "torch")
 
 
+def test_grids_past_the_launch_limits_are_refused():
+    """A grid dimension holds at most 65535: the cuda kernels' units of 16 query rows, the triton kernel's batch and
+    groups. Past them each backend refuses with the reason (auto then passes over it) instead of failing at launch."""
+    from mla_decode.select import cuda_unusable_reason, triton_unusable_reason
+
+    big = mla_decode.api.make_problem(2048, torch.float8_e4m3fn, "cpu", layout="paged", page_size=64, max_pages=4,
+                                      q_len=4, num_heads=128, causal=True)  # 65536 units
+    assert "65536 units of query rows, more than the grid's 65535" in cuda_unusable_reason(big)
+    assert "units" not in cuda_unusable_reason(big._replace(batch=2047))
+    if mla_decode.contract.triton is not None:
+        assert "batch 65536" in triton_unusable_reason(big._replace(batch=65536, q_len=1, num_heads=16))
+        assert "batch" not in (triton_unusable_reason(big._replace(batch=65535, q_len=1, num_heads=16)) or "")
+
+
 def test_non_causal_multi_token_sees_everything():
     case = make_paged_case("fp8", 16, [5, 33], seed=7, q_len=3, causal=False)
     out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=False, backend="torch")
@@ -398,17 +412,62 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
 
 @pytest.mark.gpu
 @needs_nvidia
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
+def test_gpu_many_sequences_one_split(kernel, causal):
+    """40 sequences of q_len 2 x 128 heads fill the GPU without splitting (640 units or programs of 16 rows): the
+    split kernels write the output and the LSE themselves; causal and not, against the float64 truth."""
+    backend, kv_format, precision = kernel
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    lens = [0, 1, 3, 77, 200] * 8
+    case = make_paged_case(kv_format, 64, lens, seed=40 + causal, q_len=2, num_heads=128, causal=causal,
+                           device="cuda")
+    decode = mla_decode.plan(len(lens), 64, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=128,
+                             q_len=2, causal=causal, backend=backend, precision=precision, max_seqlen=max(lens),
+                             kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
+    splits = decode.impl.num_splits if backend == "cuda" else decode.impl.key.plan.num_splits
+    assert splits == 1
+    out, lse = decode.run(*case.args())
+    out_error, lse_error = errors(out, lse, *paged_reference(case, q=_gpu_queries(case, backend, precision)))
+    out_bound, lse_bound = GPU_BOUNDS[kernel]
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_a_bad_page_only_later_tokens_reach(backend):
+    """q_len 2, causal: sequence 1's last page, outside the cache, holds only its last position. Token 1 reads it
+    and comes out NaN; token 0 stops before it and keeps its value, as the other sequences do."""
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    case = make_paged_case("fp8", 16, [200, 4497, 7], seed=6, q_len=2, num_heads=32, device="cuda")
+    table = case.block_table.clone()
+    table[1, 4496 // 16] = 10_000
+    out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale,
+                                                  causal=True, backend=backend, max_seqlen=4497)
+    assert torch.isnan(out[1, 1]).all() and torch.isnan(lse[1, :, 1]).all()
+    assert torch.isfinite(out[1, 0]).all() and torch.isfinite(lse[1, :, 0]).all()
+    assert torch.isfinite(out[[0, 2]]).all() and torch.isfinite(lse[[0, 2]]).all()
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("q_len,num_heads", [(1, 16), (2, 32)])
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("name", sorted(BAD_CONTENTS))
-def test_gpu_invalid_contents_give_nan_rows(backend, name):
+def test_gpu_invalid_contents_give_nan_rows(backend, name, q_len, num_heads):
+    """Sequence 1's table (an early page, which every token reads) or length is invalid: every one of its query rows
+    is NaN, the other sequences' finite."""
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
     edit_table, edit_lens, _ = BAD_CONTENTS[name]
-    case = make_paged_case("fp8", 16, [200, 4500, 7], seed=5, device="cuda")
+    case = make_paged_case("fp8", 16, [200, 4500, 7], seed=5, q_len=q_len, num_heads=num_heads, device="cuda")
     table, lens = case.block_table.cpu(), case.cache_seqlens.cpu()
     (edit_table or edit_lens)(table, lens)
     out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table.cuda(), lens.cuda(), case.kv_scale,
-                                                  backend=backend, max_seqlen=4500)
+                                                  causal=case.causal, backend=backend, max_seqlen=4500)
     assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
     assert torch.isfinite(out[[0, 2]]).all() and torch.isfinite(lse[[0, 2]]).all()
 

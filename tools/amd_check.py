@@ -634,6 +634,8 @@ def main(argv=None) -> int:
         if any(len(case) not in sizes or min(case) < 0 for case in given):
             forms = " or ".join("x".join("BNPLH"[:size]) for size in sizes)
             ap.error(f"{name}: expected {forms} of figures >= 0, got {_unshapes(given)}")
+    if any(len(case) == 5 and (case[3] < 1 or case[4] < 16 or case[4] % 16) for case in args.library):
+        ap.error(f"--library: q_len >= 1 and heads a multiple of 16 expected, got {_unshapes(args.library)}")
     cases = Cases(args.shapes, modes, args.library)
     if args.worker:
         args.out.write_text(json.dumps(run_worker(args.worker, args.submission.resolve(), cases)))

@@ -11,7 +11,7 @@ behind each choice):
 - Other GPUs (sm_80+; csrc/mma_sync.cuh): mma.sync m16n8k16 in fp16 with fp32 sums, Q in registers; also the
   precise mode on Hopper.
 With more than one split per sequence the grid is launched cooperatively and its CTAs merge their own partials
-behind a per-sequence barrier (csrc/merge.cuh): one launch per call.
+behind a barrier per unit of 16 query rows (csrc/merge.cuh): one launch per call.
 Nothing here imports the rest of mla_decode: the few constants it needs are its own.
 """
 
@@ -35,6 +35,7 @@ MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is nativ
 WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
 BLOCK_N = 64  # KV rows per tile (BN in the source)
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
+MAX_UNITS = 65535  # the grid's y dimension: units of 16 query rows (batch x q_len x heads / 16)
 CSRC = Path(__file__).resolve().parent / "csrc"  # the sources built (bench/tune_cuda.py points it at patched copies)
 MAIN_SOURCE = "mla_decode.cu"  # the one translation unit; it includes the .cuh files beside it
 
@@ -152,11 +153,11 @@ def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool 
 
 
 def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
-    """Splits per sequence: the largest power of two with batch x splits <= the CTAs that fit at once (ctas_per_sm x
-    SMs; the merge's barrier needs them all resident), at most MAX_SPLITS and at least one 64-row tile per split;
-    then, while a second CTA per SM would be needed (batch x splits > SMs), halved as long as a split would hold fewer
-    than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little work). The sweeps behind it
-    are in docs/design-notes.md."""
+    """Splits per unit (`batch` units of 16 query rows): the largest power of two with batch x splits <= the CTAs that
+    fit at once (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most MAX_SPLITS and at least one
+    64-row tile per split; then, while a second CTA per SM would be needed (batch x splits > SMs), halved as long as
+    a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little
+    work). The sweeps behind it are in docs/design-notes.md."""
     tiles = max(1, seq_len // BLOCK_N)
     limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, MAX_SPLITS))
     splits = 1 << (limit.bit_length() - 1)
@@ -211,6 +212,10 @@ def cuda_unusable_reason(problem) -> str | None:
     FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build; else why not."""
     if problem.num_heads % QUERY_ROWS:
         return f"cuda backend: serves multiples of {QUERY_ROWS} heads, not {problem.num_heads}"
+    units = problem.batch * problem.q_len * problem.num_heads // QUERY_ROWS
+    if units > MAX_UNITS:
+        return (f"cuda backend: batch x q_len x heads / {QUERY_ROWS} = {units} units of query rows, more than the "
+                f"grid's {MAX_UNITS}")
     if problem.kv_format not in KV_FORMATS:
         return f"cuda backend: reads the FP8 and MXFP4 caches, not {problem.kv_format}"
     if problem.kv_format == "fp8" and problem.kv_dtype != torch.float8_e4m3fn:
@@ -220,7 +225,7 @@ def cuda_unusable_reason(problem) -> str | None:
 
 class CudaDecode:
     """The cuda backend's plan for a problem: the kernel library, the split count, the workspace (the splits'
-    partials and the per-sequence barrier's counters, all empty with one split) and one DecodeCall with the plan's
+    partials and the per-unit barrier's counters, all empty with one split) and one DecodeCall with the plan's
     fields set. run() sets the inputs' fields and makes one ctypes call: no allocation, no host read. Runs of one
     plan share its workspace: they must be issued in order on one stream."""
 

@@ -36,8 +36,8 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
   __syncthreads();
 }
 
-// The merge of one sequence's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Split
-// `split` of S merges its 2048 / S of the sequence's 2048 quads (4 columns of one head) with 128 threads, and every
+// The merge of one unit's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Split
+// `split` of S merges its 2048 / S of the unit's 2048 quads (4 columns of one head) with 128 threads, and every
 // thread issues all its 16 loads (8-byte quads of the bf16 partials, L2 only: other SMs wrote them) before using any:
 // one round trip. The partials are bf16 because the merge is a convex combination (its error stays at the bf16
 // output's) and half the bytes shorten the handoff: fp32 partials took 0.3-0.7 us more at the split shapes (H200).
@@ -47,7 +47,7 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
 constexpr int MERGE_THREADS = 128;
 constexpr int MERGE_LOADS = 16;
 constexpr int MAX_SPLITS = 512;        // a quad's threads stay within one warp (S / 16 <= 32)
-// A split's NaN LSE marks a page outside the cache: the whole sequence becomes NaN. out_lse, or null: the merged
+// A split's NaN LSE marks a page outside the cache: the unit's rows become NaN. out_lse, or null: the merged
 // natural-log LSE of row h at out_lse[h * lse_stride], written by the thread of each row's first quad.
 template <int W>
 __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
@@ -57,7 +57,7 @@ __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat1
   const int log_splits = __ffs(num_splits) - 1;
   const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
   const int per_quad = 1 << log_per_quad;
-  const int quad = (split << (11 - log_splits)) + (threadIdx.x >> log_per_quad) * W;  // 2048 quads per sequence
+  const int quad = (split << (11 - log_splits)) + (threadIdx.x >> log_per_quad) * W;  // 2048 quads per unit
   const int h = quad / (DV / 4), col = quad % (DV / 4) * 4, s0 = (threadIdx.x & (per_quad - 1)) * G;
   const float* lse_s0 = lse + s0 * H + h;  // split s0 + j at j * H
   const uint2* po_s0 = reinterpret_cast<const uint2*>(po + (static_cast<size_t>(s0) * H + h) * DV + col);

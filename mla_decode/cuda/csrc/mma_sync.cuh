@@ -251,7 +251,7 @@ split_kernel(const DecodeCall call) {
   }
   if (warp == 0 && t4 == 0) {
     const float lse0 = l0 > 0.f ? m0 + log2f(l0) : -INFINITY, lse1 = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
-    if (call.num_splits > 1) {  // NaN: a page outside the cache; the merge makes the sequence NaN
+    if (call.num_splits > 1) {  // NaN: a page outside the cache; the merge makes the unit NaN
       call.part_lse[part * H + g] = bad_page ? NAN : lse0;
       call.part_lse[part * H + g + 8] = bad_page ? NAN : lse1;
     } else if (call.lse) {

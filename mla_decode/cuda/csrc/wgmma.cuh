@@ -440,7 +440,7 @@ split_kernel(const DecodeCall call) {
     for (int e = 0; e < 4; ++e) {
       const float lse2 = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
       if (call.num_splits > 1)
-        call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the sequence NaN
+        call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the unit NaN
       else if (call.lse)
         call.lse[rows.lse0 + heads[e] * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
     }
