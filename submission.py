@@ -286,7 +286,7 @@ class TorchDecode:
 # on NVIDIA and AMD GPUs (and on the CPU under TRITON_INTERPRET=1); its plans are sized per target.
 #
 # A sequence's q_len x num_heads query rows are folded as row t * num_heads + h (token t, head h; q's own layout) and
-# taken 16 at a time: program (split, b, group) walks its share of sequence b's rows in tiles of BLOCK_N rows, each
+# taken 16 at a time: program (split, group, b) walks its share of sequence b's rows in tiles of BLOCK_N rows, each
 # tile read once for the group's 16 query rows. Causal: token t sees the positions before end - (q_len - 1 - t), a
 # mask per query row. Scores are computed transposed, S^T (BLOCK_N x 16) = K Q^T, so that the rows are the MMA's M
 # side (wgmma needs M >= 64); the output likewise, O^T (512 x 16) += V^T P^T, in four 128-dim chunks so each operand
@@ -364,6 +364,11 @@ def triton_launch_options(target: TritonTarget, num_warps: int, num_stages: int 
     return options
 
 
+def query_groups(q_len: int, num_heads: int) -> int:
+    """The programs a sequence's query rows take per split (num_heads a multiple of TRITON_BLOCK_H)."""
+    return q_len * num_heads // TRITON_BLOCK_H
+
+
 def triton_unusable_reason(problem: Problem) -> str | None:
     if triton is None:
         return f"triton does not import: {TRITON_IMPORT_ERROR!r}"
@@ -371,7 +376,7 @@ def triton_unusable_reason(problem: Problem) -> str | None:
         return f"triton backend: needs a GPU (or TRITON_INTERPRET=1); device is {problem.device}"
     if problem.num_heads % TRITON_BLOCK_H:
         return f"triton backend: serves multiples of {TRITON_BLOCK_H} heads, not {problem.num_heads}"
-    groups = problem.q_len * problem.num_heads // TRITON_BLOCK_H
+    groups = query_groups(problem.q_len, problem.num_heads)
     if max(problem.batch, groups) > TRITON_MAX_GRID:
         return (f"triton backend: batch {problem.batch} and {groups} groups of query rows a sequence must each be at "
                 f"most {TRITON_MAX_GRID} (the grid's second and third dimensions)")
@@ -814,7 +819,7 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     """The launch key of a problem on its device's target (or `target`), with triton_plan's plan (or `plan`: a
     TritonPlan, or its first 4 fields)."""
     target = target or triton_target(problem.device)
-    groups = problem.q_len * problem.num_heads // TRITON_BLOCK_H
+    groups = query_groups(problem.q_len, problem.num_heads)
     plan = TritonPlan(*plan) if plan is not None else triton_plan(problem.batch, problem.max_seqlen, target,
                                                                   problem.kv_format, groups)
     return TritonKey(problem.device, target, problem.batch, problem.q_len, problem.num_heads, problem.causal,
@@ -853,7 +858,7 @@ class TritonDecode:
                             CAUSAL=key.causal and key.q_len > 1)
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
                               USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
-        self.split_grid = (splits, query_rows // TRITON_BLOCK_H, key.batch)
+        self.split_grid = (splits, query_groups(key.q_len, key.num_heads), key.batch)
         self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1)
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())

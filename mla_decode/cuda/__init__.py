@@ -207,12 +207,17 @@ def plan_splits(key: LaunchKey) -> int:
                      lib.mla_ctas_per_sm())
 
 
+def query_units(problem) -> int:
+    """The CTAs a problem's query rows take per split: batch x q_len x num_heads / 16 (the grid's y)."""
+    return problem.batch * problem.q_len * problem.num_heads // QUERY_ROWS
+
+
 def cuda_unusable_reason(problem) -> str | None:
     """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): a multiple of 16 heads, the
     FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build; else why not."""
     if problem.num_heads % QUERY_ROWS:
         return f"cuda backend: serves multiples of {QUERY_ROWS} heads, not {problem.num_heads}"
-    units = problem.batch * problem.q_len * problem.num_heads // QUERY_ROWS
+    units = query_units(problem)
     if units > MAX_UNITS:
         return (f"cuda backend: batch x q_len x heads / {QUERY_ROWS} = {units} units of query rows, more than the "
                 f"grid's {MAX_UNITS}")
@@ -232,7 +237,7 @@ class CudaDecode:
     def __init__(self, problem):
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
-        units = batch * problem.q_len * problem.num_heads // QUERY_ROWS
+        units = query_units(problem)
         self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise)
         self.decode = library(capability(device), precise).mla_decode
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
