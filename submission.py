@@ -301,8 +301,8 @@ class TorchDecode:
 #   mxfp4:       gfx950: tl.dot_scaled on the codes and block scales as they lie, Q in E4M3 per head. Elsewhere the
 #                codes become fp16 (value * 2^-6, exact) times the block scale, against fp16 Q * softmax scale.
 #   bf16:        bf16 Q against the bf16 tile, fp32 sums.
-# V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is). Under the interpreter the dots take fp32
-# operands (DOT_DTYPE): its bf16 dots are wrong.
+# V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is; fast FP8 on NVIDIA cast before the transpose).
+# Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -481,14 +481,21 @@ if triton is not None:
 
     @triton.jit
     def _kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr,
-                 TRANS: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+                 TRANS: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+                 V_CAST_FIRST: tl.constexpr = False):
         """Columns COL0:COL0+WIDTH of the cache rows base + offs, (BLOCK_N, WIDTH), or their transpose when TRANS (the
         V^T operand), in DOT_DTYPE. fp8 and bf16: the tile as it lies, converted; mxfp4: the values * 2^-6. Rows not
-        row_ok read as 0."""
+        row_ok read as 0. V_CAST_FIRST: fp8 V^T converted before its transpose (TritonPlan.v_cast_first)."""
         BLOCK_N: tl.constexpr = row_ok.shape[0]
         if KV_FORMAT != "mxfp4":
             x = tl.load(kv_ptr + base * _QK_DIM + COL0 + offs[:, None] * _QK_DIM + tl.arange(0, WIDTH)[None, :],
                         mask=row_ok[:, None], other=0.0)
+            if TRANS and V_CAST_FIRST and KV_FORMAT == "fp8":
+                # Triton moves a plain cast after the transpose, which then reads the FP8 bytes one at a time; split
+                # and join (of the 4-byte halves of 8, whole registers: no byte permutes) keep it before.
+                first, second = x.reshape(BLOCK_N, WIDTH // 8, 2, 4).permute(0, 1, 3, 2).split()
+                v = tl.join(first.to(DOT_DTYPE), second.to(DOT_DTYPE)).permute(0, 1, 3, 2)
+                return tl.trans(v.reshape(BLOCK_N, WIDTH))
             if TRANS:  # the same load as the K operand: Triton reads both from one shared-memory tile
                 x = tl.trans(x)
             return x.to(DOT_DTYPE)
@@ -545,7 +552,7 @@ if triton is not None:
     def _attend_tile(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope,
                      s_scale, m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT: tl.constexpr, K_DTYPE: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SCALED_SCORES: tl.constexpr,
-                     CAUSAL: tl.constexpr):
+                     CAUSAL: tl.constexpr, V_CAST_FIRST: tl.constexpr):
         """One tile of the online softmax: the scores of rows base + offs, positions n0 .. n0 + BLOCK_N - 1 (those
         not row_ok masked, and under CAUSAL those at or past a query row's limit (16,)), the running max and sum, and
         the four 128-dim chunks of O^T, updated."""
@@ -583,13 +590,13 @@ if triton is not None:
         m_i = m_new
         p = p.to(DOT_DTYPE)
         acc0 = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 0, 128, True, KV_FORMAT,
-                               DOT_DTYPE, USE_ASM), p, acc0 * alpha[None, :])
+                               DOT_DTYPE, USE_ASM, V_CAST_FIRST), p, acc0 * alpha[None, :])
         acc1 = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 128, 128, True, KV_FORMAT,
-                               DOT_DTYPE, USE_ASM), p, acc1 * alpha[None, :])
+                               DOT_DTYPE, USE_ASM, V_CAST_FIRST), p, acc1 * alpha[None, :])
         acc2 = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 256, 128, True, KV_FORMAT,
-                               DOT_DTYPE, USE_ASM), p, acc2 * alpha[None, :])
+                               DOT_DTYPE, USE_ASM, V_CAST_FIRST), p, acc2 * alpha[None, :])
         acc3 = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 384, 128, True, KV_FORMAT,
-                               DOT_DTYPE, USE_ASM), p, acc3 * alpha[None, :])
+                               DOT_DTYPE, USE_ASM, V_CAST_FIRST), p, acc3 * alpha[None, :])
         return m_i, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -599,7 +606,8 @@ if triton is not None:
                           PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
                           USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
                           SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
-                          NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr):
+                          NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
+                          V_CAST_FIRST: tl.constexpr):
         split = tl.program_id(0)
         group = tl.program_id(1)  # query rows group * 16 .. group * 16 + 15 of sequence b: a sequence's groups are
         b = tl.program_id(2)  # launched together, so all but the first read its tiles from L2
@@ -689,7 +697,7 @@ if triton is not None:
                     m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                         kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope,
                         s_scale, m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT, K_DTYPE, DOT_DTYPE, USE_ASM,
-                        SCALED_SCORES, CAUSAL)
+                        SCALED_SCORES, CAUSAL, V_CAST_FIRST)
         else:
             for n0 in range(lo, hi, BLOCK_N):
                 base, offs, row_ok, tile_bad = _tile_rows(table_row, n0, hi, num_pages, BLOCK_N, PAGE_SIZE)
@@ -698,7 +706,7 @@ if triton is not None:
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                     kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope, s_scale,
                     m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT, K_DTYPE, DOT_DTYPE, USE_ASM, SCALED_SCORES,
-                    CAUSAL)
+                    CAUSAL, V_CAST_FIRST)
 
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
@@ -762,6 +770,9 @@ class TritonPlan(NamedTuple):
     # pages of whole tiles read PAGE_CHUNK_TILES tile bases at a time (else each tile's rows looked up as for small
     # pages): the chunked walk's nested loop does not compile for gfx950 with Triton 3.6 (tools/amd_check.py)
     chunked_pages: bool = True
+    # FP8 V cast to the dot type before its transpose (ldmatrix.trans on an fp16 tile, not one shared load a byte):
+    # no spills and half the instructions a tile on the H200; AMD keeps the figures tools/amd_check.py gates
+    v_cast_first: bool = True
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -772,12 +783,14 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, groups: int = 1) -> TritonPlan:
+def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, groups: int = 1,
+                precise: bool = False) -> TritonPlan:
     """The launch plan for `batch` sequences of up to `seq_len` rows and `groups` programs of query rows each on
     `target`: block_n 64 and 4 warps; splits a power of two that puts batch x groups x splits near the programs
     resident at once (more only add partials and waves);
     as many stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and
-    gfx950's dot_scaled MXFP4 1 (2 waves per SIMD). docs/design-notes.md has the sweeps behind these numbers."""
+    gfx950's dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel
+    on NVIDIA (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     block_n, num_warps = 64, 4
     max_splits = 32 if kv_format == "fp8" else 64
     amd = target.vendor == "amd"
@@ -790,7 +803,8 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     stage_choices = (1,) if scaled else (2,) if (amd and kv_format == "mxfp4") or kv_format == "bf16" else (3, 2)
     stages = next((s for s in stage_choices if split_kernel_shared_bytes(block_n, s, kv_format) <= target.shared_bytes),
                   1)
-    return TritonPlan(splits, block_n, num_warps, stages, scaled, chunked_pages=not amd)
+    v_cast_first = kv_format == "fp8" and not precise and not amd
+    return TritonPlan(splits, block_n, num_warps, stages, scaled, chunked_pages=not amd, v_cast_first=v_cast_first)
 
 
 class TritonKey(NamedTuple):
@@ -821,7 +835,8 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     target = target or triton_target(problem.device)
     groups = query_groups(problem.q_len, problem.num_heads)
     plan = TritonPlan(*plan) if plan is not None else triton_plan(problem.batch, problem.max_seqlen, target,
-                                                                  problem.kv_format, groups)
+                                                                  problem.kv_format, groups,
+                                                                  problem.precision == "precise")
     return TritonKey(problem.device, target, problem.batch, problem.q_len, problem.num_heads, problem.causal,
                      problem.kv_format, problem.kv_dtype, problem.scale_dtype, problem.scale_stride,
                      problem.precision == "precise", problem.page_size, problem.max_seqlen, problem.return_lse, plan)
@@ -855,7 +870,7 @@ class TritonDecode:
                             USE_ASM=nvidia, ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1,
                             SCALED_SCORES=plan.scaled_scores, WRITE_LSE=key.write_lse,
                             CHUNKED_PAGES=plan.chunked_pages, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
-                            CAUSAL=key.causal and key.q_len > 1)
+                            CAUSAL=key.causal and key.q_len > 1, V_CAST_FIRST=plan.v_cast_first)
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
                               USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
         self.split_grid = (splits, query_groups(key.q_len, key.num_heads), key.batch)

@@ -65,15 +65,17 @@ def test_precise_mode_and_a_page_size_off_the_tile(backend):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("chunked_pages", [True, False])
-def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages):
-    """Pages of 64 rows (whole tiles): the chunked walk (NVIDIA's plans) and the row-by-row one (AMD's: the chunked
-    walk does not compile for gfx950 with Triton 3.6) give the truth, over 2 splits."""
+@pytest.mark.parametrize("chunked_pages,v_cast_first", [(True, True), (False, False)])
+def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages, v_cast_first):
+    """Pages of 64 rows (whole tiles) as NVIDIA's plans take them (the chunked walk, FP8 V converted before its
+    transpose) and as AMD's do (row by row: the chunked walk does not compile for gfx950 with Triton 3.6; V
+    transposed as bytes) give the truth, over 2 splits."""
     case = make_paged_case("fp8", 64, LENS, seed=21)
     problem = mla_decode.api.make_problem(len(LENS), case.kv_cache.dtype, "cpu", layout="paged", page_size=64,
                                           max_pages=case.block_table.shape[1])
-    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": (2, 64, 4, 3, False, chunked_pages)})
-    assert decode.impl.key.plan.chunked_pages == chunked_pages
+    plan = (2, 64, 4, 3, False, chunked_pages, v_cast_first)
+    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
+    assert decode.impl.key.plan == plan
     check(case, *decode.run(*case.args()), "triton")
 
 
