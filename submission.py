@@ -405,11 +405,12 @@ if triton is not None:
         magnitude = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds to an integer
         return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
 
-    # 4 packed bytes ($4) -> the e4m3 bytes of their low nibbles (even elements) and high nibbles (odd elements)
-    # -> f16x2 pairs: $0, $1 = even elements of bytes 0-1, 2-3; $2, $3 = odd elements.
+    # 4 packed bytes ($4) -> the e4m3 bytes of their low nibbles and of their high nibbles, interleaved byte by byte
+    # -> f16x2 pairs in the values' order: $k = (low, high) nibble of byte k, which the join after it keeps (a pair a
+    # register, no byte permutes).
     _MXFP4_PTX = tl.constexpr("""{
-    .reg .b32 lo, hi, t, u;
-    .reg .b16 l0, l1, h0, h1;
+    .reg .b32 lo, hi, t, u, p, q;
+    .reg .b16 a, b, c, d;
     shl.b32 t, $4, 2;
     shl.b32 u, $4, 4;
     and.b32 t, t, 0x1C1C1C1C;
@@ -419,12 +420,14 @@ if triton is not None:
     and.b32 t, t, 0x1C1C1C1C;
     and.b32 u, $4, 0x80808080;
     or.b32 hi, t, u;
-    mov.b32 {l0, l1}, lo;
-    mov.b32 {h0, h1}, hi;
-    cvt.rn.f16x2.e4m3x2 $0, l0;
-    cvt.rn.f16x2.e4m3x2 $1, l1;
-    cvt.rn.f16x2.e4m3x2 $2, h0;
-    cvt.rn.f16x2.e4m3x2 $3, h1;
+    prmt.b32 p, lo, hi, 0x5140;
+    prmt.b32 q, lo, hi, 0x7362;
+    mov.b32 {a, b}, p;
+    mov.b32 {c, d}, q;
+    cvt.rn.f16x2.e4m3x2 $0, a;
+    cvt.rn.f16x2.e4m3x2 $1, b;
+    cvt.rn.f16x2.e4m3x2 $2, c;
+    cvt.rn.f16x2.e4m3x2 $3, d;
     }""")
 
     @triton.jit
@@ -506,9 +509,11 @@ if triton is not None:
             packed, sbytes = _mx_bytes(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, COL0, WIDTH,
                                        ".ca" if TRANS else "")
             bscale = tl.exp2(sbytes.to(tl.float32) - 127.0).to(tl.float16)
-            if USE_ASM:
-                even, odd = tl.inline_asm_elementwise(_MXFP4_PTX, "=r,=r,=r,=r,r", [packed],
-                                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            if USE_ASM:  # a byte's two values as one f16x2 (int32), split into the halves the join puts back
+                pairs = tl.inline_asm_elementwise(_MXFP4_PTX, "=r,=r,=r,=r,r", [packed], dtype=tl.int32,
+                                                  is_pure=True, pack=4)
+                even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs],
+                                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
             else:
                 even = _e2m1_as_fp16(packed & 0xF)
                 odd = _e2m1_as_fp16(packed >> 4)
