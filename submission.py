@@ -286,11 +286,11 @@ class TorchDecode:
 # on NVIDIA and AMD GPUs (and on the CPU under TRITON_INTERPRET=1); its plans are sized per target.
 #
 # A sequence's q_len x num_heads query rows are folded as row t * num_heads + h (token t, head h; q's own layout) and
-# taken 16 at a time: program (split, group, b) walks its share of sequence b's rows in tiles of BLOCK_N rows, each
-# tile read once for the group's 16 query rows. Causal: token t sees the positions before end - (q_len - 1 - t), a
-# mask per query row. Scores are computed transposed, S^T (BLOCK_N x 16) = K Q^T, so that the rows are the MMA's M
-# side (wgmma needs M >= 64); the output likewise, O^T (512 x 16) += V^T P^T, in four 128-dim chunks so each operand
-# dies early.
+# taken BLOCK_H at a time (16 unless the plan says otherwise: TritonPlan.block_h): program (split, group, b) walks
+# its share of sequence b's rows in tiles of BLOCK_N rows, each tile read once for the group's BLOCK_H query rows.
+# Causal: token t sees the positions before end - (q_len - 1 - t), a mask per query row (a group may span tokens).
+# Scores are computed transposed, S^T (BLOCK_N x BLOCK_H) = K Q^T, so that the rows are the MMA's M side (wgmma needs
+# M >= 64); the output likewise, O^T (512 x BLOCK_H) += V^T P^T, in four 128-dim chunks so each operand dies early.
 # The softmax is online, fp32, base 2. A tile's rows come from the layout: consecutive rows (ragged, or pages of whole
 # tiles, whose bases are read from the table PAGE_CHUNK_TILES at a time; not on AMD, TritonPlan.chunked_pages) or
 # one table read per row (smaller pages).
@@ -306,7 +306,7 @@ class TorchDecode:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program: the kernel's N side
+TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
 PAGE_CHUNK_TILES = 32  # pages of whole tiles: the tiles whose bases are read from the table at once
 TRITON_MAX_GRID = 65535  # the split kernel's grid: (splits, groups, batch); CUDA and HIP cap the last two there
 
@@ -364,9 +364,9 @@ def triton_launch_options(target: TritonTarget, num_warps: int, num_stages: int 
     return options
 
 
-def query_groups(q_len: int, num_heads: int) -> int:
-    """The programs a sequence's query rows take per split (num_heads a multiple of TRITON_BLOCK_H)."""
-    return q_len * num_heads // TRITON_BLOCK_H
+def query_groups(q_len: int, num_heads: int, block_h: int = TRITON_BLOCK_H) -> int:
+    """The programs a sequence's query rows take per split, block_h rows each (a divisor of q_len x num_heads)."""
+    return q_len * num_heads // block_h
 
 
 def triton_unusable_reason(problem: Problem) -> str | None:
@@ -385,7 +385,6 @@ def triton_unusable_reason(problem: Problem) -> str | None:
 
 if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals).
-    _BLOCK_H = tl.constexpr(TRITON_BLOCK_H)
     _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
     _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
@@ -526,19 +525,19 @@ if triton is not None:
     @triton.jit
     def _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr, q_t,
                    acc):
-        """acc + K[:, COL0:COL0+WIDTH] @ q_t, (BLOCK_N, 16) fp32, by tl.dot_scaled on the rows' E2M1 codes and E8M0
-        scales as they lie against q_t (WIDTH, 16) E4M3 (gfx950: the scaled MFMA); acc None: 0."""
+        """acc + K[:, COL0:COL0+WIDTH] @ q_t, (BLOCK_N, BLOCK_H) fp32, by tl.dot_scaled on the rows' E2M1 codes and
+        E8M0 scales as they lie against q_t (WIDTH, BLOCK_H) E4M3 (gfx950: the scaled MFMA); acc None: 0."""
         codes, scales = _mx_bytes(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, COL0, WIDTH, "")
         return tl.dot_scaled(codes, scales, "e2m1", q_t, None, "e4m3", acc)
 
     @triton.jit
     def _q_cols(q_grp, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
                 FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr):
-        """Dims COL0:COL0+WIDTH of the 16 query rows from q_grp on, transposed, (WIDTH, 16), times the per-row
-        q_scale (16,), as Q_DTYPE; FP8_MAX > 0: Q_DTYPE is an FP8 type of that largest value, to which the values
-        are clamped."""
+        """Dims COL0:COL0+WIDTH of the BLOCK_H query rows from q_grp on, transposed, (WIDTH, BLOCK_H), times the
+        per-row q_scale (BLOCK_H,), as Q_DTYPE; FP8_MAX > 0: Q_DTYPE is an FP8 type of that largest value, to which
+        the values are clamped."""
         d = COL0 + tl.arange(0, WIDTH)
-        x = tl.load(q_grp + tl.arange(0, _BLOCK_H)[None, :] * _QK_DIM + d[:, None])
+        x = tl.load(q_grp + tl.arange(0, q_scale.shape[0])[None, :] * _QK_DIM + d[:, None])
         x = x.to(tl.float32) * q_scale[None, :]
         if FP8_MAX > 0:
             x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
@@ -548,10 +547,11 @@ if triton is not None:
 
     @triton.jit
     def _store_chunk(ptr, acc, inv, valid, COL0: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """Writes the (128, 16) O^T chunk acc * inv to ptr[r * 512 + COL0 + d] (query row r); NaN where not valid."""
+        """Writes the (128, BLOCK_H) O^T chunk acc * inv to ptr[r * 512 + COL0 + d] (query row r); NaN where not
+        valid."""
         d = COL0 + tl.arange(0, acc.shape[0])
         o = tl.where(valid, acc * inv[None, :], float("nan"))
-        tl.store(ptr + tl.arange(0, _BLOCK_H)[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE))
+        tl.store(ptr + tl.arange(0, acc.shape[1])[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE))
 
     @triton.jit
     def _attend_tile(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope,
@@ -559,8 +559,8 @@ if triton is not None:
                      DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SCALED_SCORES: tl.constexpr,
                      CAUSAL: tl.constexpr, V_CAST_FIRST: tl.constexpr):
         """One tile of the online softmax: the scores of rows base + offs, positions n0 .. n0 + BLOCK_N - 1 (those
-        not row_ok masked, and under CAUSAL those at or past a query row's limit (16,)), the running max and sum, and
-        the four 128-dim chunks of O^T, updated."""
+        not row_ok masked, and under CAUSAL those at or past a query row's limit (BLOCK_H,)), the running max and sum,
+        and the four 128-dim chunks of O^T, updated."""
         if SCALED_SCORES:
             s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 0, 128, q0, None)
             s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 128, 128, q1, s)
@@ -583,7 +583,7 @@ if triton is not None:
             seen = row_ok[:, None] & (pos[:, None] < limit[None, :])
         else:
             seen = row_ok[:, None]
-        s = tl.where(seen, s * s_scale[None, :], float("-inf"))  # (BLOCK_N, 16), log2 units
+        s = tl.where(seen, s * s_scale[None, :], float("-inf"))  # (BLOCK_N, BLOCK_H), log2 units
         m_new = tl.maximum(m_i, tl.max(s, 0))
         if CAUSAL:  # a query row that has seen nothing yet keeps p = alpha = 0 (else -inf - -inf = NaN)
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -612,9 +612,9 @@ if triton is not None:
                           USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
                           SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
                           NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
-                          V_CAST_FIRST: tl.constexpr):
+                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr):
         split = tl.program_id(0)
-        group = tl.program_id(1)  # query rows group * 16 .. group * 16 + 15 of sequence b: a sequence's groups are
+        group = tl.program_id(1)  # query rows group * BLOCK_H onwards of sequence b: a sequence's groups are
         b = tl.program_id(2)  # launched together, so all but the first read its tiles from L2
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
@@ -623,11 +623,11 @@ if triton is not None:
         per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, end)
-        qrow = group * _BLOCK_H + tl.arange(0, _BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
+        qrow = group * BLOCK_H + tl.arange(0, BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
         limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
         if CAUSAL:
             hi = tl.minimum(hi, tl.max(limit, 0))
-        first_row = b.to(tl.int64) * ROWS + group * _BLOCK_H  # the group's first row in q, out and the partials
+        first_row = b.to(tl.int64) * ROWS + group * BLOCK_H  # the group's first row in q, out and the partials
         q_grp = q_ptr + first_row * _QK_DIM
         table_row = table_ptr + b.to(tl.int64) * max_pages
         if PAGE_SIZE > 0:
@@ -638,7 +638,7 @@ if triton is not None:
         FP8_Q: tl.constexpr = (KV_FORMAT == "fp8" and not PRECISE) or SCALED_SCORES
         q_fp8_max: tl.constexpr = FP8_MAX if FP8_Q else 0.0
         if KV_FORMAT == "fp8" or SCALED_SCORES:  # one Q scale per head; the fp32 scores get qk_scale / q_scale
-            q_row = q_grp + tl.arange(0, _BLOCK_H)[:, None] * _QK_DIM
+            q_row = q_grp + tl.arange(0, BLOCK_H)[:, None] * _QK_DIM
             q_max = tl.maximum(
                 tl.max(tl.abs(tl.load(q_row + tl.arange(0, _V_DIM)[None, :]).to(tl.float32)), 1),
                 tl.max(tl.abs(tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :]).to(tl.float32)), 1))
@@ -647,7 +647,7 @@ if triton is not None:
                 q_dtype: tl.constexpr = DOT_DTYPE
             else:  # FP8 Q: the cache's FP8 type, or E4M3 against MXFP4 codes. The scale is the IEEE quotient
                 # (div_rn): NVIDIA's `/` is an ulp off at times, which moves Q values at an E4M3 tie a whole step.
-                q_scale = tl.math.div_rn(tl.full([_BLOCK_H], FP8_MAX, tl.float32), tl.maximum(q_max, 1e-30))
+                q_scale = tl.math.div_rn(tl.full([BLOCK_H], FP8_MAX, tl.float32), tl.maximum(q_max, 1e-30))
                 q_dtype: tl.constexpr = kv_ptr.dtype.element_ty if KV_FORMAT == "fp8" else tl.float8e4nv
             if KV_FORMAT == "fp8":  # the per-tensor KV scale, on the scores and the output
                 out_scale = tl.load(kscale_ptr)
@@ -656,15 +656,15 @@ if triton is not None:
                 out_scale = 64.0
                 s_scale = qk_scale / q_scale
         elif KV_FORMAT == "bf16":  # bf16 Q as it is against the bf16 tile
-            q_scale = tl.full([_BLOCK_H], 1.0, tl.float32)
+            q_scale = tl.full([BLOCK_H], 1.0, tl.float32)
             q_dtype: tl.constexpr = DOT_DTYPE
             out_scale = 1.0
-            s_scale = tl.full([_BLOCK_H], qk_scale, tl.float32)
+            s_scale = tl.full([BLOCK_H], qk_scale, tl.float32)
         else:  # MXFP4 dequantized: fp16 Q pre-scaled by qk_scale; the codes' 2^6 goes into the scores and the output
-            q_scale = tl.full([_BLOCK_H], qk_scale, tl.float32)
+            q_scale = tl.full([BLOCK_H], qk_scale, tl.float32)
             q_dtype: tl.constexpr = DOT_DTYPE
             out_scale = 64.0
-            s_scale = tl.full([_BLOCK_H], 64.0, tl.float32)
+            s_scale = tl.full([BLOCK_H], 64.0, tl.float32)
         q0 = _q_cols(q_grp, q_scale, 0, 128, q_dtype, q_fp8_max, ROUND_FP8)
         q1 = _q_cols(q_grp, q_scale, 128, 128, q_dtype, q_fp8_max, ROUND_FP8)
         q2 = _q_cols(q_grp, q_scale, 256, 128, q_dtype, q_fp8_max, ROUND_FP8)
@@ -675,13 +675,13 @@ if triton is not None:
             K_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty
         else:
             K_DTYPE: tl.constexpr = DOT_DTYPE
-        m_i = tl.full([_BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([_BLOCK_H], tl.float32)
-        bad = tl.zeros([_BLOCK_H], tl.int32)  # > 0: a page outside the cache was met (its rows were not read)
-        acc0 = tl.zeros([128, _BLOCK_H], tl.float32)
-        acc1 = tl.zeros([128, _BLOCK_H], tl.float32)
-        acc2 = tl.zeros([128, _BLOCK_H], tl.float32)
-        acc3 = tl.zeros([128, _BLOCK_H], tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        bad = tl.zeros([BLOCK_H], tl.int32)  # > 0: a page outside the cache was met (its rows were not read)
+        acc0 = tl.zeros([128, BLOCK_H], tl.float32)
+        acc1 = tl.zeros([128, BLOCK_H], tl.float32)
+        acc2 = tl.zeros([128, BLOCK_H], tl.float32)
+        acc3 = tl.zeros([128, BLOCK_H], tl.float32)
         if PAGE_SIZE > 0 and PAGE_SIZE % BLOCK_N == 0 and CHUNKED_PAGES:
             # Pages of whole tiles: a chunk's tile bases are read from the table at once, so that the tiles' own loads
             # depend on no load inside the inner loop (an in-loop table read keeps Triton from pipelining them).
@@ -728,7 +728,7 @@ if triton is not None:
                 tl.store(lse_at, tl.where(valid, lse2 * _LN2, float("nan")))
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache); the combine weighs them
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * _BLOCK_H) * _V_DIM
+            dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * _V_DIM
             _store_chunk(dst, acc0, inv, True, 0, tl.float32)
             _store_chunk(dst, acc1, inv, True, 128, tl.float32)
             _store_chunk(dst, acc2, inv, True, 256, tl.float32)
@@ -767,7 +767,7 @@ if triton is not None:
 
 
 class TritonPlan(NamedTuple):
-    num_splits: int  # programs per group of 16 query rows, each over a contiguous share of the sequence's rows
+    num_splits: int  # programs per group of query rows, each over a contiguous share of the sequence's rows
     block_n: int  # rows per tile
     num_warps: int
     num_stages: int  # Triton's software pipeline: num_stages - 1 tiles in flight in shared memory
@@ -778,6 +778,10 @@ class TritonPlan(NamedTuple):
     # FP8 V cast to the dot type before its transpose (ldmatrix.trans on an fp16 tile, not one shared load a byte):
     # no spills and half the instructions a tile on the H200; AMD keeps the figures tools/amd_check.py gates
     v_cast_first: bool = True
+    # query rows per program (a power of 2 >= 16 dividing q_len x num_heads): more read each tile for more rows, in
+    # fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md has the compile figures), so the plans
+    # keep 16 and a caller may choose more
+    block_h: int = TRITON_BLOCK_H
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -842,6 +846,10 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     plan = TritonPlan(*plan) if plan is not None else triton_plan(problem.batch, problem.max_seqlen, target,
                                                                   problem.kv_format, groups,
                                                                   problem.precision == "precise")
+    rows = problem.q_len * problem.num_heads
+    if plan.block_h < TRITON_BLOCK_H or plan.block_h & (plan.block_h - 1) or rows % plan.block_h:
+        raise ValueError(f"triton backend: the plan's block_h must be a power of 2, at least {TRITON_BLOCK_H}, that "
+                         f"divides the {rows} query rows of a sequence (q_len x num_heads); got {plan.block_h}")
     return TritonKey(problem.device, target, problem.batch, problem.q_len, problem.num_heads, problem.causal,
                      problem.kv_format, problem.kv_dtype, problem.scale_dtype, problem.scale_stride,
                      problem.precision == "precise", problem.page_size, problem.max_seqlen, problem.return_lse, plan)
@@ -875,10 +883,11 @@ class TritonDecode:
                             USE_ASM=nvidia, ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1,
                             SCALED_SCORES=plan.scaled_scores, WRITE_LSE=key.write_lse,
                             CHUNKED_PAGES=plan.chunked_pages, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
-                            CAUSAL=key.causal and key.q_len > 1, V_CAST_FIRST=plan.v_cast_first)
+                            CAUSAL=key.causal and key.q_len > 1, V_CAST_FIRST=plan.v_cast_first,
+                            BLOCK_H=plan.block_h)
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
                               USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
-        self.split_grid = (splits, query_groups(key.q_len, key.num_heads), key.batch)
+        self.split_grid = (splits, query_groups(key.q_len, key.num_heads, plan.block_h), key.batch)
         self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1)
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())
@@ -1836,16 +1845,17 @@ def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 
 def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype, device, *, num_heads: int = 16,
          q_len: int = 1, max_seqlen: int | None = None, softmax_scale: float | None = None, causal: bool = False,
          backend: str = "auto", precision: str = "fast", return_lse: bool = True, kv_scale_dtype=torch.uint8,
-         check_contents: bool = False) -> DecodePlan:
+         check_contents: bool = False, backend_options: dict | None = None) -> DecodePlan:
     """A plan for paged decodes of `batch_size` sequences: block_table (batch_size, max_pages), pages of page_size
     rows, a cache of kv_dtype (float8_e4m3fn / e4m3fnuz, bfloat16, or uint8 / float4_e2m1fn_x2 for MXFP4 codes with
     kv_scale_dtype block scales). max_seqlen: the longest sequence to size the split plan for (default: what the
     table holds). precision: "fast" (FP8 score products where the backend has them) or "precise" (fp16 or wider).
-    backend: "auto" or one of mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan)."""
+    backend: "auto" or one of mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan). backend_options:
+    passed to the backend's plan (the triton backend's {"plan": TritonPlan})."""
     problem = make_problem(batch_size, kv_dtype, device, layout="paged", page_size=page_size, max_pages=max_pages,
                            num_heads=num_heads, q_len=q_len, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
                            causal=causal, precision=precision, return_lse=return_lse, scale_dtype=kv_scale_dtype)
-    return DecodePlan(problem, backend, check_contents)
+    return DecodePlan(problem, backend, check_contents, backend_options)
 
 
 def plan_ragged(batch_size: int, kv_dtype: torch.dtype, device, max_seqlen: int, *, num_heads: int = 16,

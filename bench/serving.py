@@ -56,6 +56,7 @@ import yaml  # noqa: E402
 import bench  # noqa: E402
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
+from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 from utils import get_device  # noqa: E402
 
 SPEC = ROOT / "serving.yml"
@@ -306,17 +307,27 @@ def as_returned(result: tuple) -> tuple:
     return result[0], result[1]
 
 
-def _ours(backend: str, kv_format: str, precision: str = "fast"):
-    """The library's plan (made here, outside the timing) and its run into preallocated out and lse."""
+def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | None = None):
+    """The library's plan (made here, outside the timing) and its run into preallocated out and lse. block_h (triton):
+    a plan of that many query rows a program, 8 warps, splits sized for its groups (TritonPlan.block_h)."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
         kv, scale = case.cache(kv_format)
+        options = None
+        if block_h is not None:
+            rows = shape.q_len * shape.heads
+            if rows % block_h:
+                raise bench.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
+            groups = rows // block_h
+            base = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, groups)
+            options = {"plan": base._replace(num_warps=8, block_h=block_h)}
         try:
             decode = mla_decode.plan(shape.batch, shape.page, case.block_table.shape[1], kv.dtype, ctx.device,
                                      num_heads=shape.heads, q_len=shape.q_len, causal=shape.causal, backend=backend,
                                      precision=precision, max_seqlen=max(case.lens),
-                                     kv_scale_dtype=torch.uint8 if scale is None else scale.dtype)
+                                     kv_scale_dtype=torch.uint8 if scale is None else scale.dtype,
+                                     backend_options=options)
         except RuntimeError as e:  # the backend cannot serve this shape or format here (BackendUnavailable)
             raise bench.Unavailable(str(e)) from e
         out = torch.empty((shape.batch, shape.q_len, shape.heads, V_DIM), dtype=torch.bfloat16, device=ctx.device)
@@ -432,6 +443,8 @@ METHODS = (
     Method("triton-fp8-precise", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, precise",
            _ours("triton", "fp8", "precise")),
     Method("triton-mxfp4", "ours", "mxfp4", "mla_decode plan, backend triton, MXFP4 cache", _ours("triton", "mxfp4")),
+    Method("triton-fp8-rows32", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, 32 query rows a program "
+           "(block_h), 8 warps", _ours("triton", "fp8", block_h=32)),
     Method("flashmla-bf16", "peer", "bf16", f"FlashMLA ({FLASHMLA_SOURCE}) fwd_kvcache_mla, BF16 cache",
            _flashmla("bf16")),
     Method("flashmla-fp8", "peer", "fp8",

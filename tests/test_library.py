@@ -75,7 +75,7 @@ def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages, v_cast_first
                                           max_pages=case.block_table.shape[1])
     plan = (2, 64, 4, 3, False, chunked_pages, v_cast_first)
     decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
-    assert decode.impl.key.plan == plan
+    assert (decode.impl.key.plan.chunked_pages, decode.impl.key.plan.v_cast_first) == (chunked_pages, v_cast_first)
     check(case, *decode.run(*case.args()), "triton")
 
 
@@ -89,6 +89,32 @@ def test_serving_shapes(backend, q_len, num_heads):
     out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend=backend)
     assert out.shape == (4, q_len, num_heads, 512) and lse.shape == (4, num_heads, q_len)
     check(case, out, lse, backend)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("q_len,num_heads,block_h", [(2, 16, 32), (1, 32, 32), (4, 16, 64), (2, 128, 64)])
+def test_triton_takes_more_query_rows_a_program(q_len, num_heads, block_h):
+    """A plan's block_h of 32 or 64 query rows a program (16 by default): the causal mask is per query row, so a group
+    that spans two tokens (16 heads) gives each its own positions; 2 splits."""
+    case = make_paged_case("fp8", 16, [0, 1, 3, 130], seed=block_h + q_len, q_len=q_len, num_heads=num_heads)
+    problem = mla_decode.api.make_problem(4, case.kv_cache.dtype, "cpu", layout="paged", page_size=16,
+                                          max_pages=case.block_table.shape[1], num_heads=num_heads, q_len=q_len,
+                                          causal=case.causal)
+    plan = (2, 64, 4, 3, False, True, True, block_h)
+    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
+    assert decode.impl.split_grid == (2, q_len * num_heads // block_h, 4)
+    check(case, *decode.run(*case.args()), "triton")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_h", [8, 48, 64])
+def test_triton_refuses_a_block_h_that_does_not_tile_the_rows(block_h):
+    """2 tokens x 16 heads = 32 query rows: 8 (below 16), 48 (not a power of 2) and 64 (more than the rows) are refused
+    with the reason, before any kernel."""
+    problem = mla_decode.api.make_problem(2, torch.float8_e4m3fn, "cpu", layout="paged", page_size=16, max_pages=4,
+                                          q_len=2, causal=True)
+    with pytest.raises(ValueError, match=f"block_h must be a power of 2, at least 16, .*32 query rows.*got {block_h}$"):
+        mla_decode.DecodePlan(problem, "triton", backend_options={"plan": (1, 64, 4, 3, False, True, True, block_h)})
 
 
 def test_other_head_counts_go_to_torch():

@@ -184,7 +184,7 @@ def test_plan_splits_fill_the_sms():
     from mla_decode import triton_backend as S
 
     h200 = S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
-    assert S.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3, False, True, True)  # capped: one 64-row tile a split
+    assert S.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3, False, True, True, 16)  # capped: a 64-row tile a split
     assert not S.triton_plan(4, 1024, h200, "mxfp4").scaled_scores  # Hopper has no scaled MMA: dequantized K
     assert S.triton_plan(4, 8192, h200, "fp8").num_splits == 32
     assert S.triton_plan(4, 8192, h200, "mxfp4").num_splits == 64
@@ -207,11 +207,11 @@ def test_amd_plans_fit_the_lds_and_fill_the_cus():
 
     mi355, mi300 = S.amd_triton_target("gfx950", 256), S.amd_triton_target("gfx942", 304)
     # AMD walks pages of whole tiles row by row: the chunked walk does not compile for gfx950 with Triton 3.6
-    assert S.triton_plan(4, 8192, mi355, "fp8") == (32, 64, 4, 3, False, False, False)
+    assert S.triton_plan(4, 8192, mi355, "fp8") == (32, 64, 4, 3, False, False, False, 16)
     assert S.triton_plan(32, 8192, mi355, "fp8").num_splits == 16  # 2 x 256 / 32
-    assert S.triton_plan(32, 8192, mi300, "fp8") == (8, 64, 4, 2, False, False, False)  # 304 / 32 = 9 -> 8
-    assert S.triton_plan(4, 8192, mi355, "mxfp4") == (64, 64, 4, 1, True, False, False)  # scaled MFMA scores: 2 waves
-    assert S.triton_plan(4, 8192, mi300, "mxfp4") == (64, 64, 4, 2, False, False, False)  # CDNA3: dequantized K
+    assert S.triton_plan(32, 8192, mi300, "fp8") == (8, 64, 4, 2, False, False, False, 16)  # 304 / 32 = 9 -> 8
+    assert S.triton_plan(4, 8192, mi355, "mxfp4") == (64, 64, 4, 1, True, False, False, 16)  # scaled MFMA, 2 waves
+    assert S.triton_plan(4, 8192, mi300, "mxfp4") == (64, 64, 4, 2, False, False, False, 16)  # CDNA3: dequantized K
     for target in (mi355, mi300):
         for kv_format in ("fp8", "mxfp4"):
             plan = S.triton_plan(64, 1024, target, kv_format)
