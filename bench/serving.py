@@ -314,15 +314,13 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
         kv, scale = case.cache(kv_format)
-        options = None
-        if block_h is not None:
-            rows = shape.q_len * shape.heads
-            if rows % block_h:
-                raise bench.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
-            groups = rows // block_h
-            base = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, groups)
-            options = {"plan": base._replace(num_warps=8, block_h=block_h)}
+        options, rows = None, shape.q_len * shape.heads
+        if block_h is not None and rows % block_h:
+            raise bench.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
         try:
+            if block_h is not None:
+                base = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows // block_h)
+                options = {"plan": base._replace(num_warps=8, block_h=block_h)}
             decode = mla_decode.plan(shape.batch, shape.page, case.block_table.shape[1], kv.dtype, ctx.device,
                                      num_heads=shape.heads, q_len=shape.q_len, causal=shape.causal, backend=backend,
                                      precision=precision, max_seqlen=max(case.lens),

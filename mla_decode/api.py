@@ -20,6 +20,7 @@ stop before it keep their values); check_contents=True (a host sync) raises inst
 sequence, and the torch backend always does.
 """
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -51,13 +52,13 @@ from .triton_backend import TritonDecode
 
 
 def _backend_plan(backend: str, problem: Problem, options: dict):
-    if backend == "torch":
-        return TorchDecode(problem)
-    if backend == "triton":
-        return TritonDecode(problem, **options)
-    if backend == "aiter":
-        return AiterDecode(problem, **options)
-    return cuda_package()[0].CudaDecode(problem)
+    plan_class = {"torch": TorchDecode, "triton": TritonDecode, "aiter": AiterDecode}.get(backend)
+    plan_class = plan_class or cuda_package()[0].CudaDecode
+    takes = [name for name in inspect.signature(plan_class).parameters if name != "problem"]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:  # options are one backend's: "auto" may have picked another
+        raise ValueError(f"backend_options: the {backend} backend takes {takes or 'none'}, not {unknown}")
+    return plan_class(problem, **options)
 
 
 class DecodePlan:

@@ -511,7 +511,7 @@ class TritonPlan(NamedTuple):
     chunked_pages: bool = True
     # FP8 V cast to the dot type before its transpose (ldmatrix.trans on an fp16 tile, not one shared load a byte):
     # no spills and half the instructions a tile on the H200; AMD keeps the figures tools/amd_check.py gates
-    v_cast_first: bool = True
+    v_cast_first: bool = False
     # query rows per program (a power of 2 >= 16 dividing q_len x num_heads): more read each tile for more rows, in
     # fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md has the compile figures), so the plans
     # keep 16 and a caller may choose more
@@ -520,7 +520,8 @@ class TritonPlan(NamedTuple):
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
     """A model of the split kernel's shared memory: num_stages - 1 buffered tiles plus 2 KB of reduction scratch
-    (exact for FP8 at block_n 64 on gfx950/gfx942, Triton 3.6.0; tools/amd_check.py checks every plan's figure)."""
+    (exact for FP8 at block_n 64 and 16 query rows on gfx950/gfx942, Triton 3.6.0; tools/amd_check.py checks every
+    plan's figure)."""
     row_bytes = {"fp8": QK_HEAD_DIM, "mxfp4": MXFP4_ROW_BYTES + QK_HEAD_DIM // MXFP4_BLOCK,
                  "bf16": 2 * QK_HEAD_DIM}[kv_format]
     return (num_stages - 1) * block_n * row_bytes + 2048
@@ -574,12 +575,12 @@ class TritonKey(NamedTuple):
 def triton_key(problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None
                ) -> TritonKey:
     """The launch key of a problem on its device's target (or `target`), with triton_plan's plan (or `plan`: a
-    TritonPlan, or its first 4 fields)."""
+    TritonPlan, or its first fields, the others as triton_plan chooses them for the problem)."""
     target = target or triton_target(problem.device)
     groups = query_groups(problem.q_len, problem.num_heads)
-    plan = TritonPlan(*plan) if plan is not None else triton_plan(problem.batch, problem.max_seqlen, target,
-                                                                  problem.kv_format, groups,
-                                                                  problem.precision == "precise")
+    chosen = triton_plan(problem.batch, problem.max_seqlen, target, problem.kv_format, groups,
+                         problem.precision == "precise")
+    plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     rows = problem.q_len * problem.num_heads
     if plan.block_h < TRITON_BLOCK_H or plan.block_h & (plan.block_h - 1) or rows % plan.block_h:
         raise ValueError(f"triton backend: the plan's block_h must be a power of 2, at least {TRITON_BLOCK_H}, that "

@@ -12,8 +12,8 @@ def ragged_call(data, kv_format: str, backend: str = "triton", precision: str = 
                 library=mla_decode) -> tuple[object, Callable[[], torch.Tensor]]:
     """(the plan, a call that runs it) for `backend`'s kernel on data = (q, kv_data, qo_indptr, kv_indptr, config)
     reading kv_data[kv_format]; the call returns (batch, 16, 512) bfloat16. plan: the backend's plan override (the
-    triton backend's TritonPlan or its first 4 or 5 fields), else its own; library: mla_decode, or a module with the
-    same plan_ragged (a submission file)."""
+    triton backend's TritonPlan or its first fields, the others its own choice), else its own; library: mla_decode,
+    or a module with the same plan_ragged (a submission file)."""
     q, kv_data, _, kv_indptr, config = data
     kv, scale = kv_data[kv_format]
     batch = q.shape[0]

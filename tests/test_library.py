@@ -92,18 +92,19 @@ def test_serving_shapes(backend, q_len, num_heads):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("q_len,num_heads,block_h", [(2, 16, 32), (2, 32, 32), (4, 16, 64), (2, 128, 64)])
-def test_triton_takes_more_query_rows_a_program(q_len, num_heads, block_h):
+@pytest.mark.parametrize("q_len,num_heads,block_h,splits",
+                         [(2, 16, 32, 2), (2, 32, 32, 2), (4, 16, 32, 1), (4, 16, 64, 2), (2, 128, 64, 2)])
+def test_triton_takes_more_query_rows_a_program(q_len, num_heads, block_h, splits):
     """A plan's block_h of 32 or 64 query rows a program (16 by default): the causal mask is per query row, so a group
     that spans tokens (16 heads) gives each its own positions; a sequence of several groups puts each in its rows
-    (a group offset of 16 rows fails both such cases); 2 splits."""
+    (a group offset of 16 rows fails such cases); one split writes the output and LSE directly, two the partials."""
     case = make_paged_case("fp8", 16, [0, 1, 3, 130], seed=block_h + q_len, q_len=q_len, num_heads=num_heads)
     problem = mla_decode.api.make_problem(4, case.kv_cache.dtype, "cpu", layout="paged", page_size=16,
                                           max_pages=case.block_table.shape[1], num_heads=num_heads, q_len=q_len,
                                           causal=case.causal)
-    plan = (2, 64, 4, 3, False, True, True, block_h)
+    plan = (splits, 64, 4, 3, False, True, True, block_h)
     decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
-    assert decode.impl.split_grid == (2, q_len * num_heads // block_h, 4)
+    assert decode.impl.split_grid == (splits, q_len * num_heads // block_h, 4)
     check(case, *decode.run(*case.args()), "triton")
 
 
@@ -116,6 +117,16 @@ def test_triton_refuses_a_block_h_that_does_not_tile_the_rows(block_h):
                                           q_len=2, causal=True)
     with pytest.raises(ValueError, match=f"block_h must be a power of 2, at least 16, .*32 query rows.*got {block_h}$"):
         mla_decode.DecodePlan(problem, "triton", backend_options={"plan": (1, 64, 4, 3, False, True, True, block_h)})
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_backend_options_another_backend_does_not_take_are_refused(backend):
+    """backend_options are one backend's (the triton backend's plan): a backend that takes none, or not these, says so
+    rather than dropping them."""
+    problem = mla_decode.api.make_problem(2, torch.float8_e4m3fn, "cpu", layout="paged", page_size=16, max_pages=4)
+    takes = "\\['target', 'plan'\\]" if backend == "triton" else "none"
+    with pytest.raises(ValueError, match=f"backend_options: the {backend} backend takes {takes}, not \\['variant'\\]"):
+        mla_decode.DecodePlan(problem, backend, backend_options={"variant": "persistent"})
 
 
 def test_other_head_counts_go_to_torch():

@@ -197,6 +197,11 @@ def test_plan_splits_fill_the_sms():
     # V converted in pairs before its transpose: the fast FP8 kernel only
     assert not S.triton_plan(4, 8192, h200, "fp8", precise=True).v_cast_first
     assert not S.triton_plan(4, 8192, h200, "mxfp4").v_cast_first
+    # a caller's first fields, the others the plan's own: the precise kernel keeps the byte transpose
+    problem = mla_decode.api.make_problem(4, torch.float8_e4m3fn, "cpu", layout="ragged", max_seqlen=8192,
+                                          precision="precise")
+    assert S.triton_key(problem, h200, (2, 64, 4, 3)).plan == (2, 64, 4, 3, False, True, False, 16)
+    assert S.triton_key(problem._replace(precision="fast"), h200, (2, 64, 4, 3)).plan.v_cast_first
 
 
 def test_amd_plans_fit_the_lds_and_fill_the_cus():
