@@ -287,8 +287,9 @@ class TorchDecode:
 # on NVIDIA and AMD GPUs (and on the CPU under TRITON_INTERPRET=1); its plans are sized per target.
 #
 # A sequence's q_len x num_heads query rows are folded as row t * num_heads + h (token t, head h; q's own layout) and
-# taken BLOCK_H at a time (16 unless the plan says otherwise: TritonPlan.block_h): program (split, group, b) walks
-# its share of sequence b's rows in tiles of BLOCK_N rows, each tile read once for the group's BLOCK_H query rows.
+# taken BLOCK_H at a time (16 unless the plan says otherwise: TritonPlan.block_h; any head count, the last group's
+# rows past the sequence's masked): program (split, group, b) walks its share of sequence b's rows in tiles of
+# BLOCK_N rows, each tile read once for the group's BLOCK_H query rows.
 # Causal: token t sees the positions before end - (q_len - 1 - t), a mask per query row (a group may span tokens).
 # Scores are computed transposed, S^T (BLOCK_N x BLOCK_H) = K Q^T, so that the rows are the MMA's M side (wgmma needs
 # M >= 64); the output likewise, O^T (512 x BLOCK_H) += V^T P^T, in four 128-dim chunks so each operand dies early.
@@ -366,8 +367,9 @@ def triton_launch_options(target: TritonTarget, num_warps: int, num_stages: int 
 
 
 def query_groups(q_len: int, num_heads: int, block_h: int = TRITON_BLOCK_H) -> int:
-    """The programs a sequence's query rows take per split, block_h rows each (a divisor of q_len x num_heads)."""
-    return q_len * num_heads // block_h
+    """The programs a sequence's query rows take per split, block_h rows each (the last masked where they do not
+    divide q_len x num_heads)."""
+    return -(-q_len * num_heads // block_h)
 
 
 def triton_unusable_reason(problem: Problem) -> str | None:
@@ -375,8 +377,6 @@ def triton_unusable_reason(problem: Problem) -> str | None:
         return f"triton does not import: {TRITON_IMPORT_ERROR!r}"
     if problem.device.type != "cuda" and not triton_interpreted():
         return f"triton backend: needs a GPU (or TRITON_INTERPRET=1); device is {problem.device}"
-    if problem.num_heads % TRITON_BLOCK_H:
-        return f"triton backend: serves multiples of {TRITON_BLOCK_H} heads, not {problem.num_heads}"
     groups = query_groups(problem.q_len, problem.num_heads)
     if max(problem.batch, groups) > TRITON_MAX_GRID:
         return (f"triton backend: batch {problem.batch} and {groups} groups of query rows a sequence must each be at "
@@ -532,13 +532,17 @@ if triton is not None:
         return tl.dot_scaled(codes, scales, "e2m1", q_t, None, "e4m3", acc)
 
     @triton.jit
-    def _q_cols(q_grp, q_scale, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
-                FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr):
+    def _q_cols(q_grp, q_scale, row_in, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
+                FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr, PARTIAL_ROWS: tl.constexpr):
         """Dims COL0:COL0+WIDTH of the BLOCK_H query rows from q_grp on, transposed, (WIDTH, BLOCK_H), times the
         per-row q_scale (BLOCK_H,), as Q_DTYPE; FP8_MAX > 0: Q_DTYPE is an FP8 type of that largest value, to which
-        the values are clamped."""
+        the values are clamped. PARTIAL_ROWS: rows not row_in (past the sequence's) read as 0."""
         d = COL0 + tl.arange(0, WIDTH)
-        x = tl.load(q_grp + tl.arange(0, q_scale.shape[0])[None, :] * _QK_DIM + d[:, None])
+        at = q_grp + tl.arange(0, q_scale.shape[0])[None, :] * _QK_DIM + d[:, None]
+        if PARTIAL_ROWS:
+            x = tl.load(at, mask=row_in[None, :], other=0.0)
+        else:
+            x = tl.load(at)
         x = x.to(tl.float32) * q_scale[None, :]
         if FP8_MAX > 0:
             x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
@@ -547,12 +551,17 @@ if triton is not None:
         return x.to(Q_DTYPE)
 
     @triton.jit
-    def _store_chunk(ptr, acc, inv, valid, COL0: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    def _store_chunk(ptr, acc, inv, valid, row_in, COL0: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                     PARTIAL_ROWS: tl.constexpr):
         """Writes the (128, BLOCK_H) O^T chunk acc * inv to ptr[r * 512 + COL0 + d] (query row r); NaN where not
-        valid."""
+        valid; PARTIAL_ROWS: only the rows row_in."""
         d = COL0 + tl.arange(0, acc.shape[0])
-        o = tl.where(valid, acc * inv[None, :], float("nan"))
-        tl.store(ptr + tl.arange(0, acc.shape[1])[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE))
+        o = tl.where(valid, acc * inv[None, :], float("nan")).to(OUT_DTYPE)
+        at = ptr + tl.arange(0, acc.shape[1])[None, :] * _V_DIM + d[:, None]
+        if PARTIAL_ROWS:
+            tl.store(at, o, mask=row_in[None, :])
+        else:
+            tl.store(at, o)
 
     @triton.jit
     def _attend_tile(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope,
@@ -618,6 +627,7 @@ if triton is not None:
         group = tl.program_id(1)  # query rows group * BLOCK_H onwards of sequence b: a sequence's groups are
         b = tl.program_id(2)  # launched together, so all but the first read its tiles from L2
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
+        PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
             tl.extra.cuda.gdc_launch_dependents()
         start, end, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
@@ -625,7 +635,10 @@ if triton is not None:
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, end)
         qrow = group * BLOCK_H + tl.arange(0, BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
+        row_in = qrow < ROWS
         limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
+        if PARTIAL_ROWS:  # rows past the sequence's see nothing (and do not lengthen the walk)
+            limit = tl.where(row_in, limit, 0)
         if CAUSAL:
             hi = tl.minimum(hi, tl.max(limit, 0))
         first_row = b.to(tl.int64) * ROWS + group * BLOCK_H  # the group's first row in q, out and the partials
@@ -640,9 +653,13 @@ if triton is not None:
         q_fp8_max: tl.constexpr = FP8_MAX if FP8_Q else 0.0
         if KV_FORMAT == "fp8" or SCALED_SCORES:  # one Q scale per head; the fp32 scores get qk_scale / q_scale
             q_row = q_grp + tl.arange(0, BLOCK_H)[:, None] * _QK_DIM
-            q_max = tl.maximum(
-                tl.max(tl.abs(tl.load(q_row + tl.arange(0, _V_DIM)[None, :]).to(tl.float32)), 1),
-                tl.max(tl.abs(tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :]).to(tl.float32)), 1))
+            if PARTIAL_ROWS:  # rows past the sequence's read as 0: a finite scale, zero scores
+                q_nope = tl.load(q_row + tl.arange(0, _V_DIM)[None, :], mask=row_in[:, None], other=0.0)
+                q_pe = tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :], mask=row_in[:, None], other=0.0)
+            else:
+                q_nope = tl.load(q_row + tl.arange(0, _V_DIM)[None, :])
+                q_pe = tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :])
+            q_max = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), 1), tl.max(tl.abs(q_pe.to(tl.float32)), 1))
             if not FP8_Q:  # DOT_DTYPE Q scaled by a power of two (exact) so its largest |q| lies in [2^14, 2^15)
                 q_scale = tl.exp2(14.0 - tl.floor(tl.log2(tl.maximum(q_max, 1e-30))))
                 q_dtype: tl.constexpr = DOT_DTYPE
@@ -666,11 +683,11 @@ if triton is not None:
             q_dtype: tl.constexpr = DOT_DTYPE
             out_scale = 64.0
             s_scale = tl.full([BLOCK_H], 64.0, tl.float32)
-        q0 = _q_cols(q_grp, q_scale, 0, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q1 = _q_cols(q_grp, q_scale, 128, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q2 = _q_cols(q_grp, q_scale, 256, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q3 = _q_cols(q_grp, q_scale, 384, 128, q_dtype, q_fp8_max, ROUND_FP8)
-        q_rope = _q_cols(q_grp, q_scale, _V_DIM, _ROPE_DIM, q_dtype, q_fp8_max, ROUND_FP8)
+        q0 = _q_cols(q_grp, q_scale, row_in, 0, 128, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
+        q1 = _q_cols(q_grp, q_scale, row_in, 128, 128, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
+        q2 = _q_cols(q_grp, q_scale, row_in, 256, 128, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
+        q3 = _q_cols(q_grp, q_scale, row_in, 384, 128, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
+        q_rope = _q_cols(q_grp, q_scale, row_in, _V_DIM, _ROPE_DIM, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
 
         if KV_FORMAT == "fp8" and not PRECISE:
             K_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty
@@ -719,22 +736,23 @@ if triton is not None:
         if NUM_SPLITS == 1:
             valid = valid & (tl.max(bad, 0) == 0)
             dst = out_ptr + first_row * _V_DIM
-            _store_chunk(dst, acc0, inv, valid, 0, tl.bfloat16)
-            _store_chunk(dst, acc1, inv, valid, 128, tl.bfloat16)
-            _store_chunk(dst, acc2, inv, valid, 256, tl.bfloat16)
-            _store_chunk(dst, acc3, inv, valid, 384, tl.bfloat16)
+            _store_chunk(dst, acc0, inv, valid, row_in, 0, tl.bfloat16, PARTIAL_ROWS)
+            _store_chunk(dst, acc1, inv, valid, row_in, 128, tl.bfloat16, PARTIAL_ROWS)
+            _store_chunk(dst, acc2, inv, valid, row_in, 256, tl.bfloat16, PARTIAL_ROWS)
+            _store_chunk(dst, acc3, inv, valid, row_in, 384, tl.bfloat16, PARTIAL_ROWS)
             if WRITE_LSE:
                 # lse (batch, num_heads, q_len)
                 lse_at = lse_ptr + b * ROWS + (qrow % NUM_HEADS) * Q_LEN + qrow // NUM_HEADS
-                tl.store(lse_at, tl.where(valid, lse2 * _LN2, float("nan")))
+                tl.store(lse_at, tl.where(valid, lse2 * _LN2, float("nan")), mask=row_in if PARTIAL_ROWS else None)
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache); the combine weighs them
             part = b * NUM_SPLITS + split
             dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * _V_DIM
-            _store_chunk(dst, acc0, inv, True, 0, tl.float32)
-            _store_chunk(dst, acc1, inv, True, 128, tl.float32)
-            _store_chunk(dst, acc2, inv, True, 256, tl.float32)
-            _store_chunk(dst, acc3, inv, True, 384, tl.float32)
-            tl.store(part_lse_ptr + part * ROWS + qrow, tl.where(bad == 0, lse2, float("nan")))
+            _store_chunk(dst, acc0, inv, True, row_in, 0, tl.float32, PARTIAL_ROWS)
+            _store_chunk(dst, acc1, inv, True, row_in, 128, tl.float32, PARTIAL_ROWS)
+            _store_chunk(dst, acc2, inv, True, row_in, 256, tl.float32, PARTIAL_ROWS)
+            _store_chunk(dst, acc3, inv, True, row_in, 384, tl.float32, PARTIAL_ROWS)
+            tl.store(part_lse_ptr + part * ROWS + qrow, tl.where(bad == 0, lse2, float("nan")),
+                     mask=row_in if PARTIAL_ROWS else None)
 
     @triton.jit
     def _mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
@@ -779,9 +797,9 @@ class TritonPlan(NamedTuple):
     # FP8 V cast to the dot type before its transpose (ldmatrix.trans on an fp16 tile, not one shared load a byte):
     # no spills and half the instructions a tile on the H200; AMD keeps the figures tools/amd_check.py gates
     v_cast_first: bool = False
-    # query rows per program (a power of 2 >= 16 dividing q_len x num_heads): more read each tile for more rows, in
-    # fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md has the compile figures), so the plans
-    # keep 16 and a caller may choose more
+    # query rows per program (a power of 2 >= 16; the last group masked where they do not divide q_len x num_heads):
+    # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
+    # has the compile figures), so the plans keep 16 and a caller may choose more
     block_h: int = TRITON_BLOCK_H
 
 
@@ -848,10 +866,9 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     chosen = triton_plan(problem.batch, problem.max_seqlen, target, problem.kv_format, groups,
                          problem.precision == "precise")
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
-    rows = problem.q_len * problem.num_heads
-    if plan.block_h < TRITON_BLOCK_H or plan.block_h & (plan.block_h - 1) or rows % plan.block_h:
-        raise ValueError(f"triton backend: the plan's block_h must be a power of 2, at least {TRITON_BLOCK_H}, that "
-                         f"divides the {rows} query rows of a sequence (q_len x num_heads); got {plan.block_h}")
+    if plan.block_h < TRITON_BLOCK_H or plan.block_h & (plan.block_h - 1):
+        raise ValueError(f"triton backend: the plan's block_h (query rows a program) must be a power of 2, at least "
+                         f"{TRITON_BLOCK_H}; got {plan.block_h}")
     return TritonKey(problem.device, target, problem.batch, problem.q_len, problem.num_heads, problem.causal,
                      problem.kv_format, problem.kv_dtype, problem.scale_dtype, problem.scale_stride,
                      problem.precision == "precise", problem.page_size, problem.max_seqlen, problem.return_lse, plan)
