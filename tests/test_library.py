@@ -461,6 +461,38 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
 
 @pytest.mark.gpu
 @needs_nvidia
+@pytest.mark.parametrize("q_len,num_heads,block_h", [(2, 16, 32), (2, 128, 32), (3, 8, 32), (1, 128, 64)])
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads, block_h):
+    """A triton plan of 32 or 64 query rows a program and 8 warps (bench/serving.py's triton-fp8-rows32) against
+    the float64 truth, within the 16-row plan's bounds, and bit for bit its ragged twin."""
+    case = make_paged_case(kv_format, 64, SERVING_LENS, seed=block_h + q_len * num_heads, q_len=q_len,
+                           num_heads=num_heads, device="cuda")
+    rows = q_len * num_heads
+    problem = mla_decode.api.make_problem(len(SERVING_LENS), case.kv_cache.dtype, "cuda", layout="paged",
+                                          page_size=64, max_pages=case.block_table.shape[1], num_heads=num_heads,
+                                          q_len=q_len, causal=case.causal, max_seqlen=max(SERVING_LENS),
+                                          scale_dtype=case.kv_scale.dtype if kv_format == "mxfp4" else torch.uint8)
+    target = mla_decode.triton_backend.triton_target(torch.device("cuda"))
+    plan = mla_decode.triton_backend.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format,
+                                                 -(-rows // block_h))._replace(num_warps=8, block_h=block_h)
+    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
+    out, lse = decode.run(*case.args())
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "triton", "fast"))
+    out_bound, lse_bound = GPU_BOUNDS[("triton", kv_format, "fast")]
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    kv, scale, indptr = _ragged_twin(case)
+    twin = mla_decode.plan_ragged(len(SERVING_LENS), kv.dtype, "cuda", max(SERVING_LENS), q_len=q_len,
+                                  num_heads=num_heads, causal=case.causal, backend="triton",
+                                  kv_scale_dtype=None if scale is None else scale.dtype,
+                                  backend_options={"plan": plan})
+    twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
+    assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
+
+
+@pytest.mark.gpu
+@needs_nvidia
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
 def test_gpu_many_sequences_one_split(kernel, causal):
