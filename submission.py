@@ -9,7 +9,6 @@ of the repository), the cuda backend's kernels come from it too.
 """
 
 import functools
-import inspect
 import logging
 import math
 import os
@@ -1701,14 +1700,22 @@ def select_backend(problem: Problem, backend: str = "auto") -> Selection:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# The keyword arguments each backend's plan takes after the problem (backend_options).
+BACKEND_OPTIONS = {"torch": (), "cuda": (), "triton": ("target", "plan"), "aiter": ("variant", "kv_seq_len")}
+
+
 def _backend_plan(backend: str, problem: Problem, options: dict):
-    plan_class = {"torch": TorchDecode, "triton": TritonDecode, "aiter": AiterDecode}.get(backend)
-    plan_class = plan_class or cuda_package()[0].CudaDecode
-    takes = [name for name in inspect.signature(plan_class).parameters if name != "problem"]
+    takes = BACKEND_OPTIONS[backend]
     unknown = sorted(set(options) - set(takes))
     if unknown:  # options are one backend's: "auto" may have picked another
-        raise ValueError(f"backend_options: the {backend} backend takes {takes or 'none'}, not {unknown}")
-    return plan_class(problem, **options)
+        raise ValueError(f"backend_options: the {backend} backend takes {list(takes) or 'none'}, not {unknown}")
+    if backend == "torch":
+        return TorchDecode(problem)
+    if backend == "triton":
+        return TritonDecode(problem, **options)
+    if backend == "aiter":
+        return AiterDecode(problem, **options)
+    return cuda_package()[0].CudaDecode(problem)
 
 
 class DecodePlan:

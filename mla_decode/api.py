@@ -20,7 +20,6 @@ stop before it keep their values); check_contents=True (a host sync) raises inst
 sequence, and the torch backend always does.
 """
 
-import inspect
 from typing import NamedTuple
 
 import torch
@@ -50,15 +49,22 @@ from .select import cuda_package, select_backend
 from .torch_backend import TorchDecode, sequence_rows
 from .triton_backend import TritonDecode
 
+# The keyword arguments each backend's plan takes after the problem (backend_options).
+BACKEND_OPTIONS = {"torch": (), "cuda": (), "triton": ("target", "plan"), "aiter": ("variant", "kv_seq_len")}
+
 
 def _backend_plan(backend: str, problem: Problem, options: dict):
-    plan_class = {"torch": TorchDecode, "triton": TritonDecode, "aiter": AiterDecode}.get(backend)
-    plan_class = plan_class or cuda_package()[0].CudaDecode
-    takes = [name for name in inspect.signature(plan_class).parameters if name != "problem"]
+    takes = BACKEND_OPTIONS[backend]
     unknown = sorted(set(options) - set(takes))
     if unknown:  # options are one backend's: "auto" may have picked another
-        raise ValueError(f"backend_options: the {backend} backend takes {takes or 'none'}, not {unknown}")
-    return plan_class(problem, **options)
+        raise ValueError(f"backend_options: the {backend} backend takes {list(takes) or 'none'}, not {unknown}")
+    if backend == "torch":
+        return TorchDecode(problem)
+    if backend == "triton":
+        return TritonDecode(problem, **options)
+    if backend == "aiter":
+        return AiterDecode(problem, **options)
+    return cuda_package()[0].CudaDecode(problem)
 
 
 class DecodePlan:

@@ -122,6 +122,23 @@ def test_triton_refuses_a_block_h_the_kernel_cannot_take(block_h):
         mla_decode.DecodePlan(problem, "triton", backend_options={"plan": (1, 64, 4, 3, False, True, True, block_h)})
 
 
+def test_backend_options_name_what_each_plan_takes():
+    """api.BACKEND_OPTIONS (what backend_options may hold) is each backend plan's keyword arguments after the
+    problem."""
+    import inspect
+
+    from mla_decode.aiter_backend import AiterDecode
+    from mla_decode.cuda import CudaDecode
+    from mla_decode.torch_backend import TorchDecode
+    from mla_decode.triton_backend import TritonDecode
+
+    classes = {"torch": TorchDecode, "cuda": CudaDecode, "triton": TritonDecode, "aiter": AiterDecode}
+    assert set(classes) == set(mla_decode.BACKENDS) == set(mla_decode.api.BACKEND_OPTIONS)
+    for backend, plan_class in classes.items():
+        takes = tuple(name for name in inspect.signature(plan_class).parameters if name != "problem")
+        assert mla_decode.api.BACKEND_OPTIONS[backend] == takes, backend
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_backend_options_another_backend_does_not_take_are_refused(backend):
     """backend_options are one backend's (the triton backend's plan): a backend that takes none, or not these, says so
