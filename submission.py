@@ -531,17 +531,29 @@ if triton is not None:
         return tl.dot_scaled(codes, scales, "e2m1", q_t, None, "e4m3", acc)
 
     @triton.jit
+    def _load_rows(at, row_in, PARTIAL_ROWS: tl.constexpr):
+        """tl.load(at); PARTIAL_ROWS: 0 where not row_in (a mask broadcast to at's shape: the rows past the
+        sequence's)."""
+        if PARTIAL_ROWS:
+            return tl.load(at, mask=row_in, other=0.0)
+        else:
+            return tl.load(at)
+
+    @triton.jit
+    def _lse_at(lse_ptr, b, r, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
+        """Where query row r (token r // NUM_HEADS, head r % NUM_HEADS) of sequence b has its LSE: lse is
+        (batch, num_heads, q_len)."""
+        return lse_ptr + b * (Q_LEN * NUM_HEADS) + (r % NUM_HEADS) * Q_LEN + r // NUM_HEADS
+
+    @triton.jit
     def _q_cols(q_grp, q_scale, row_in, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,
                 FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr, PARTIAL_ROWS: tl.constexpr):
         """Dims COL0:COL0+WIDTH of the BLOCK_H query rows from q_grp on, transposed, (WIDTH, BLOCK_H), times the
         per-row q_scale (BLOCK_H,), as Q_DTYPE; FP8_MAX > 0: Q_DTYPE is an FP8 type of that largest value, to which
         the values are clamped. PARTIAL_ROWS: rows not row_in (past the sequence's) read as 0."""
         d = COL0 + tl.arange(0, WIDTH)
-        at = q_grp + tl.arange(0, q_scale.shape[0])[None, :] * _QK_DIM + d[:, None]
-        if PARTIAL_ROWS:
-            x = tl.load(at, mask=row_in[None, :], other=0.0)
-        else:
-            x = tl.load(at)
+        x = _load_rows(q_grp + tl.arange(0, q_scale.shape[0])[None, :] * _QK_DIM + d[:, None], row_in[None, :],
+                       PARTIAL_ROWS)
         x = x.to(tl.float32) * q_scale[None, :]
         if FP8_MAX > 0:
             x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
@@ -555,12 +567,9 @@ if triton is not None:
         """Writes the (128, BLOCK_H) O^T chunk acc * inv to ptr[r * 512 + COL0 + d] (query row r); NaN where not
         valid; PARTIAL_ROWS: only the rows row_in."""
         d = COL0 + tl.arange(0, acc.shape[0])
-        o = tl.where(valid, acc * inv[None, :], float("nan")).to(OUT_DTYPE)
-        at = ptr + tl.arange(0, acc.shape[1])[None, :] * _V_DIM + d[:, None]
-        if PARTIAL_ROWS:
-            tl.store(at, o, mask=row_in[None, :])
-        else:
-            tl.store(at, o)
+        o = tl.where(valid, acc * inv[None, :], float("nan"))
+        tl.store(ptr + tl.arange(0, acc.shape[1])[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE),
+                 mask=row_in[None, :] if PARTIAL_ROWS else None)
 
     @triton.jit
     def _attend_tile(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope,
@@ -652,12 +661,9 @@ if triton is not None:
         q_fp8_max: tl.constexpr = FP8_MAX if FP8_Q else 0.0
         if KV_FORMAT == "fp8" or SCALED_SCORES:  # one Q scale per head; the fp32 scores get qk_scale / q_scale
             q_row = q_grp + tl.arange(0, BLOCK_H)[:, None] * _QK_DIM
-            if PARTIAL_ROWS:  # rows past the sequence's read as 0: a finite scale, zero scores
-                q_nope = tl.load(q_row + tl.arange(0, _V_DIM)[None, :], mask=row_in[:, None], other=0.0)
-                q_pe = tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :], mask=row_in[:, None], other=0.0)
-            else:
-                q_nope = tl.load(q_row + tl.arange(0, _V_DIM)[None, :])
-                q_pe = tl.load(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :])
+            # rows past the sequence's (PARTIAL_ROWS) read as 0: a finite scale, zero scores
+            q_nope = _load_rows(q_row + tl.arange(0, _V_DIM)[None, :], row_in[:, None], PARTIAL_ROWS)
+            q_pe = _load_rows(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :], row_in[:, None], PARTIAL_ROWS)
             q_max = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), 1), tl.max(tl.abs(q_pe.to(tl.float32)), 1))
             if not FP8_Q:  # DOT_DTYPE Q scaled by a power of two (exact) so its largest |q| lies in [2^14, 2^15)
                 q_scale = tl.exp2(14.0 - tl.floor(tl.log2(tl.maximum(q_max, 1e-30))))
@@ -740,9 +746,8 @@ if triton is not None:
             _store_chunk(dst, acc2, inv, valid, row_in, 256, tl.bfloat16, PARTIAL_ROWS)
             _store_chunk(dst, acc3, inv, valid, row_in, 384, tl.bfloat16, PARTIAL_ROWS)
             if WRITE_LSE:
-                # lse (batch, num_heads, q_len)
-                lse_at = lse_ptr + b * ROWS + (qrow % NUM_HEADS) * Q_LEN + qrow // NUM_HEADS
-                tl.store(lse_at, tl.where(valid, lse2 * _LN2, float("nan")), mask=row_in if PARTIAL_ROWS else None)
+                tl.store(_lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), tl.where(valid, lse2 * _LN2, float("nan")),
+                         mask=row_in if PARTIAL_ROWS else None)
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache); the combine weighs them
             part = b * NUM_SPLITS + split
             dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * _V_DIM
@@ -780,8 +785,7 @@ if triton is not None:
         if WRITE_LSE:
             if tl.program_id(1) == 0:
                 total = tl.where(denom > 0, (m + tl.log2(denom)) * _LN2, float("-inf"))
-                lse_at = lse_ptr + b * ROWS + (r % NUM_HEADS) * Q_LEN + r // NUM_HEADS  # (batch, num_heads, q_len)
-                tl.store(lse_at, tl.where(valid, total, float("nan")))
+                tl.store(_lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
 
 
 class TritonPlan(NamedTuple):
