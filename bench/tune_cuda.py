@@ -1,7 +1,7 @@
 """Experiments on the cuda backend's kernel, on one GPU in one process (one device call).
 
     python3 bench/tune_cuda.py ab --variant now= --variant s4=STAGES_ALONE:4 --variant x=STAGES_SHARED:2@16 \
-        --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40]
+        --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40] [--page 64]
     python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock]
 
 Shapes are task.yml's benchmarks (bench.py's --shapes), with their seeds.
@@ -17,6 +17,9 @@ submission or the tests' GPU runs.
 ab: every variant's output is checked with reference.check_implementation, then timed the leaderboard's way
 (utils.Timer, as bench.py times: L2 flushed, events around the one call; median of --iters after 2 warm-up calls),
 variants interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
+--page N times the paged kernels instead: the library's plan run (mla_decode.plan(...).run(...), a plan per variant
+and shape) over the input's cache re-laid in shuffled pages of N rows, as bench.py's paged rows are (a forced split
+count does not apply there).
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS, the `// TUNE: name` lines of the sources; prints,
 for the median of --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA
@@ -41,6 +44,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import bench  # noqa: E402
+import mla_decode  # noqa: E402
 import mla_decode.cuda as C  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
@@ -125,6 +129,16 @@ class Variant:
                              f"mla_decode.cuda's {expected + [ctypes.sizeof(C.DecodeCall)]}")
         self.checked = True
 
+    def paged(self, paged, batch: int, kv_len: int):
+        """The paged call of this variant's library on `paged` (bench.Paged): a plan made now, its run returned."""
+        self.activate()
+        if not self.checked:
+            self.check_layout()
+        decode = mla_decode.plan(batch, paged.kv_cache.shape[1], paged.block_table.shape[1], paged.kv_cache.dtype,
+                                 paged.q.device, backend="cuda", max_seqlen=kv_len,
+                                 kv_scale_dtype=paged.kv_scale.dtype)
+        return lambda: decode.run(paged.q, paged.kv_cache, paged.block_table, paged.cache_seqlens, paged.kv_scale)
+
     def num_splits(self) -> int:
         """The split count of the variant's plan (after a call: its one kind of input so far)."""
         (decision,) = self.dispatch.values()
@@ -137,16 +151,18 @@ def run_ab(args, variants: dict) -> None:
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
+        paged = bench._paged(data, args.format, args.page) if args.page else None
         cells = []
-        for name, fn in variants.items():
-            out = fn(data)
-            ok, _ = R.check_implementation(data, out)
-            fn(data)
-            us = statistics.median(timer.leaderboard(lambda fn=fn, data=data: fn(data), args.iters))
+        for name, variant in variants.items():
+            call = variant.paged(paged, batch, kv_len) if paged else lambda variant=variant, data=data: variant(data)
+            out = call()
+            ok, _ = R.check_implementation(data, out[0].view(batch, *out[0].shape[2:]) if paged else out)
+            call()
+            us = statistics.median(timer.leaderboard(call, args.iters))
             results[name].append(us)
             cells.append(f"{name} {us:7.1f}{'' if ok else ' FAIL'}")
         print(f"{batch}x{kv_len}: " + "  ".join(cells), flush=True)
-    print(f"geomean {args.format}: " + "  ".join(
+    print(f"geomean {args.format}{f' pages of {args.page}' if args.page else ''}: " + "  ".join(
         f"{name} {math.prod(r) ** (1 / len(r)):.1f}" for name, r in results.items()), flush=True)
 
 
@@ -266,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", help="BATCHxKV[,...] among task.yml's benchmarks (default: all 8)")
     parser.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
     parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--page", type=int, help="ab: time the paged plan run over pages of this many rows")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clock", action="store_true", help="timeline in %%clock64 cycles per CTA")
     args = parser.parse_args(argv)
