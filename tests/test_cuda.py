@@ -57,13 +57,26 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     assert lib.mla_decode.restype is not None
     assert lib.mla_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
     assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
+    assert lib.mla_max_unit_rows() == (32 if capability == C.WGMMA_CAPABILITY else 16)
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert C.library(capability) is lib  # built once, then reused
-    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 23
+    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 24
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
     fields = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]
     assert list(layout) == fields + [ctypes.sizeof(C.DecodeCall)]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
+def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capability):
+    """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 in the wgmma build,
+    and whole units of one token (num_heads a multiple of them); otherwise cudaErrorInvalidValue (1)."""
+    lib = C.library(capability)
+    widest = lib.mla_max_unit_rows()
+    for rows, num_heads in ((0, 16), (8, 16), (24, 48), (64, 128), (widest * 2, 128), (32, 48), (16, 40)):
+        call = C.DecodeCall(batch=1, num_splits=1, num_heads=num_heads, q_len=1, unit_rows=rows)
+        assert lib.mla_decode(ctypes.addressof(call)) == 1, (rows, num_heads)
 
 
 @needs_nvcc
@@ -72,7 +85,7 @@ def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, ed
     edited_sources(C.MAIN_SOURCE, "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n", line=1)
     with caplog.at_level("WARNING", logger="mla_decode"):
         lib = C.library((9, 0))
-    assert lib.mla_ctas_per_sm() == 1 and not lib.mla_supports_mxfp4()
+    assert lib.mla_ctas_per_sm() == 1 and not lib.mla_supports_mxfp4() and lib.mla_max_unit_rows() == 16
     assert "the Hopper (wgmma) kernel did not build" in caplog.text and "no sm_90a here" in caplog.text
     assert [p.name.split("_")[2] for p in fresh_build.glob("*.so")] == ["sm90"]
 
@@ -88,7 +101,7 @@ def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build,
 
 
 @needs_nvcc
-@pytest.mark.parametrize("file,line", [("wgmma.cuh", 41), ("merge.cuh", 12), (C.MAIN_SOURCE, 29)])
+@pytest.mark.parametrize("file,line", [("wgmma.cuh", 47), ("merge.cuh", 12), (C.MAIN_SOURCE, 29)])
 def test_a_compiler_error_names_the_real_file_and_line(fresh_build, edited_sources, file, line):
     """nvcc compiles the package's files where they lie: its message points at the line to fix."""
     path = edited_sources(file, "this is not C++;\n", line)
@@ -461,7 +474,7 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
 
     def fake_cdll(path):
         exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_ctas_per_sm",
-                   "mla_supports_mxfp4")
+                   "mla_supports_mxfp4", "mla_max_unit_rows")
         lib = SimpleNamespace(path=path, **{name: SimpleNamespace() for name in exports})
         lib.mla_supports_mxfp4 = lambda: path.endswith("a")
         return lib

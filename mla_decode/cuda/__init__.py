@@ -120,7 +120,7 @@ def library(capability: tuple[int, int], precise: bool = False):
     lib.mla_decode_call_layout.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.mla_limit_shared_memory.restype = ctypes.c_int
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
-    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4"):
+    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4", "mla_max_unit_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     _LIBS[key] = lib
@@ -169,13 +169,13 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> i
 class DecodeCall(ctypes.Structure):
     """mla_decode's one argument (csrc/common.cuh, struct DecodeCall: the same fields in the same order). A plan
     holds one with its own fields set (workspace, batch, splits, format, layout); a run sets its inputs' and passes
-    the address: one converted argument instead of 23."""
+    the address: one converted argument instead of 24."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "kv", "kv_scale", "kv_block_scales", "seqs", "block_table",
                                                        "out", "lse", "part_o", "part_lse", "sync", "stream")]
                 + [(name, ctypes.c_int) for name in ("scale_stride", "kv_format", "batch", "total_kv", "num_splits",
                                                      "page_size", "max_pages", "num_heads", "q_len", "causal")]
-                + [("qk_scale", ctypes.c_float)])
+                + [("qk_scale", ctypes.c_float), ("unit_rows", ctypes.c_int)])
 
 
 _GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
@@ -250,7 +250,8 @@ class CudaDecode:
                                sync=self.sync.data_ptr(), batch=batch, num_splits=splits,
                                kv_format=int(problem.kv_format == "mxfp4"), page_size=problem.page_size,
                                max_pages=problem.max_pages, num_heads=problem.num_heads, q_len=problem.q_len,
-                               causal=int(problem.causal and problem.q_len > 1), qk_scale=problem.qk_scale)
+                               causal=int(problem.causal and problem.q_len > 1), qk_scale=problem.qk_scale,
+                               unit_rows=QUERY_ROWS)
         self.address = ctypes.addressof(self.call)
 
     def run(self, q, kv, scale, seqs, table, out, lse) -> None:

@@ -6,24 +6,26 @@
 
 namespace mla {
 
-constexpr int H = 16;                  // query rows per CTA: 16 heads of one token
 constexpr int D = 576;                 // key width = bytes per FP8 row
 constexpr int DV = 512;                // value width
 constexpr int BN = 64;                 // KV rows per tile
 
+__host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2) : 0; }  // n a power of two
+
 // One call's arguments, the one list from the Python launcher to the kernels: mla_decode.cuda.DecodeCall is a ctypes
 // Structure of the same fields in the same order (mla_decode_call_layout lets it check the layout), a plan sets its
 // own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it by value.
-// q (batch, q_len, num_heads, 576) bf16, num_heads a multiple of 16; kv: kv_format 0, the FP8 cache (total_kv rows
-// of 576) e4m3 with kv_scale (1,) fp32; 1, the MXFP4 codes (total_kv rows of 288) with kv_block_scales, E8M0 bytes,
-// row r's 18 at r * scale_stride.
+// q (batch, q_len, num_heads, 576) bf16, num_heads a multiple of unit_rows, the query rows of a CTA (16, or 32 in
+// the wgmma build: the plan picks them, the launcher the kernel instance); kv: kv_format 0, the FP8 cache (total_kv
+// rows of 576) e4m3 with kv_scale (1,) fp32; 1, the MXFP4 codes (total_kv rows of 288) with kv_block_scales, E8M0
+// bytes, row r's 18 at r * scale_stride.
 // The rows of sequence b: page_size 0 (ragged), seqs is kv_indptr (batch + 1,) and they are kv_indptr[b] ..
 // kv_indptr[b+1] - 1; otherwise seqs is cache_seqlens (batch,) and position n is row block_table[b * max_pages + n /
 // page_size] * page_size + n % page_size. out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len)
-// fp32, natural log, or null; with units = batch * q_len * num_heads / 16 (QueryRows), part_o (units * num_splits,
-// 16, 512) bf16, part_lse (units * num_splits, 16) fp32 and sync (units,) uint32: the splits' partials and barrier
-// (unused with one split); causal (q_len > 1): token t sees the first length - (q_len - 1 - t) positions; stream:
-// the cudaStream_t to launch on; qk_scale = sm_scale * log2(e).
+// fp32, natural log, or null; with units = batch * q_len * num_heads / unit_rows (QueryRows), part_o (units *
+// num_splits, unit_rows, 512) bf16, part_lse (units * num_splits, unit_rows) fp32 and sync (units,) uint32: the
+// splits' partials and barrier (unused with one split); causal (q_len > 1): token t sees the first length - (q_len -
+// 1 - t) positions; stream: the cudaStream_t to launch on; qk_scale = sm_scale * log2(e).
 struct DecodeCall {
   const __nv_bfloat16* q;
   const uint8_t* kv;
@@ -39,17 +41,20 @@ struct DecodeCall {
   void* stream;
   int scale_stride, kv_format, batch, total_kv, num_splits, page_size, max_pages, num_heads, q_len, causal;
   float qk_scale;
+  int unit_rows;  // last: the fields before it kept their offsets
 };
 
-// A CTA's 16 query rows: grid row `unit` = b * groups + group holds rows 16 group .. 16 group + 15 of sequence b's
-// q_len x num_heads (token-major, as q and out lie), all of token t (num_heads is a multiple of 16). The unit indexes
-// q, out, the partials and the barrier as the sequence did with 16 heads; row e's LSE is at lse0 + e * lse_stride.
+// A CTA's H query rows: grid row `unit` = b * groups + group holds rows H group .. H group + H - 1 of sequence b's
+// q_len x num_heads (token-major, as q and out lie), all of token t (num_heads is a multiple of H: one causal limit).
+// The unit indexes q, out, the partials and the barrier as the sequence did with H heads; row e's LSE is at lse0 + e *
+// lse_stride.
 struct QueryRows {
   int b, unit, t;
   size_t lse0;
   int lse_stride;
 };
 
+template <int H>
 __device__ __forceinline__ QueryRows query_rows(const DecodeCall& c, int unit) {
   const int groups = c.q_len * c.num_heads / H, b = unit / groups, r0 = (unit % groups) * H, t = r0 / c.num_heads;
   return {b, unit, t, (static_cast<size_t>(b) * c.num_heads + r0 % c.num_heads) * c.q_len + t, c.q_len};

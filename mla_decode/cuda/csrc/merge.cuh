@@ -1,4 +1,5 @@
-// Shared by both kernels: the per-unit barrier (a unit: 16 query rows of a sequence) of the splits and their merge.
+// Shared by both kernels: the per-unit barrier (a unit: 16 or 32 query rows of a sequence) of the splits and their
+// merge.
 #pragma once
 
 #include "common.cuh"
@@ -36,28 +37,30 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
   __syncthreads();
 }
 
-// The merge of one unit's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Split
-// `split` of S merges its 2048 / S of the unit's 2048 quads (4 columns of one head) with 128 threads, and every
-// thread issues all its 16 loads (8-byte quads of the bf16 partials, L2 only: other SMs wrote them) before using any:
-// one round trip. The partials are bf16 because the merge is a convex combination (its error stays at the bf16
-// output's) and half the bytes shorten the handoff: fp32 partials took 0.3-0.7 us more at the split shapes (H200).
-// S < 16: a thread merges W = 16 / S neighbouring quads over all S splits. S >= 16: W = 1, and the S / 16 threads
-// of a quad (neighbouring lanes) take 16 splits each, then combine their (max, sum, acc) by shuffles. S must be a
-// power of two (every thread then has exactly its G = 16 / W splits; merge_splits dispatches on W).
+// The merge of one unit's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A unit of H rows
+// has H x 128 quads (4 columns of one head): split `split` of S merges H x 128 / S of them with 128 threads, and
+// every thread issues all its H loads (8-byte quads of the bf16 partials, L2 only: other SMs wrote them) before using
+// any: one round trip (at H = 32 twice the loads a thread rather than a second round trip; the accumulators of the
+// split product are dead by then). The partials are bf16 because the merge is a convex combination (its error stays
+// at the bf16 output's) and half the bytes shorten the handoff: fp32 partials took 0.3-0.7 us more at the split
+// shapes (H200, H = 16). S < H: a thread merges W = H / S neighbouring quads over all S splits. S >= H: W = 1, and
+// the S / H threads of a quad (neighbouring lanes) take H splits each, then combine their (max, sum, acc) by
+// shuffles. S must be a power of two (every thread then has exactly its G = H / W splits; merge_splits dispatches
+// on W).
 constexpr int MERGE_THREADS = 128;
-constexpr int MERGE_LOADS = 16;
-constexpr int MAX_SPLITS = 512;        // a quad's threads stay within one warp (S / 16 <= 32)
+constexpr int MAX_SPLITS = 512;        // a quad's S / H threads stay within one warp (S / 16 <= 32)
 // A split's NaN LSE marks a page outside the cache: the unit's rows become NaN. out_lse, or null: the merged
 // natural-log LSE of row h at out_lse[h * lse_stride], written by the thread of each row's first quad.
-template <int W>
+template <int W, int H>
 __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
                                             float* out_lse, int lse_stride, int num_splits, int split,
                                             bool valid) {
-  constexpr int G = MERGE_LOADS / W;  // splits per thread
+  constexpr int G = H / W;  // splits per thread
+  constexpr int LOG_QUADS = log2i(H * DV / 4);  // the unit's quads: 2048 at H = 16
   const int log_splits = __ffs(num_splits) - 1;
   const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
   const int per_quad = 1 << log_per_quad;
-  const int quad = (split << (11 - log_splits)) + (threadIdx.x >> log_per_quad) * W;  // 2048 quads per unit
+  const int quad = (split << (LOG_QUADS - log_splits)) + (threadIdx.x >> log_per_quad) * W;
   const int h = quad / (DV / 4), col = quad % (DV / 4) * 4, s0 = (threadIdx.x & (per_quad - 1)) * G;
   const float* lse_s0 = lse + s0 * H + h;  // split s0 + j at j * H
   const uint2* po_s0 = reinterpret_cast<const uint2*>(po + (static_cast<size_t>(s0) * H + h) * DV + col);
@@ -125,6 +128,7 @@ __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat1
 // When the splits of a unit's rows have all written their partials, split `split` merges its share
 // (call.num_splits: a power of two, 2 .. MAX_SPLITS; the launcher checks); valid: split_range's verdict on the
 // sequence's range (false: NaN rows).
+template <int H>
 __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned base, const QueryRows& rows, int split,
                                              bool valid) {
   const int num_splits = call.num_splits, u = rows.unit;
@@ -136,11 +140,14 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
   __nv_bfloat16* o = call.out + static_cast<size_t>(u) * H * DV;
   float* out_lse = call.lse ? call.lse + rows.lse0 : nullptr;
   const int ls = rows.lse_stride;
+  if constexpr (H == 32) {
+    if (num_splits == 16) return merge_quads<2, H>(lse, po, o, out_lse, ls, num_splits, split, valid);
+  }
   switch (num_splits) {
-    case 2: merge_quads<8>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
-    case 4: merge_quads<4>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
-    case 8: merge_quads<2>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
-    default: merge_quads<1>(lse, po, o, out_lse, ls, num_splits, split, valid);
+    case 2: merge_quads<H / 2, H>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
+    case 4: merge_quads<H / 4, H>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
+    case 8: merge_quads<H / 8, H>(lse, po, o, out_lse, ls, num_splits, split, valid); break;
+    default: merge_quads<1, H>(lse, po, o, out_lse, ls, num_splits, split, valid);  // num_splits >= H
   }
 }
 

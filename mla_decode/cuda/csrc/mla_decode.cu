@@ -5,13 +5,13 @@
 //
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
 // mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX, PAGED>(DecodeCall): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: 16
-// query rows of a sequence, common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
-// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, 16, 512) bf16,
-// its normalised partial output, and part_lse (units * num_splits, 16) fp32, their log2-sum-exp; the CTAs of a unit
-// meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each merges
-// 1 / num_splits of the unit's outputs. The grid is launched cooperatively, so all its CTAs are resident and the
-// wait cannot hang.
+// split_kernel<STAGES, MX, PAGED[, H]>(DecodeCall): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the
+// call's unit_rows query rows of a sequence, 16, or 32 in the wgmma kernel (its H); common.cuh's QueryRows), the
+// call's fields as common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise
+// each writes part_o (units * num_splits, unit_rows, 512) bf16, its normalised partial output, and part_lse (units *
+// num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs of a unit meet at a barrier (`sync`: per unit a count of
+// arrivals over all launches, zero before the first) and each merges 1 / num_splits of the unit's outputs. The grid
+// is launched cooperatively, so all its CTAs are resident and the wait cannot hang.
 
 #if MLA_WGMMA
 #include <cstddef>
@@ -22,10 +22,11 @@
 
 using mla::DecodeCall;
 
-// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), and whether this build reads
-// the MXFP4 cache.
+// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), whether this build reads the
+// MXFP4 cache, and the most query rows its units take (DecodeCall's unit_rows: 16, or also 32).
 extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
 extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
+extern "C" int mla_max_unit_rows() { return mla::MAX_UNIT_ROWS; }
 
 // A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
 // GPUs with less shared memory get (0: none). Returns the stages it will run with on the current device (0 in the
@@ -55,18 +56,24 @@ extern "C" int mla_limit_shared_memory(int bytes) {
 // first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
-template <int STAGES, bool MX, bool PAGED>
+template <int STAGES, bool MX, bool PAGED, int H>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
+#if MLA_WGMMA
+  const auto kernel = mla::split_kernel<STAGES, MX, PAGED, H>;
+  constexpr int smem = mla::smem_bytes<STAGES, MX, H>();
+#else
+  static_assert(H == mla::H, "the mma.sync kernel's units are 16 rows");
+  const auto kernel = mla::split_kernel<STAGES, MX, PAGED>;
   constexpr int smem = mla::smem_bytes<STAGES, MX>();
+#endif
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
   if (!(configured & (1u << dev))) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(mla::split_kernel<STAGES, MX, PAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured |= 1u << dev;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.num_splits, a.batch * (a.q_len * a.num_heads / mla::H));
+  cfg.gridDim = dim3(a.num_splits, a.batch * (a.q_len * a.num_heads / H));
   cfg.blockDim = dim3(mla::NTHREADS);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(a.stream);
@@ -88,19 +95,25 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
   }
   cfg.attrs = attrs;
   cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, mla::split_kernel<STAGES, MX, PAGED>, a);
+  return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
-// The ragged and the paged instance of a configuration: the ragged one is the contiguous cache's kernel as it was.
+// The ragged and the paged instance of a configuration (the ragged one is the contiguous cache's kernel as it was),
+// for the call's rows per unit.
 template <int STAGES, bool MX>
 static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window) {
-  return a.page_size ? launch_split<STAGES, MX, true>(dev, a, max_window)
-                     : launch_split<STAGES, MX, false>(dev, a, max_window);
+#if MLA_WGMMA
+  if (a.unit_rows == 32)
+    return a.page_size ? launch_split<STAGES, MX, true, 32>(dev, a, max_window)
+                       : launch_split<STAGES, MX, false, 32>(dev, a, max_window);
+#endif
+  return a.page_size ? launch_split<STAGES, MX, true, 16>(dev, a, max_window)
+                     : launch_split<STAGES, MX, false, 16>(dev, a, max_window);
 }
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
-constexpr int DECODE_CALL_FIELDS = 23;
+constexpr int DECODE_CALL_FIELDS = 24;
 extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
   const size_t layout[DECODE_CALL_FIELDS + 1] = {
@@ -111,7 +124,8 @@ extern "C" void mla_decode_call_layout(int* offsets) {
       offsetof(DecodeCall, scale_stride), offsetof(DecodeCall, kv_format), offsetof(DecodeCall, batch),
       offsetof(DecodeCall, total_kv), offsetof(DecodeCall, num_splits), offsetof(DecodeCall, page_size),
       offsetof(DecodeCall, max_pages), offsetof(DecodeCall, num_heads), offsetof(DecodeCall, q_len),
-      offsetof(DecodeCall, causal), offsetof(DecodeCall, qk_scale), sizeof(DecodeCall)};
+      offsetof(DecodeCall, causal), offsetof(DecodeCall, qk_scale), offsetof(DecodeCall, unit_rows),
+      sizeof(DecodeCall)};
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
@@ -122,8 +136,10 @@ extern "C" int mla_decode(const DecodeCall* c) {
   int dev = 0;
   cudaGetDevice(&dev);
   const int num_splits = c->num_splits, kv_format = c->kv_format;
-  const bool rows_ok = c->num_heads > 0 && c->num_heads % mla::H == 0 && c->q_len > 0;
-  const int units = rows_ok ? c->batch * (c->q_len * c->num_heads / mla::H) : 0;  // CTAs per split
+  const int rows = c->unit_rows;  // 16, or 32 where the build takes them; whole units of one token
+  const bool rows_ok = (rows == 16 || rows == mla::MAX_UNIT_ROWS) && c->num_heads > 0 && c->num_heads % rows == 0 &&
+                       c->q_len > 0;
+  const int units = rows_ok ? c->batch * (c->q_len * c->num_heads / rows) : 0;  // CTAs per split
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table);
   if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))

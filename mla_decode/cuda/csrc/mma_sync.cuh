@@ -8,10 +8,12 @@
 
 namespace mla {
 
+constexpr int H = 16;                  // query rows per CTA: 16 heads of one token
 constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
 constexpr int CTAS_PER_SM = 1;
 constexpr bool SUPPORTS_MXFP4 = false;
+constexpr int MAX_UNIT_ROWS = H;
 constexpr int TOKW = BN / NWARPS;      // score columns (tile rows) per warp: one m16n8 tile
 constexpr int VCOLS = DV / NWARPS;     // output columns per warp
 constexpr int KROW = D + 16;           // smem bytes per tile row: 8 consecutive rows hit distinct banks (ldmatrix)
@@ -57,7 +59,7 @@ split_kernel(const DecodeCall call) {
   const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
   const int split = blockIdx.x;
-  const QueryRows rows = query_rows(call, blockIdx.y);
+  const QueryRows rows = query_rows<H>(call, blockIdx.y);
   const int b = rows.b, unit = rows.unit;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const SplitRange range = split_range(call, b, split, rows.t);
@@ -259,7 +261,7 @@ split_kernel(const DecodeCall call) {
       call.lse[rows.lse0 + (g + 8) * rows.lse_stride] = ok ? lse1 * LN2 : NAN;
     }
   }
-  if (call.num_splits > 1) merge_splits(call, base, rows, split, valid);
+  if (call.num_splits > 1) merge_splits<H>(call, base, rows, split, valid);
 }
 
 }  // namespace mla

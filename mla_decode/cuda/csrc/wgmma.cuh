@@ -27,21 +27,24 @@ constexpr int MX_STAGES = 3;
 constexpr int SW128_BLOCK = BN * 128;
 constexpr int ROPE_OFFSET = 4 * SW128_BLOCK;
 constexpr int TILE = BN * D;
-constexpr int QCHUNK = H * 16;         // Q and P: [chunk][16 heads][16 bytes]
-constexpr int SMEM_Q = H * D;
-constexpr int SMEM_P = H * BN;
-constexpr int SMEM_RED = NWARPS * H * 4;
 // MXFP4 (MX = true): the stages hold a tile's E2M1 codes as they lie in memory ([64 rows][288 bytes]); each tile
 // is dequantized once into one FP8 tile (e5m2, exact) at offset 0, which the products read as above.
 constexpr bool SUPPORTS_MXFP4 = true;
+constexpr int MAX_UNIT_ROWS = 32;      // units of 16 or 32 query rows (the kernel's H)
 constexpr int MX_ROW = D / 2;          // bytes of codes per row, two values per byte, low nibble first
 constexpr int MX_STAGE = BN * MX_ROW;
 constexpr int MX_BLOCKS = D / 32;      // E8M0 scales per row
 constexpr int SMEM_PAGED = (ROW_SLOTS * BN + 4) * 4;  // PagedRows: the next tiles' rows and the bad-page flag
+// Shared memory: the stages (MX: the dequantized tile, then the stages of codes), then for H query rows Q (H x 576
+// e4m3), P (64 x H e4m3), the reductions (H x NWARPS fp32), Q's scales (H fp32) and the paged rows.
 template <int STAGES, bool MX>
-constexpr int smem_bytes() {
-  return (MX ? TILE + STAGES * MX_STAGE : STAGES * TILE) + SMEM_Q + SMEM_P + SMEM_RED + H * 4 + SMEM_PAGED;
-}
+__host__ __device__ constexpr int stage_bytes() { return MX ? TILE + STAGES * MX_STAGE : STAGES * TILE; }
+template <int STAGES, bool MX, int H>
+constexpr int smem_bytes() { return stage_bytes<STAGES, MX>() + H * D + H * BN + NWARPS * H * 4 + H * 4 + SMEM_PAGED; }
+// Two CTAs a SM (228 KB, 1 KB of it reserved per CTA) for the instances that share SMs, at 32 rows (16 take less):
+// FP8 2 x (95,888 + 1,024) bytes, MXFP4 2 x (114,320 + 1,024).
+static_assert(2 * (smem_bytes<STAGES_SHARED, false, 32>() + 1024) <= 228 * 1024, "2 FP8 CTAs of 32 rows a SM");
+static_assert(2 * (smem_bytes<MX_STAGES, true, 32>() + 1024) <= 228 * 1024, "2 MXFP4 CTAs of 32 rows a SM");
 constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
 
 // Byte offset of the 16-byte unit `ch` (dims 16*ch..16*ch+15) of row r in a tile.
@@ -59,36 +62,59 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t s
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>  // until at most N committed groups are pending
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+template <int N>  // before and after the asynchronous products that read and write these N accumulators
 __device__ __forceinline__ void fence_acc(float* d) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D (64 x 16, fp32) (+)= A (64 x 32 e4m3, or e5m2 with A_E5M2, shared, K-major) * B (32 x 16 e4m3, shared, K-major).
-template <bool A_E5M2>
+// The products with N (the CTA's query rows, 16 or 32) as their N side: N / 2 fp32 accumulators a thread, which
+// hold for rows g and g + 8 of the warp's 16 (lane g = lane / 4, t4 = lane % 4) columns 8j + 2 t4 + {0, 1}, j < N / 8:
+// d[4j], d[4j + 1] at row g, d[4j + 2], d[4j + 3] at row g + 8.
+#define MLA_ACC8(i)                                                                                                 \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),     \
+      "+f"(d[i + 7])
+#define MLA_REGS8 "{%0,%1,%2,%3,%4,%5,%6,%7}"
+#define MLA_REGS16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+
+// D (64 x N, fp32) (+)= A (64 x 32 e4m3, or e5m2 with A_E5M2, shared, K-major) * B (32 x N e4m3, shared, K-major).
+template <int N, bool A_E5M2>
 __device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int accumulate) {
 #define MLA_WGMMA_SS(ATYPE)                                                                                         \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                         \
-               "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE                                                  \
-               ".e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"                                              \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
-               : "l"(da), "l"(db), "r"(accumulate))
-  if constexpr (A_E5M2) MLA_WGMMA_SS("e5m2"); else MLA_WGMMA_SS("e4m3");
+  if constexpr (N == 16)                                                                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                       \
+                 "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 " MLA_REGS8 ", %8, %9, p, 1, 1;\n}\n"    \
+                 : MLA_ACC8(0) : "l"(da), "l"(db), "r"(accumulate));                                               \
+  else                                                                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                       \
+                 "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 " MLA_REGS16 ", %16, %17, p, 1, 1;\n}\n" \
+                 : MLA_ACC8(0), MLA_ACC8(8) : "l"(da), "l"(db), "r"(accumulate))
+  static_assert(N == 16 || N == 32, "m64n16k32 or m64n32k32");
+  if constexpr (A_E5M2) { MLA_WGMMA_SS("e5m2"); } else { MLA_WGMMA_SS("e4m3"); }
 #undef MLA_WGMMA_SS
 }
 
-// D (64 x 16, fp32) += A (64 x 32 e4m3 or e5m2, registers) * B (32 x 16 e4m3, shared, K-major).
-template <bool A_E5M2>
+// D (64 x N, fp32) += A (64 x 32 e4m3 or e5m2, registers) * B (32 x N e4m3, shared, K-major).
+template <int N, bool A_E5M2>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t db) {
 #define MLA_WGMMA_RS(ATYPE)                                                                                         \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE                                                  \
-               ".e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1;\n"                                    \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-  if constexpr (A_E5M2) MLA_WGMMA_RS("e5m2"); else MLA_WGMMA_RS("e4m3");
+  if constexpr (N == 16)                                                                                            \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 " MLA_REGS8                             \
+                 ", {%8,%9,%10,%11}, %12, 1, 1, 1;\n"                                                               \
+                 : MLA_ACC8(0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));                             \
+  else                                                                                                              \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 " MLA_REGS16                            \
+                 ", {%16,%17,%18,%19}, %20, 1, 1, 1;\n"                                                             \
+                 : MLA_ACC8(0), MLA_ACC8(8) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+  static_assert(N == 16 || N == 32, "m64n16k32 or m64n32k32");
+  if constexpr (A_E5M2) { MLA_WGMMA_RS("e5m2"); } else { MLA_WGMMA_RS("e4m3"); }
 #undef MLA_WGMMA_RS
 }
+#undef MLA_ACC8
+#undef MLA_REGS8
+#undef MLA_REGS16
 
 __device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t b, uint32_t sel) {  // prmt with sign replication
   uint32_t d;
@@ -136,41 +162,45 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
-// Reduces v[e] (head heads[e]) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then over the 4
-// warps through `red` ([16 heads][4 warps]); every thread gets the results for its heads. op: max or sum.
-template <typename Op>
-__device__ __forceinline__ void reduce_rows(float (&v)[4], const int* heads, float* red, int warp, int g, Op op) {
+// Reduces v[e] (head heads[e], NE heads a thread) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then
+// over the 4 warps through `red` ([H heads][4 warps]); every thread gets the results for its heads. op: max or sum.
+template <int NE, typename Op>
+__device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, float* red, int warp, int g, Op op) {
 #pragma unroll
-  for (int e = 0; e < 4; ++e)
+  for (int e = 0; e < NE; ++e)
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) v[e] = op(v[e], __shfl_xor_sync(0xffffffffu, v[e], o));
   if (g == 0) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) red[heads[e] * NWARPS + warp] = v[e];
+    for (int e = 0; e < NE; ++e) red[heads[e] * NWARPS + warp] = v[e];
   }
   __syncthreads();
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
+  for (int e = 0; e < NE; ++e) {
     const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
     v[e] = op(op(r.x, r.y), op(r.z, r.w));
   }
 }
 
-template <int STAGES, bool MX, bool PAGED>
+// H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products.
+template <int STAGES, bool MX, bool PAGED, int H>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const DecodeCall call) {
+  static_assert(H == 16 || H == 32, "16 or 32 query rows a CTA");
+  constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][H heads][16 bytes]
+  constexpr int NE = H / 4;       // heads a thread (score columns; value product columns)
   extern __shared__ __align__(1024) uint8_t smem[];
   // TUNE: entry
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   uint8_t* ks = MX ? smem + TILE : smem;  // the stages (MX: after the dequantized tile)
-  uint8_t* qs = MX ? smem + TILE + STAGES * MX_STAGE : smem + STAGES * TILE;
-  uint8_t* ps = qs + SMEM_Q;
-  float* red = reinterpret_cast<float*>(ps + SMEM_P);
+  uint8_t* qs = smem + stage_bytes<STAGES, MX>();
+  uint8_t* ps = qs + H * D;
+  float* red = reinterpret_cast<float*>(ps + H * BN);
   float* qscale = red + NWARPS * H;
   const PagedRows paged_rows{reinterpret_cast<int*>(qscale + H), reinterpret_cast<int*>(qscale + H) + ROW_SLOTS * BN};
 
   const int split = blockIdx.x;
-  const QueryRows rows = query_rows(call, blockIdx.y);
+  const QueryRows rows = query_rows<H>(call, blockIdx.y);
   const int b = rows.b, unit = rows.unit;
   const SplitRange range = split_range(call, b, split, rows.t);
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
@@ -190,12 +220,22 @@ split_kernel(const DecodeCall call) {
   constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NTHREADS;
   constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
   const uint32_t ks_addr = smem_u32(ks);
-  uint32_t soff[COPIES];
-#pragma unroll
-  for (int it = 0; it < COPIES; ++it) {
+  auto copy_offset = [&](int it) -> uint32_t {
     const int c = tid + NTHREADS * it;
-    soff[it] = MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
+    return MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
+  };
+  // 16 rows: the offsets held in registers (recomputed per copy, the paged instances took 3-7% longer, H200); 32
+  // rows: recomputed, their registers needed by the value product's 128 accumulators (else every instance spills).
+  constexpr bool HOLD_OFFSETS = H == 16;
+  uint32_t held[HOLD_OFFSETS ? COPIES : 1];
+  if constexpr (HOLD_OFFSETS) {
+#pragma unroll
+    for (int it = 0; it < COPIES; ++it) held[it] = copy_offset(it);
   }
+  auto soff = [&](int it) -> uint32_t {
+    if constexpr (HOLD_OFFSETS) return held[it];
+    else return copy_offset(it);
+  };
   constexpr int ROW_BYTES = MX ? MX_ROW : D;
   auto load_tile = [&](int i) {
     const uint32_t dst = ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE);
@@ -207,13 +247,13 @@ split_kernel(const DecodeCall call) {
       if (rows >= BN) {
 #pragma unroll
         for (int it = 0; it < COPIES; ++it)
-          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff[it]),
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff(it)),
                        "l"(src + it * NTHREADS * 16));
       } else {
 #pragma unroll
         for (int it = 0; it < COPIES; ++it) {
           const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
-          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]),
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)),
                        "l"(in ? src + it * NTHREADS * 16 : call.kv), "r"(in ? 16 : 0));
         }
       }
@@ -222,7 +262,7 @@ split_kernel(const DecodeCall call) {
       for (int it = 0; it < COPIES; ++it) {
         const int c = tid + NTHREADS * it, row = paged_rows.at(i, c / ROW_UNITS);  // -1: past hi or a bad page
         const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * ROW_BYTES + (c % ROW_UNITS) * 16;
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff[it]), "l"(src),
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)), "l"(src),
                      "r"(row >= 0 ? 16 : 0));
       }
     }
@@ -286,9 +326,11 @@ split_kernel(const DecodeCall call) {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   // TUNE: Q
-  // This thread's score columns (heads) are 2*t4, 2*t4 + 1, 8 + 2*t4, 9 + 2*t4 (accumulator pairs 0/1 and 4/5 for
-  // row g of the warp's 16 rows, 2/3 and 6/7 for row g + 8).
-  const int heads[4] = {2 * t4, 2 * t4 + 1, 8 + 2 * t4, 9 + 2 * t4};
+  // This thread's score columns (heads) are 8j + 2*t4 and 8j + 2*t4 + 1, j < H / 8: head e at accumulator a = (e & 1)
+  // + (e >> 1) * 4 for row g of the warp's 16 rows and a + 2 for row g + 8 (wgmma_ss' layout).
+  int heads[NE];
+#pragma unroll
+  for (int e = 0; e < NE; ++e) heads[e] = 8 * (e >> 1) + 2 * t4 + (e & 1);
   const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
   const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
   // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start.
@@ -296,18 +338,18 @@ split_kernel(const DecodeCall call) {
   uint8_t* const p0dst = ps + (k0 >> 4) * QCHUNK + (k0 & 15);
   uint8_t* const p1dst = ps + (k1 >> 4) * QCHUNK + (k1 & 15);
   const uint32_t voff[2] = {lane * 128u + ((warp ^ (lane & 7)) << 4), lane * 128u + (((4 + warp) ^ (lane & 7)) << 4)};
-  float qsc[4];
+  float qsc[NE];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) qsc[e] = qscale[heads[e]];
+  for (int e = 0; e < NE; ++e) qsc[e] = qscale[heads[e]];
 
-  float m[4], l[4];
+  float m[NE], l[NE];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) m[e] = -INFINITY, l[e] = 0.f;
-  float acc[8][8];  // O^T: [64-dim block][accumulator]: dims 64*mb + 16*warp + 2g (+1 for rows g + 8)
+  for (int e = 0; e < NE; ++e) m[e] = -INFINITY, l[e] = 0.f;
+  float acc[8][H / 2];  // O^T: [64-dim block][accumulator]: dims 64*mb + 16*warp + 2g (+1 for rows g + 8)
 #pragma unroll
   for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[mb][e] = 0.f;
+    for (int e = 0; e < H / 2; ++e) acc[mb][e] = 0.f;
 
   for (int i = 0; i < ntiles; ++i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
@@ -337,27 +379,27 @@ split_kernel(const DecodeCall call) {
     }
     const int n0 = lo + i * BN;
 
-    // S^T (64 rows x 16 heads) = K (64 x 576) Q^T: 18 k32 steps, both operands from shared memory.
-    float s[8];
+    // S^T (64 rows x H heads) = K (64 x 576) Q^T: 18 k32 steps, both operands from shared memory.
+    float s[H / 2];
     wg_fence();
     const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
 #pragma unroll
     for (int st = 0; st < D / 32; ++st) {
       const uint64_t da =
           st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
-      wgmma_ss<MX>(s, da, qdesc + ((2 * st * QCHUNK) >> 4), st);
+      wgmma_ss<H, MX>(s, da, qdesc + ((2 * st * QCHUNK) >> 4), st);
     }
     wg_commit();
-    wg_wait0();
-    fence_acc(s);
+    wg_wait<0>();
+    fence_acc<H / 2>(s);
     // TUNE: scored
 
     // Online softmax over the tile, log2 domain; rows past hi are masked.
     const int r0 = warp * 16 + g;
     const bool in0 = n0 + r0 < hi, in1 = n0 + r0 + 8 < hi;
-    float mx[4];
+    float mx[NE];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < NE; ++e) {
       const int a = (e & 1) + (e >> 1) * 4;  // accumulator of head e at row g; a + 2 at row g + 8
       s[a] = in0 ? s[a] * qsc[e] : -INFINITY;
       s[a + 2] = in1 ? s[a + 2] * qsc[e] : -INFINITY;
@@ -365,9 +407,10 @@ split_kernel(const DecodeCall call) {
     }
     reduce_rows(mx, heads, red, warp, g, [](float x, float y) { return fmaxf(x, y); });
     // TUNE: maxed
-    float alpha[4];
+    float alpha[NE];
+    bool moved = false;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < NE; ++e) {
       const float mn = fmaxf(m[e], mx[e]);
       const float base = mn == -INFINITY ? 0.f : mn;
       alpha[e] = ex2(m[e] - base);
@@ -377,14 +420,15 @@ split_kernel(const DecodeCall call) {
       l[e] = l[e] * alpha[e] + (p0 + p1);  // this thread's share; summed across the CTA at the end
       p0dst[heads[e] * 16] = to_e4m3(p0);
       p1dst[heads[e] * 16] = to_e4m3(p1);
+      moved |= alpha[e] != 1.f;
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     // Rescale only when a running max moved somewhere in the warp (rare after the first tiles).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f || alpha[2] != 1.f || alpha[3] != 1.f)) {
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < NE; ++e) {
           const int a = (e & 1) + (e >> 1) * 4;
           acc[mb][a] *= alpha[e];
           acc[mb][a + 2] *= alpha[e];
@@ -394,32 +438,43 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // P is complete
     // TUNE: P
 
-    // O^T (512 dims x 16 heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
+    // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
     // as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1], V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of
     // block r; byte permutes of blocks r and r + 8 give the fragment of A row g (dim 2g) and row g + 8 (dim 2g+1).
+    // The fragments of MB m-blocks at a time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before
+    // waited for, so that two groups' (32 registers) at most are live beside the 128 accumulators.
+    constexpr int MB = H == 16 ? 8 : 4;
 #pragma unroll
     for (int kk = 0; kk < BN / 32; ++kk) {
-      uint32_t a[8][4];
 #pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-        uint32_t vb[4];
-        ldsm_x4_trans(vb, kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
-        a[mb][0] = __byte_perm(vb[0], vb[1], 0x6420);
-        a[mb][1] = __byte_perm(vb[0], vb[1], 0x7531);
-        a[mb][2] = __byte_perm(vb[2], vb[3], 0x6420);
-        a[mb][3] = __byte_perm(vb[2], vb[3], 0x7531);
+      for (int mb0 = 0; mb0 < 8; mb0 += MB) {
+        uint32_t a[MB][4];
+#pragma unroll
+        for (int j = 0; j < MB; ++j) {
+          const int mb = mb0 + j;
+          uint32_t vb[4];
+          ldsm_x4_trans(vb, kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
+          a[j][0] = __byte_perm(vb[0], vb[1], 0x6420);
+          a[j][1] = __byte_perm(vb[0], vb[1], 0x7531);
+          a[j][2] = __byte_perm(vb[2], vb[3], 0x6420);
+          a[j][3] = __byte_perm(vb[2], vb[3], 0x7531);
+        }
+#pragma unroll
+        for (int j = 0; j < MB; ++j) fence_acc<H / 2>(acc[mb0 + j]);
+        wg_fence();
+        const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
+#pragma unroll
+        for (int j = 0; j < MB; ++j) wgmma_rs<H, MX>(acc[mb0 + j], a[j], db);
+        if (MB < 8 && !(kk == BN / 32 - 1 && mb0 + MB == 8)) {  // the last group's wait is the one below
+          wg_commit();
+          wg_wait<1>();
+        }
       }
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);
-      wg_fence();
-      const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) wgmma_rs<MX>(acc[mb], a[mb], db);
     }
     wg_commit();
-    wg_wait0();
+    wg_wait<0>();
 #pragma unroll
-    for (int mb = 0; mb < 8; ++mb) fence_acc(acc[mb]);
+    for (int mb = 0; mb < 8; ++mb) fence_acc<H / 2>(acc[mb]);
     if (paged) paged_rows.put(i + STAGES, tid, next_row, lo, hi);  // read after the next iteration's barrier
     // TUNE: PV
   }
@@ -429,15 +484,15 @@ split_kernel(const DecodeCall call) {
   // Row sums across the warp's rows and the warps (every warp holds the same m).
   __syncthreads();  // every warp has read red in its last tile
   reduce_rows(l, heads, red, warp, g, [](float x, float y) { return x + y; });
-  float scale[4];  // kv_scale / the sum (no rows: zeros)
+  float scale[NE];  // kv_scale / the sum (no rows: zeros)
 #pragma unroll
-  for (int e = 0; e < 4; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
+  for (int e = 0; e < NE; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
   const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
   const bool ok = valid && !bad_page;
   const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < NE; ++e) {
       const float lse2 = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
       if (call.num_splits > 1)
         call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the unit NaN
@@ -447,15 +502,16 @@ split_kernel(const DecodeCall call) {
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
   // that each warp store writes whole 128-byte lines; from the fragments, each store wrote four 64-byte pieces and
-  // the 32 stores took ~1500 cycles per CTA. Rows padded by 4 floats: the fragments' float2 writes take 2 wavefronts.
+  // the 32 stores took ~1500 cycles per CTA (16 rows). Rows padded by 4 floats: the fragments' float2 writes take 2
+  // wavefronts. 32 rows take 66 KB: more than a tile, within the 2 stages (or the MXFP4 tiles) before Q.
   constexpr int OUT_ROW = DV + 4;
-  static_assert(H * OUT_ROW * 4 <= TILE, "the staged output fits the first tile's bytes");
+  static_assert(H * OUT_ROW * 4 <= stage_bytes<STAGES, MX>(), "the staged output fits the stages' bytes");
   float* staged = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int mb = 0; mb < 8; ++mb) {
     const int dim = 64 * mb + 16 * warp + 2 * g;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < NE; ++e) {
       const int a = (e & 1) + (e >> 1) * 4;
       *reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim) =
           make_float2(acc[mb][a] * scale[e], acc[mb][a + 2] * scale[e]);
@@ -473,7 +529,7 @@ split_kernel(const DecodeCall call) {
     store_bf16x4(dst + h * DV + col, v);
   }
   // TUNE: partial
-  if (call.num_splits > 1) merge_splits(call, base, rows, split, valid);
+  if (call.num_splits > 1) merge_splits<H>(call, base, rows, split, valid);
   // TUNE: merged
 }
 
