@@ -147,6 +147,31 @@ def test_plan_stays_within_what_the_merge_takes():
     assert C.cuda_plan(1, 10_000_000, 1000, 2) == C.MAX_SPLITS == 512
 
 
+# (num_heads, precision, the library's widest unit, the plan's unit rows)
+@pytest.mark.parametrize("num_heads,precision,widest,rows", [(128, "fast", 32, 32), (32, "fast", 32, 32),
+                                                             (64, "fast", 32, 32), (16, "fast", 32, 16),
+                                                             (48, "fast", 32, 16), (128, "precise", 32, 16),
+                                                             (128, "fast", 16, 16)])
+def test_units_of_32_rows_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, num_heads, precision,
+                                                               widest, rows):
+    """unit_rows: 32 query rows a CTA where the fast mode's library is the wgmma one (its mla_max_unit_rows; 16 in
+    Hopper's mma.sync fallback) and the heads come in 32s (a unit stays in one token), else 16; the units (the
+    grid's y, the split plan's and the workspace's count) are of those rows."""
+    libraries = []
+
+    def library(capability, precise=False):
+        libraries.append((capability, precise))
+        return SimpleNamespace(mla_max_unit_rows=lambda: widest)
+
+    monkeypatch.setattr(C, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(C, "library", library)
+    problem = mla_decode.api.make_problem(3, torch.float8_e4m3fn, fake_nvidia_gpu, layout="ragged", max_seqlen=64,
+                                          num_heads=num_heads, q_len=2, causal=True, precision=precision)
+    assert C.unit_rows(problem) == rows
+    assert C.query_units(problem) == 3 * 2 * num_heads // rows
+    assert all(precise is False for _, precise in libraries)  # the precise mode's kernel takes 16 rows unasked
+
+
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: needs an NVIDIA GPU"):

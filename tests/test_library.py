@@ -163,15 +163,22 @@ def test_other_head_counts(kv_format):
     assert cuda_unusable_reason(problem) == "cuda backend: serves multiples of 16 heads, not 8"
 
 
-def test_grids_past_the_launch_limits_are_refused():
-    """A grid dimension holds at most 65535: the cuda kernels' units of 16 query rows, the triton kernel's batch and
-    groups. Past them each backend refuses with the reason (auto then passes over it) instead of failing at launch."""
+def test_grids_past_the_launch_limits_are_refused(monkeypatch):
+    """A grid dimension holds at most 65535: the cuda kernels' units of the plan's 16 or 32 query rows (counted once
+    the backend serves the device: faked here), the triton kernel's batch and groups. Past them each backend refuses
+    with the reason (auto then passes over it) instead of failing at launch."""
     from mla_decode.select import cuda_unusable_reason, triton_unusable_reason
 
+    C = pytest.importorskip("mla_decode.cuda")
+    monkeypatch.setattr(C, "unusable_reason", lambda *args: None)
+    monkeypatch.setattr(C, "unit_rows", lambda problem: 16)
     big = mla_decode.api.make_problem(2048, torch.float8_e4m3fn, "cpu", layout="paged", page_size=64, max_pages=4,
-                                      q_len=4, num_heads=128, causal=True)  # 65536 units
-    assert "65536 units of query rows, more than the grid's 65535" in cuda_unusable_reason(big)
-    assert "units" not in cuda_unusable_reason(big._replace(batch=2047))
+                                      q_len=4, num_heads=128, causal=True)  # 65536 units of 16 rows
+    assert "/ 16 = 65536 units of query rows, more than the grid's 65535" in cuda_unusable_reason(big)
+    assert cuda_unusable_reason(big._replace(batch=2047)) is None
+    monkeypatch.setattr(C, "unit_rows", lambda problem: 32)  # the Hopper kernel's units: half as many
+    assert cuda_unusable_reason(big) is None
+    assert "/ 32 = 65536 units of query rows" in cuda_unusable_reason(big._replace(batch=4096))
     if mla_decode.contract.triton is not None:
         assert "batch 65536" in triton_unusable_reason(big._replace(batch=65536, q_len=1, num_heads=16))
         assert "batch" not in (triton_unusable_reason(big._replace(batch=65535, q_len=1, num_heads=16)) or "")

@@ -10,8 +10,9 @@ behind each choice):
   tile of codes is dequantized once into an e5m2 tile (exact), read as e5m2 x e4m3.
 - Other GPUs (sm_80+; csrc/mma_sync.cuh): mma.sync m16n8k16 in fp16 with fp32 sums, Q in registers; also the
   precise mode on Hopper.
-With more than one split per sequence the grid is launched cooperatively and its CTAs merge their own partials
-behind a barrier per unit of 16 query rows (csrc/merge.cuh): one launch per call.
+A CTA serves a unit of 16 query rows (heads of one token), or 32 in the Hopper kernel where the heads come in 32s
+(unit_rows). With more than one split per sequence the grid is launched cooperatively and its CTAs merge their own
+partials behind a barrier per unit (csrc/merge.cuh): one launch per call.
 Nothing here imports the rest of mla_decode: the few constants it needs are its own.
 """
 
@@ -28,14 +29,15 @@ from typing import NamedTuple
 
 import torch
 
-QUERY_ROWS = 16  # query rows per CTA, 16 heads of one token (H in the source): heads come in multiples of it
+QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token: heads come in multiples of it
+WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multiples of 32 (unit_rows)
 V_HEAD_DIM = 512  # value width (DV in the source)
 KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
 WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
 BLOCK_N = 64  # KV rows per tile (BN in the source)
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
-MAX_UNITS = 65535  # the grid's y dimension: units of 16 query rows (batch x q_len x heads / 16)
+MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x heads / unit_rows)
 CSRC = Path(__file__).resolve().parent / "csrc"  # the sources built (bench/tune_cuda.py points it at patched copies)
 MAIN_SOURCE = "mla_decode.cu"  # the one translation unit; it includes the .cuh files beside it
 
@@ -153,11 +155,11 @@ def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool 
 
 
 def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
-    """Splits per unit (`batch` units of 16 query rows): the largest power of two with batch x splits <= the CTAs that
-    fit at once (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most MAX_SPLITS and at least one
-    64-row tile per split; then, while a second CTA per SM would be needed (batch x splits > SMs), halved as long as
-    a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so little
-    work). The sweeps behind it are in docs/design-notes.md."""
+    """Splits per unit (`batch` units of 16 or 32 query rows): the largest power of two with batch x splits <= the
+    CTAs that fit at once (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most MAX_SPLITS and at
+    least one 64-row tile per split; then, while a second CTA per SM would be needed (batch x splits > SMs), halved as
+    long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so
+    little work). The sweeps behind it are in docs/design-notes.md (units of 16 rows)."""
     tiles = max(1, seq_len // BLOCK_N)
     limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, MAX_SPLITS))
     splits = 1 << (limit.bit_length() - 1)
@@ -194,7 +196,7 @@ class LaunchKey(NamedTuple):
     """What a launch's split plan depends on."""
 
     device: torch.device
-    units: int  # CTAs per split: batch x q_len x num_heads / 16
+    units: int  # CTAs per split: batch x q_len x num_heads / unit_rows
     seq_len: int  # the longest sequence the split plan is sized for
     kv_format: str
     precise: bool
@@ -207,51 +209,67 @@ def plan_splits(key: LaunchKey) -> int:
                      lib.mla_ctas_per_sm())
 
 
+def unit_rows(problem) -> int:
+    """The query rows of a unit (a CTA) in `problem`'s plan: 32 where the Hopper (wgmma) kernel serves it (the fast
+    mode, its library built) and the heads come in multiples of 32, so that a unit stays in one token; else 16. A
+    32-row CTA reads each KV tile for twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the
+    per-tile chain once for them. Called where the backend serves the problem's device (CudaDecode, and
+    cuda_unusable_reason after unusable_reason)."""
+    if problem.num_heads % WIDE_QUERY_ROWS or problem.precision == "precise":
+        return QUERY_ROWS
+    return WIDE_QUERY_ROWS if library(capability(problem.device)).mla_max_unit_rows() >= WIDE_QUERY_ROWS else QUERY_ROWS
+
+
 def query_units(problem) -> int:
-    """The CTAs a problem's query rows take per split: batch x q_len x num_heads / 16 (the grid's y)."""
-    return problem.batch * problem.q_len * problem.num_heads // QUERY_ROWS
+    """The CTAs a problem's query rows take per split: batch x q_len x num_heads / unit_rows (the grid's y)."""
+    return problem.batch * problem.q_len * problem.num_heads // unit_rows(problem)
 
 
 def cuda_unusable_reason(problem) -> str | None:
     """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): a multiple of 16 heads, the
-    FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build; else why not."""
+    FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build, in at most MAX_UNITS units of the
+    plan's rows; else why not."""
     if problem.num_heads % QUERY_ROWS:
         return f"cuda backend: serves multiples of {QUERY_ROWS} heads, not {problem.num_heads}"
-    units = query_units(problem)
-    if units > MAX_UNITS:
-        return (f"cuda backend: batch x q_len x heads / {QUERY_ROWS} = {units} units of query rows, more than the "
-                f"grid's {MAX_UNITS}")
     if problem.kv_format not in KV_FORMATS:
         return f"cuda backend: reads the FP8 and MXFP4 caches, not {problem.kv_format}"
     if problem.kv_format == "fp8" and problem.kv_dtype != torch.float8_e4m3fn:
         return f"cuda backend: reads float8_e4m3fn caches, not {problem.kv_dtype}"
-    return unusable_reason(problem.device, problem.kv_format, problem.precision == "precise")
+    reason = unusable_reason(problem.device, problem.kv_format, problem.precision == "precise")
+    if reason is not None:
+        return reason
+    units = query_units(problem)  # the plan's rows: known once the library is
+    if units > MAX_UNITS:
+        return (f"cuda backend: batch x q_len x heads / {unit_rows(problem)} = {units} units of query rows, more "
+                f"than the grid's {MAX_UNITS}")
+    return None
 
 
 class CudaDecode:
-    """The cuda backend's plan for a problem: the kernel library, the split count, the workspace (the splits'
-    partials and the per-unit barrier's counters, all empty with one split) and one DecodeCall with the plan's
+    """The cuda backend's plan for a problem: the kernel library, the unit rows and split count, the workspace (the
+    splits' partials, part_o (units x splits, unit_rows, 512) bf16 and part_lse (units x splits, unit_rows) fp32, and
+    the per-unit barrier's counters (units,) int32, all empty with one split) and one DecodeCall with the plan's
     fields set. run() sets the inputs' fields and makes one ctypes call: no allocation, no host read. Runs of one
     plan share its workspace: they must be issued in order on one stream."""
 
     def __init__(self, problem):
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
-        units = query_units(problem)
+        rows, units = unit_rows(problem), query_units(problem)
         self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise)
         self.decode = library(capability(device), precise).mla_decode
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.num_splits = splits = plan_splits(self.key)
         parts = units * splits if splits > 1 else 0
-        self.part_o = torch.empty((parts, QUERY_ROWS, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
-        self.part_lse = torch.empty((parts, QUERY_ROWS), dtype=torch.float32, device=device)
+        self.part_o = torch.empty((parts, rows, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+        self.part_lse = torch.empty((parts, rows), dtype=torch.float32, device=device)
         self.sync = torch.zeros((units if splits > 1 else 0,), dtype=torch.int32, device=device)
         self.call = DecodeCall(part_o=self.part_o.data_ptr(), part_lse=self.part_lse.data_ptr(),
                                sync=self.sync.data_ptr(), batch=batch, num_splits=splits,
                                kv_format=int(problem.kv_format == "mxfp4"), page_size=problem.page_size,
                                max_pages=problem.max_pages, num_heads=problem.num_heads, q_len=problem.q_len,
                                causal=int(problem.causal and problem.q_len > 1), qk_scale=problem.qk_scale,
-                               unit_rows=QUERY_ROWS)
+                               unit_rows=rows)
         self.address = ctypes.addressof(self.call)
 
     def run(self, q, kv, scale, seqs, table, out, lse) -> None:
