@@ -405,6 +405,13 @@ GPU_BOUNDS = {("cuda", "fp8", "fast"): (4e-2, 2e-2), ("cuda", "mxfp4", "fast"): 
               ("triton", "bf16", "fast"): (OUT_BOUND, LSE_BOUND)}
 
 
+def _cuda_unit_rows(num_heads: int, precision: str) -> int:
+    """The query rows of a cuda plan's CTA on this GPU: 32 with the Hopper kernel (the fast mode) where the heads come
+    in multiples of 32, else 16."""
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    return 32 if hopper and precision == "fast" and num_heads % 32 == 0 else 16
+
+
 def _gpu_queries(case, backend, precision):
     if precision == "fast" and (backend == "cuda" or case.kv_format == "fp8"):
         values, scale = round_q_per_head(case.q)  # the FP8 score products' Q, e4m3 per head
@@ -444,7 +451,7 @@ def test_gpu_paged_is_the_ragged_kernel_over_the_same_rows(kernel, page_size):
     assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bad_out_error, bad_lse_error)
 
 
-SERVING_SHAPES = [(2, 16), (4, 16), (1, 32), (1, 128), (2, 128), (1, 8), (3, 8)]  # (q_len, num_heads)
+SERVING_SHAPES = [(2, 16), (4, 16), (1, 32), (2, 32), (1, 128), (2, 128), (1, 8), (3, 8)]  # (q_len, num_heads)
 SERVING_LENS = [0, 1, 3, 77, 1000, 4097]
 
 
@@ -453,10 +460,10 @@ SERVING_LENS = [0, 1, 3, 77, 1000, 4097]
 @pytest.mark.parametrize("q_len,num_heads", SERVING_SHAPES)
 @pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
 def test_gpu_serving_shapes(kernel, q_len, num_heads):
-    """MTP (q_len 2 and 4, causal; lengths 0, 1 and 3 leave tokens that see nothing), 32 or 128 heads and 8 (triton:
-    its last group of 16 rows part masked), paged (64) and ragged (the same kernel over the owned rows laid out
-    consecutively: bit for bit the paged result), against the float64 truth with the bounds of q_len 1; a planted
-    bug fails them: the tokens not causal, or a 10% softmax scale error."""
+    """MTP (q_len 2 and 4, causal; lengths 0, 1 and 3 leave tokens that see nothing), 32 or 128 heads (the Hopper cuda
+    kernel: units of 32 rows) and 8 (triton: its last group of 16 rows part masked), paged (64) and ragged (the same
+    kernel over the owned rows laid out consecutively: bit for bit the paged result), against the float64 truth with
+    the bounds of q_len 1; a planted bug fails them: the tokens not causal, or a 10% softmax scale error."""
     backend, kv_format, precision = kernel
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
@@ -472,6 +479,8 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
                                   kv_scale_dtype=None if scale is None else scale.dtype)
     twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
     assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
+    if backend == "cuda":
+        assert twin.impl.call.unit_rows == _cuda_unit_rows(num_heads, precision)
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
     out_bound, lse_bound = GPU_BOUNDS[kernel]
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
@@ -521,8 +530,9 @@ def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads,
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
 def test_gpu_many_sequences_one_split(kernel, causal):
-    """40 sequences of q_len 2 x 128 heads fill the GPU without splitting (640 units or programs of 16 rows): the
-    split kernels write the output and the LSE themselves; causal and not, against the float64 truth."""
+    """40 sequences of q_len 2 x 128 heads fill the GPU without splitting (640 units or programs of 16 rows; 320
+    units of the Hopper cuda kernel's 32): the split kernels write the output and the LSE themselves; causal and not,
+    against the float64 truth."""
     backend, kv_format, precision = kernel
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
@@ -537,6 +547,31 @@ def test_gpu_many_sequences_one_split(kernel, causal):
     out, lse = decode.run(*case.args())
     out_error, lse_error = errors(out, lse, *paged_reference(case, q=_gpu_queries(case, backend, precision)))
     out_bound, lse_bound = GPU_BOUNDS[kernel]
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16, 32, 64])  # 3 units x 64: within two CTAs per SM
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_format, splits):
+    """The Hopper cuda kernel's 32-row units (32 heads) through every merge width: merge_quads' W = 16, 8, 4, 2 quads a
+    thread at 2 .. 16 splits, W = 1 at 32 and, at 64, two threads a quad and their shuffles; an empty sequence, a
+    one-row one and splits that get no rows, over pages of 16 rows (each copy looks its row up), against the float64
+    truth."""
+    C = pytest.importorskip("mla_decode.cuda")
+    if _cuda_unit_rows(32, "fast") != 32:
+        pytest.skip("units of 32 rows are the Hopper kernel's")
+    monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
+    lens = [0, 1, 3001]
+    case = make_paged_case(kv_format, 16, lens, seed=splits, num_heads=32, device="cuda")
+    decode = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=32,
+                             backend="cuda", max_seqlen=max(lens),
+                             kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
+    assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (splits, 32)
+    out, lse = decode.run(*case.args())
+    out_error, lse_error = errors(out, lse, *paged_reference(case, q=_gpu_queries(case, "cuda", "fast")))
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
