@@ -558,7 +558,9 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     """The Hopper cuda kernel's 32-row units (32 heads) through every merge width: merge_quads' W = 16, 8, 4, 2 quads a
     thread at 2 .. 16 splits, W = 1 at 32 and, at 64, two threads a quad and their shuffles; an empty sequence, a
     one-row one and splits that get no rows, over pages of 16 rows (each copy looks its row up), against the float64
-    truth."""
+    truth and (up to 32 splits) against the same plan in units of 16 rows: every head's sums are the same products
+    (only the merge groups its splits otherwise at 32 splits), so a layout slip shows far above a tenth of the
+    bounds."""
     C = pytest.importorskip("mla_decode.cuda")
     if _cuda_unit_rows(32, "fast") != 32:
         pytest.skip("units of 32 rows are the Hopper kernel's")
@@ -573,6 +575,16 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     out_error, lse_error = errors(out, lse, *paged_reference(case, q=_gpu_queries(case, "cuda", "fast")))
     out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    if splits > 32:  # 6 units of 16 rows x 64 splits: more CTAs than a cooperative launch holds at once
+        return
+    monkeypatch.setattr(C, "unit_rows", lambda problem: 16)
+    narrow = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=32,
+                             backend="cuda", max_seqlen=max(lens),
+                             kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
+    assert (narrow.impl.num_splits, narrow.impl.call.unit_rows) == (splits, 16)
+    narrow_out, narrow_lse = narrow.run(*case.args())
+    out_error, lse_error = errors(out, lse, narrow_out.double().cpu(), narrow_lse.double().cpu())
+    assert out_error < out_bound / 10 and lse_error < lse_bound / 10, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
 @pytest.mark.gpu
