@@ -224,9 +224,11 @@ split_kernel(const DecodeCall call) {
     const int c = tid + NTHREADS * it;
     return MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
   };
-  // 16 rows: the offsets held in registers (recomputed per copy, the paged instances took 3-7% longer, H200); 32
-  // rows: recomputed, their registers needed by the value product's 128 accumulators (else every instance spills).
-  constexpr bool HOLD_OFFSETS = H == 16;
+  // The offsets held in 18 registers (recomputed, the 16-row paged instances took 3-7% longer, H200), except at 32
+  // rows paged, where the 128 accumulators leave no room: held, those spilled 80-88 B (11-12 local loads a tile);
+  // recomputed, 4-12 B, for ~450 more instructions a tile. 32 rows ragged hold them with no spills (nvcc 13.1).
+  // (MXFP4's c * 16 costs nothing either way.)
+  constexpr bool HOLD_OFFSETS = H == 16 || !PAGED;
   uint32_t held[HOLD_OFFSETS ? COPIES : 1];
   if constexpr (HOLD_OFFSETS) {
 #pragma unroll
