@@ -147,29 +147,41 @@ def test_plan_stays_within_what_the_merge_takes():
     assert C.cuda_plan(1, 10_000_000, 1000, 2) == C.MAX_SPLITS == 512
 
 
-# (num_heads, precision, the library's widest unit, the plan's unit rows)
-@pytest.mark.parametrize("num_heads,precision,widest,rows", [(128, "fast", 32, 32), (32, "fast", 32, 32),
-                                                             (64, "fast", 32, 32), (16, "fast", 32, 16),
-                                                             (48, "fast", 32, 16), (128, "precise", 32, 16),
-                                                             (128, "fast", 16, 16)])
-def test_units_of_32_rows_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, num_heads, precision,
-                                                               widest, rows):
-    """unit_rows: 32 query rows a CTA where the fast mode's library is the wgmma one (its mla_max_unit_rows; 16 in
-    Hopper's mma.sync fallback) and the heads come in 32s (a unit stays in one token), else 16; the units (the
-    grid's y, the split plan's and the workspace's count) are of those rows."""
+# (batch, num_heads, precision, the library's widest unit, the plan's unit rows); 132 SMs, 2 CTAs each, 1k rows, q_len 1
+@pytest.mark.parametrize("batch,num_heads,precision,widest,rows",
+                         [(128, 128, "fast", 32, 32), (128, 32, "fast", 32, 32), (8, 128, "fast", 32, 16),
+                          (2, 32, "fast", 32, 16), (128, 16, "fast", 32, 16), (128, 48, "fast", 32, 16),
+                          (128, 128, "precise", 32, 16), (128, 128, "fast", 16, 16)])
+def test_units_of_32_rows_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, num_heads,
+                                                               precision, widest, rows):
+    """plan_unit_rows: 32 query rows a CTA where the fast mode's library is the wgmma one (its mla_max_unit_rows; 16
+    in Hopper's mma.sync fallback), the heads come in 32s (a unit stays in one token) and the 32-row grid has more
+    CTAs than the GPU has SMs (8 x 128 heads x 1k: 32 units x 4 splits = 128, so 16 rows); else 16. The units (the
+    grid's y, the split plan's and the workspace's count) are of those rows. The backend option unit_rows asks for
+    16 or 32 where the kernel serves it and is refused otherwise, naming what it takes."""
     libraries = []
 
     def library(capability, precise=False):
         libraries.append((capability, precise))
-        return SimpleNamespace(mla_max_unit_rows=lambda: widest)
+        return SimpleNamespace(mla_max_unit_rows=lambda: widest, mla_ctas_per_sm=lambda: 2)
 
     monkeypatch.setattr(C, "capability", lambda device: (9, 0))
     monkeypatch.setattr(C, "library", library)
-    problem = mla_decode.api.make_problem(3, torch.float8_e4m3fn, fake_nvidia_gpu, layout="ragged", max_seqlen=64,
-                                          num_heads=num_heads, q_len=2, causal=True, precision=precision)
-    assert C.unit_rows(problem) == rows
-    assert C.query_units(problem) == 3 * 2 * num_heads // rows
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    problem = mla_decode.api.make_problem(batch, torch.float8_e4m3fn, fake_nvidia_gpu, layout="ragged",
+                                          max_seqlen=1024, num_heads=num_heads,
+                                          precision=precision)
+    assert C.plan_unit_rows(problem) == rows
+    assert C.query_units(problem) == batch * num_heads // rows
     assert all(precise is False for _, precise in libraries)  # the precise mode's kernel takes 16 rows unasked
+    assert C.plan_unit_rows(problem, 16) == 16
+    if num_heads % 32 == 0 and precision == "fast" and widest == 32:
+        assert C.plan_unit_rows(problem, 32) == 32
+    else:
+        with pytest.raises(ValueError, match=r"unit_rows 32: this problem's cuda kernel takes \[16\] query rows"):
+            C.plan_unit_rows(problem, 32)
+    with pytest.raises(ValueError, match="unit_rows 64"):
+        C.plan_unit_rows(problem, 64)
 
 
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):

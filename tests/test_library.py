@@ -171,12 +171,12 @@ def test_grids_past_the_launch_limits_are_refused(monkeypatch):
 
     C = pytest.importorskip("mla_decode.cuda")
     monkeypatch.setattr(C, "unusable_reason", lambda *args: None)
-    monkeypatch.setattr(C, "unit_rows", lambda problem: 16)
+    monkeypatch.setattr(C, "plan_unit_rows", lambda problem: 16)
     big = mla_decode.api.make_problem(2048, torch.float8_e4m3fn, "cpu", layout="paged", page_size=64, max_pages=4,
                                       q_len=4, num_heads=128, causal=True)  # 65536 units of 16 rows
     assert "/ 16 = 65536 units of query rows, more than the grid's 65535" in cuda_unusable_reason(big)
     assert cuda_unusable_reason(big._replace(batch=2047)) is None
-    monkeypatch.setattr(C, "unit_rows", lambda problem: 32)  # the Hopper kernel's units: half as many
+    monkeypatch.setattr(C, "plan_unit_rows", lambda problem: 32)  # the Hopper kernel's units: half as many
     assert cuda_unusable_reason(big) is None
     assert "/ 32 = 65536 units of query rows" in cuda_unusable_reason(big._replace(batch=4096))
     if mla_decode.contract.triton is not None:
@@ -406,8 +406,9 @@ GPU_BOUNDS = {("cuda", "fp8", "fast"): (4e-2, 2e-2), ("cuda", "mxfp4", "fast"): 
 
 
 def _cuda_unit_rows(num_heads: int, precision: str) -> int:
-    """The query rows of a cuda plan's CTA on this GPU: 32 with the Hopper kernel (the fast mode) where the heads come
-    in multiples of 32, else 16."""
+    """The query rows of a cuda plan's CTA on this GPU for the serving tests' six sequences: 32 with the Hopper kernel
+    (the fast mode) where the heads come in multiples of 32 (their 32-row grids have more CTAs than the H200 has SMs:
+    plan_unit_rows), else 16."""
     hopper = torch.cuda.get_device_capability() == (9, 0)
     return 32 if hopper and precision == "fast" and num_heads % 32 == 0 else 16
 
@@ -568,7 +569,7 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     lens = [0, 1, 3001]
     case = make_paged_case(kv_format, 16, lens, seed=splits, num_heads=32, device="cuda")
     decode = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=32,
-                             backend="cuda", max_seqlen=max(lens),
+                             backend="cuda", max_seqlen=max(lens), backend_options={"unit_rows": 32},
                              kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
     assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (splits, 32)
     out, lse = decode.run(*case.args())
@@ -577,9 +578,8 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
     if splits > 32:  # 6 units of 16 rows x 64 splits: more CTAs than a cooperative launch holds at once
         return
-    monkeypatch.setattr(C, "unit_rows", lambda problem: 16)
     narrow = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=32,
-                             backend="cuda", max_seqlen=max(lens),
+                             backend="cuda", max_seqlen=max(lens), backend_options={"unit_rows": 16},
                              kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
     assert (narrow.impl.num_splits, narrow.impl.call.unit_rows) == (splits, 16)
     narrow_out, narrow_lse = narrow.run(*case.args())

@@ -209,20 +209,36 @@ def plan_splits(key: LaunchKey) -> int:
                      lib.mla_ctas_per_sm())
 
 
-def unit_rows(problem) -> int:
-    """The query rows of a unit (a CTA) in `problem`'s plan: 32 where the Hopper (wgmma) kernel serves it (the fast
-    mode, its library built) and the heads come in multiples of 32, so that a unit stays in one token; else 16. A
-    32-row CTA reads each KV tile for twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the
-    per-tile chain once for them. Called where the backend serves the problem's device (CudaDecode, and
-    cuda_unusable_reason after unusable_reason)."""
-    if problem.num_heads % WIDE_QUERY_ROWS or problem.precision == "precise":
+def plan_unit_rows(problem, requested: int | None = None) -> int:
+    """The query rows of a unit (a CTA) in `problem`'s plan. 32 where the Hopper (wgmma) kernel serves it (the fast
+    mode, its library built), the heads come in multiples of 32 (a unit stays in one token) and the 32-row grid, split
+    as cuda_plan splits it, still has more CTAs than the GPU has SMs; else 16. A 32-row CTA reads each KV tile for
+    twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the per-tile chain once for them, but
+    halves the CTAs: where that leaves SMs idle, 16 rows win (8 sequences x 1k rows x 128 heads, H200: 28.7 us in
+    32-row units, 20.3 in 16). requested: 16 or 32, the plan's backend option, checked against what the kernel
+    serves. Called where the backend serves the problem's device (CudaDecode, and cuda_unusable_reason after
+    unusable_reason)."""
+    widest = QUERY_ROWS
+    if problem.num_heads % WIDE_QUERY_ROWS == 0 and problem.precision == "fast":
+        widest = min(library(capability(problem.device)).mla_max_unit_rows(), WIDE_QUERY_ROWS)
+    if requested is not None:
+        if requested not in (QUERY_ROWS, WIDE_QUERY_ROWS) or requested > widest:
+            raise ValueError(f"backend_options: unit_rows {requested!r}: this problem's cuda kernel takes "
+                             f"{sorted({QUERY_ROWS, widest})} query rows a CTA ({problem.num_heads} heads, "
+                             f"{problem.precision} mode)")
+        return requested
+    if widest == QUERY_ROWS:
         return QUERY_ROWS
-    return WIDE_QUERY_ROWS if library(capability(problem.device)).mla_max_unit_rows() >= WIDE_QUERY_ROWS else QUERY_ROWS
+    units = problem.batch * problem.q_len * problem.num_heads // WIDE_QUERY_ROWS
+    sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
+    splits = cuda_plan(units, problem.max_seqlen, sms, library(capability(problem.device)).mla_ctas_per_sm())
+    return WIDE_QUERY_ROWS if units * splits > sms else QUERY_ROWS
 
 
-def query_units(problem) -> int:
-    """The CTAs a problem's query rows take per split: batch x q_len x num_heads / unit_rows (the grid's y)."""
-    return problem.batch * problem.q_len * problem.num_heads // unit_rows(problem)
+def query_units(problem, rows: int | None = None) -> int:
+    """The CTAs a problem's query rows take per split: batch x q_len x num_heads / rows (the grid's y; default: the
+    plan's, plan_unit_rows)."""
+    return problem.batch * problem.q_len * problem.num_heads // (rows or plan_unit_rows(problem))
 
 
 def cuda_unusable_reason(problem) -> str | None:
@@ -240,7 +256,7 @@ def cuda_unusable_reason(problem) -> str | None:
         return reason
     units = query_units(problem)  # the plan's rows: known once the library is
     if units > MAX_UNITS:
-        return (f"cuda backend: batch x q_len x heads / {unit_rows(problem)} = {units} units of query rows, more "
+        return (f"cuda backend: batch x q_len x heads / {plan_unit_rows(problem)} = {units} units of query rows, more "
                 f"than the grid's {MAX_UNITS}")
     return None
 
@@ -252,10 +268,13 @@ class CudaDecode:
     fields set. run() sets the inputs' fields and makes one ctypes call: no allocation, no host read. Runs of one
     plan share its workspace: they must be issued in order on one stream."""
 
-    def __init__(self, problem):
+    def __init__(self, problem, unit_rows: int | None = None):
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
-        rows, units = unit_rows(problem), query_units(problem)
+        rows = plan_unit_rows(problem, unit_rows)
+        units = query_units(problem, rows)
+        if units > MAX_UNITS:
+            raise ValueError(f"cuda backend: {units} units of {rows} query rows, more than the grid's {MAX_UNITS}")
         self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise)
         self.decode = library(capability(device), precise).mla_decode
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
