@@ -405,12 +405,9 @@ GPU_BOUNDS = {("cuda", "fp8", "fast"): (4e-2, 2e-2), ("cuda", "mxfp4", "fast"): 
               ("triton", "bf16", "fast"): (OUT_BOUND, LSE_BOUND)}
 
 
-def _cuda_unit_rows(num_heads: int, precision: str) -> int:
-    """The query rows of a cuda plan's CTA on this GPU for the serving tests' six sequences: 32 with the Hopper kernel
-    (the fast mode) where the heads come in multiples of 32 (their 32-row grids have more CTAs than the H200 has SMs:
-    plan_unit_rows), else 16."""
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    return 32 if hopper and precision == "fast" and num_heads % 32 == 0 else 16
+def _hopper_takes_32_rows(precision: str) -> bool:
+    """Whether this GPU's cuda kernel takes 32-row units: the Hopper (wgmma) kernel, fast mode."""
+    return torch.cuda.get_device_capability() == (9, 0) and precision == "fast"
 
 
 def _gpu_queries(case, backend, precision):
@@ -481,7 +478,12 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
     twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
     assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
     if backend == "cuda":
-        assert twin.impl.call.unit_rows == _cuda_unit_rows(num_heads, precision)
+        # the plan's rule (plan_unit_rows, checked on the CPU); on the H200 the serving lengths' 32-row grids at
+        # (2, 32), (1, 128) and (2, 128) have more CTAs than SMs, so those cases run the 32-row kernel
+        C = pytest.importorskip("mla_decode.cuda")
+        assert twin.impl.call.unit_rows == C.plan_unit_rows(twin.problem)
+        if _hopper_takes_32_rows(precision) and q_len * num_heads >= 64 and num_heads % 32 == 0:
+            assert twin.impl.call.unit_rows == 32
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
     out_bound, lse_bound = GPU_BOUNDS[kernel]
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
@@ -563,7 +565,7 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     (only the merge groups its splits otherwise at 32 splits), so a layout slip shows far above a tenth of the
     bounds."""
     C = pytest.importorskip("mla_decode.cuda")
-    if _cuda_unit_rows(32, "fast") != 32:
+    if not _hopper_takes_32_rows("fast"):
         pytest.skip("units of 32 rows are the Hopper kernel's")
     monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
     lens = [0, 1, 3001]
