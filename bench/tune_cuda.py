@@ -107,10 +107,14 @@ class Variant:
         C.cuda_plan = (lambda *args: self.splits) if self.splits else PLAN
 
     def __call__(self, data):
+        self.activate_checked()
+        return S.custom_kernel(data)
+
+    def activate_checked(self) -> None:
+        """activate(), and the library's DecodeCall layout checked at the first use."""
         self.activate()
         if not self.checked:
             self.check_layout()
-        return S.custom_kernel(data)
 
     def check_layout(self) -> None:
         """The variant's library (built now, for this GPU) reads the DecodeCall that mla_decode.cuda passes: the same
@@ -131,9 +135,7 @@ class Variant:
 
     def paged(self, paged, batch: int, kv_len: int):
         """The paged call of this variant's library on `paged` (bench.Paged): a plan made now, its run returned."""
-        self.activate()
-        if not self.checked:
-            self.check_layout()
+        self.activate_checked()
         decode = mla_decode.plan(batch, paged.kv_cache.shape[1], paged.block_table.shape[1], paged.kv_cache.dtype,
                                  paged.q.device, backend="cuda", max_seqlen=kv_len,
                                  kv_scale_dtype=paged.kv_scale.dtype)

@@ -229,9 +229,9 @@ def plan_unit_rows(problem, requested: int | None = None) -> int:
         return requested
     if widest == QUERY_ROWS:
         return QUERY_ROWS
-    units = problem.batch * problem.q_len * problem.num_heads // WIDE_QUERY_ROWS
+    units = query_units(problem, WIDE_QUERY_ROWS)
+    splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False))
     sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
-    splits = cuda_plan(units, problem.max_seqlen, sms, library(capability(problem.device)).mla_ctas_per_sm())
     return WIDE_QUERY_ROWS if units * splits > sms else QUERY_ROWS
 
 
@@ -254,10 +254,11 @@ def cuda_unusable_reason(problem) -> str | None:
     reason = unusable_reason(problem.device, problem.kv_format, problem.precision == "precise")
     if reason is not None:
         return reason
-    units = query_units(problem)  # the plan's rows: known once the library is
+    rows = plan_unit_rows(problem)  # known once the library is
+    units = query_units(problem, rows)
     if units > MAX_UNITS:
-        return (f"cuda backend: batch x q_len x heads / {plan_unit_rows(problem)} = {units} units of query rows, more "
-                f"than the grid's {MAX_UNITS}")
+        return (f"cuda backend: batch x q_len x heads / {rows} = {units} units of query rows, more than the grid's "
+                f"{MAX_UNITS}")
     return None
 
 

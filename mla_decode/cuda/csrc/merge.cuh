@@ -140,7 +140,7 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
   __nv_bfloat16* o = call.out + static_cast<size_t>(u) * H * DV;
   float* out_lse = call.lse ? call.lse + rows.lse0 : nullptr;
   const int ls = rows.lse_stride;
-  if constexpr (H == 32) {
+  if constexpr (H == 32) {  // 16 splits take W = 2 here; a `case 16` in the switch changed the 16-row SASS
     if (num_splits == 16) return merge_quads<2, H>(lse, po, o, out_lse, ls, num_splits, split, valid);
   }
   switch (num_splits) {
