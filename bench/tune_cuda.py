@@ -2,7 +2,7 @@
 
     python3 bench/tune_cuda.py ab --variant now= --variant s4=STAGES_ALONE:4 --variant x=STAGES_SHARED:2@16 \
         --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40] [--page 64]
-    python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock]
+    python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock] [--page 64]
 
 Shapes are task.yml's benchmarks (bench.py's --shapes), with their seeds.
 
@@ -25,7 +25,7 @@ timeline: thread 0 of every CTA records %globaltimer at the MARKS, the `// TUNE:
 for the median of --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA
 entered (the timer ticks every ~0.26 µs on the H200). --clock records %clock64 instead: cycles after each CTA's own
 entry, exact per phase (clocks of different SMs are not comparable). Rows past a split's tiles stay empty; the
-handoff's marks exist only with more than one split.
+handoff's marks exist only with more than one split. --page N stamps the paged plan run, as ab times it.
 """
 
 import argparse
@@ -101,6 +101,7 @@ class Variant:
         self.libs: dict = {}
         self.dispatch: dict = {}
         self.checked = False
+        self.paged_plan = None  # paged(): the plan of the last paged call
 
     def activate(self) -> None:
         C.CSRC, C._LIBS, S._DISPATCH = self.csrc, self.libs, self.dispatch
@@ -134,15 +135,20 @@ class Variant:
         self.checked = True
 
     def paged(self, paged, batch: int, kv_len: int):
-        """The paged call of this variant's library on `paged` (bench.Paged): a plan made now, its run returned."""
+        """The paged call of this variant's library on `paged` (bench.Paged): a plan made now (kept as
+        self.paged_plan), its run returned."""
         self.activate_checked()
         decode = mla_decode.plan(batch, paged.kv_cache.shape[1], paged.block_table.shape[1], paged.kv_cache.dtype,
                                  paged.q.device, backend="cuda", max_seqlen=kv_len,
                                  kv_scale_dtype=paged.kv_scale.dtype)
+        self.paged_plan = decode
         return lambda: decode.run(paged.q, paged.kv_cache, paged.block_table, paged.cache_seqlens, paged.kv_scale)
 
-    def num_splits(self) -> int:
-        """The split count of the variant's plan (after a call: its one kind of input so far)."""
+    def num_splits(self, paged: bool = False) -> int:
+        """The split count of the variant's plan: the paged plan's, or the leaderboard call's (after a call: its
+        one kind of input so far)."""
+        if paged:
+            return self.paged_plan.impl.num_splits
         (decision,) = self.dispatch.values()
         return decision.plan.impl.num_splits
 
@@ -234,14 +240,16 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
+        paged = bench._paged(data, args.format, args.page) if args.page else None
         for variant in variants.values():
             csrc = copy_sources(variant.csrc, workdir / f"timeline_{batch}x{kv_len}_{variant.name}")
             add_timeline(csrc, args.clock)
             stamped = Variant(variant.name, csrc, variant.splits)
-            stamped(data)
+            call = stamped.paged(paged, batch, kv_len) if paged else lambda stamped=stamped, data=data: stamped(data)
+            call()
             torch.cuda.synchronize()
             lib = stamped.libs[(torch.cuda.get_device_capability(), False)]  # the fast kernel's library
-            splits = stamped.num_splits()
+            splits = stamped.num_splits(paged is not None)
             ctas, tiles = batch * splits, -(-kv_len // splits // C.BLOCK_N)
             cols = []
             for name in MARKS:
@@ -256,7 +264,7 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
                 torch.cuda.synchronize()
                 clear_l2_cache()
                 torch.cuda.synchronize()
-                stamped(data)
+                call()
                 torch.cuda.synchronize()
                 if lib.mla_timeline_get(ctypes.cast(buf, ctypes.c_void_p)):
                     raise RuntimeError("mla_timeline_get failed")
@@ -267,7 +275,8 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
                 runs.append((rel[:, last].max().item(), rel))
             rel = sorted(runs, key=lambda r: r[0])[len(runs) // 2][1]
             unit = "cycles after each CTA's entry" if args.clock else "us after the first CTA's entry"
-            print(f"{batch}x{kv_len} {variant.name}: {splits} splits, {ctas} CTAs, {tiles} tiles each; "
+            layout = f", pages of {args.page}" if paged else ""
+            print(f"{batch}x{kv_len}{layout} {variant.name}: {splits} splits, {ctas} CTAs, {tiles} tiles each; "
                   f"{unit}, min/median/max over CTAs (scored..PV: tile 0)")
             width = 20 if args.clock else 14
             print("  " + "  ".join(f"{name:>{width}}" for name, _ in cols))
@@ -284,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", help="BATCHxKV[,...] among task.yml's benchmarks (default: all 8)")
     parser.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
     parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--page", type=int, help="ab: time the paged plan run over pages of this many rows")
+    parser.add_argument("--page", type=int, help="time (ab) or stamp (timeline) the paged plan run over pages of "
+                        "this many rows")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clock", action="store_true", help="timeline in %%clock64 cycles per CTA")
     args = parser.parse_args(argv)
