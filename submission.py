@@ -308,6 +308,9 @@ class TorchDecode:
 
 
 TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
+# NVIDIA's fast FP8 plan: programs of 32 query rows (8 warps) where heads come in 32s and a program still walks
+# WIDE_MIN_TILES tiles, or the grid is more than a wave without splits (triton_plan)
+WIDE_BLOCK_H, WIDE_NUM_WARPS, WIDE_MIN_TILES = 32, 8, 32
 PAGE_CHUNK_TILES = 32  # pages of whole tiles: the tiles whose bases are read from the table at once
 TRITON_MAX_GRID = 65535  # the split kernel's grid: (splits, groups, batch); CUDA and HIP cap the last two there
 
@@ -815,19 +818,30 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, groups: int = 1,
-                precise: bool = False) -> TritonPlan:
-    """The launch plan for `batch` sequences of up to `seq_len` rows and `groups` programs of query rows each on
-    `target`: block_n 64 and 4 warps; splits a power of two that puts batch x groups x splits near the programs
-    resident at once (more only add partials and waves);
-    as many stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and
-    gfx950's dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel
-    on NVIDIA (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
-    block_n, num_warps = 64, 4
-    max_splits = 32 if kv_format == "fp8" else 64
+def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, query_rows: int = TRITON_BLOCK_H,
+                num_heads: int = TRITON_BLOCK_H, precise: bool = False, block_h: int | None = None) -> TritonPlan:
+    """The launch plan for `batch` sequences of up to `seq_len` rows and `query_rows` (q_len x num_heads) query rows
+    each on `target`: block_n 64; programs of block_h rows (None: 16, or on NVIDIA the fast FP8 kernel's 32 where
+    the heads come in 32s and a 32-row program walks at least WIDE_MIN_TILES tiles or the 32-row grid, unsplit, is
+    more than the programs resident at once: there each tile serves twice the rows; with fewer tiles a program's
+    fixed cost, with fewer programs the idle SMs, outweigh it), 4 warps at 16 rows and 8 above; splits a power of two
+    that puts batch x groups x splits near the programs resident at once (more only add partials and waves); as many
+    stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and gfx950's
+    dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
+    (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
+    if block_h is None:
+        block_h = TRITON_BLOCK_H
+        if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
+            wide = triton_plan(batch, seq_len, target, kv_format, query_rows, num_heads, precise, WIDE_BLOCK_H)
+            programs = batch * query_groups(1, query_rows, WIDE_BLOCK_H)
+            tiles = -(-seq_len // (wide.block_n * wide.num_splits))
+            if tiles >= WIDE_MIN_TILES or (wide.num_splits == 1 and programs > NVIDIA_PROGRAMS_PER_SM * target.num_sms):
+                return wide
+    block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
+    max_splits = 32 if kv_format == "fp8" else 64
     per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
-    want = max(1, per_sm * target.num_sms // max(batch * groups, 1))
+    want = max(1, per_sm * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
     scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS
     # bf16 at 3 stages asks an H200 for 241,664 B of shared memory (the model counts 2 buffered tiles; Triton holds
@@ -835,8 +849,8 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     stage_choices = (1,) if scaled else (2,) if (amd and kv_format == "mxfp4") or kv_format == "bf16" else (3, 2)
     stages = next((s for s in stage_choices if split_kernel_shared_bytes(block_n, s, kv_format) <= target.shared_bytes),
                   1)
-    v_cast_first = kv_format == "fp8" and not precise and not amd
-    return TritonPlan(splits, block_n, num_warps, stages, scaled, chunked_pages=not amd, v_cast_first=v_cast_first)
+    return TritonPlan(splits, block_n, num_warps, stages, scaled, chunked_pages=not amd,
+                      v_cast_first=kv_format == "fp8" and not precise and not amd, block_h=block_h)
 
 
 class TritonKey(NamedTuple):
@@ -865,9 +879,8 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     """The launch key of a problem on its device's target (or `target`), with triton_plan's plan (or `plan`: a
     TritonPlan, or its first fields, the others as triton_plan chooses them for the problem)."""
     target = target or triton_target(problem.device)
-    groups = query_groups(problem.q_len, problem.num_heads)
-    chosen = triton_plan(problem.batch, problem.max_seqlen, target, problem.kv_format, groups,
-                         problem.precision == "precise")
+    chosen = triton_plan(problem.batch, problem.max_seqlen, target, problem.kv_format,
+                         problem.q_len * problem.num_heads, problem.num_heads, problem.precision == "precise")
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.block_h < TRITON_BLOCK_H or plan.block_h & (plan.block_h - 1):
         raise ValueError(f"triton backend: the plan's block_h (query rows a program) must be a power of 2, at least "

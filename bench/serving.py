@@ -309,9 +309,9 @@ def as_returned(result: tuple) -> tuple:
 
 def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | None = None,
           unit_rows: int | None = None):
-    """The library's plan (made here, outside the timing) and its run into preallocated out and lse. block_h (triton):
-    a plan of that many query rows a program, 8 warps, splits sized for its groups (TritonPlan.block_h). unit_rows
-    (cuda): the backend option, query rows a CTA whatever the plan's rule would choose."""
+    """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
+    plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
+    (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -325,8 +325,8 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
                     raise bench.Unavailable(f"{shape.heads} heads do not make units of {unit_rows} rows")
                 options = {"unit_rows": unit_rows}
             if block_h is not None:
-                base = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows // block_h)
-                options = {"plan": base._replace(num_warps=8, block_h=block_h)}
+                options = {"plan": triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
+                                               shape.heads, block_h=block_h)}
             decode = mla_decode.plan(shape.batch, shape.page, case.block_table.shape[1], kv.dtype, ctx.device,
                                      num_heads=shape.heads, q_len=shape.q_len, causal=shape.causal, backend=backend,
                                      precision=precision, max_seqlen=max(case.lens),
@@ -447,6 +447,8 @@ METHODS = (
     Method("triton-fp8-precise", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, precise",
            _ours("triton", "fp8", "precise")),
     Method("triton-mxfp4", "ours", "mxfp4", "mla_decode plan, backend triton, MXFP4 cache", _ours("triton", "mxfp4")),
+    Method("triton-fp8-rows16", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, 16 query rows a program "
+           "(block_h), 4 warps", _ours("triton", "fp8", block_h=16)),
     Method("triton-fp8-rows32", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, 32 query rows a program "
            "(block_h), 8 warps", _ours("triton", "fp8", block_h=32)),
     Method("cuda-fp8-rows16", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, 16 query rows a CTA "

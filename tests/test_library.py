@@ -511,8 +511,8 @@ def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads,
                                           q_len=q_len, causal=case.causal, max_seqlen=max(SERVING_LENS),
                                           scale_dtype=case.kv_scale.dtype if kv_format == "mxfp4" else torch.uint8)
     target = mla_decode.triton_backend.triton_target(torch.device("cuda"))
-    plan = mla_decode.triton_backend.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format,
-                                                 -(-rows // block_h))._replace(num_warps=8, block_h=block_h)
+    plan = mla_decode.triton_backend.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format, rows,
+                                                 num_heads, block_h=block_h)
     decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
     out, lse = decode.run(*case.args())
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "triton", "fast"))

@@ -197,6 +197,22 @@ def test_plan_splits_fill_the_sms():
     # V converted in pairs before its transpose: the fast FP8 kernel only
     assert not S.triton_plan(4, 8192, h200, "fp8", precise=True).v_cast_first
     assert not S.triton_plan(4, 8192, h200, "mxfp4").v_cast_first
+    # 32 query rows a program (8 warps) for the fast FP8 kernel where heads come in 32s and a program walks 32 tiles
+    # or more, or 32-row programs unsplit are more than a wave; else 16 (the last arguments: q_len x heads, heads)
+    def rows_plan(batch, seq_len, query_rows, num_heads, target=h200, kv_format="fp8", precise=False):
+        plan = S.triton_plan(batch, seq_len, target, kv_format, query_rows, num_heads, precise)
+        return plan.num_splits, plan.num_warps, plan.block_h
+
+    assert rows_plan(64, 8192, 128, 128) == (1, 8, 32)  # 128 tiles a program
+    assert rows_plan(16, 4096, 256, 128) == (2, 8, 32)  # 32 tiles over 2 splits
+    assert rows_plan(40, 1024, 256, 128) == (1, 8, 32)  # 16 tiles, but 320 programs unsplit: more than 2 x 132
+    assert rows_plan(32, 1024, 256, 128) == (1, 4, 16)  # 16 tiles in 256 programs
+    assert rows_plan(8, 8192, 128, 128) == (4, 4, 16)  # 32 rows: 16 tiles over 8 splits
+    assert rows_plan(32, 1024, 128, 128) == (1, 4, 16)  # 32 rows: 8 tiles over 2 splits
+    assert rows_plan(64, 8192, 32, 16) == (2, 4, 16)  # 16 heads: a 32-row group would span tokens
+    for narrow in (dict(kv_format="mxfp4"), dict(precise=True), dict(target=S.amd_triton_target("gfx950", 256)),
+                   dict(target=S.INTERPRETER_TARGET)):
+        assert rows_plan(64, 8192, 128, 128, **narrow)[1:] == (4, 16), narrow
     # a caller's first fields, the others the plan's own: the precise kernel keeps the byte transpose
     problem = mla_decode.api.make_problem(4, torch.float8_e4m3fn, "cpu", layout="ragged", max_seqlen=8192,
                                           precision="precise")
