@@ -383,10 +383,11 @@ class Paged(NamedTuple):
     cache_seqlens: torch.Tensor  # (batch,) int32
 
 
-def _paged(data: tuple, kv_format: str, page: int, seed: int = 0) -> Paged:
+def _paged(data: tuple, kv_format: str, page: int, seed: int = 0, shuffled: bool = True) -> Paged:
     """The input's `kv_format` cache as pages of `page` rows in a shuffled order (a serving engine's cache after a
-    while), the block table that finds each sequence's rows, and its lengths. Needs every sequence to start on a
-    page boundary (the leaderboard's uniform batches of 1024 or 8192 rows do): else Unavailable."""
+    while; shuffled=False: in order, the contiguous cache's layout behind a table), the block table that finds each
+    sequence's rows, and its lengths. Needs every sequence to start on a page boundary (the leaderboard's uniform
+    batches of 1024 or 8192 rows do): else Unavailable."""
     q, kv_data, _, kv_indptr, _ = data
     kv, scale = (kv_data["bf16"], None) if kv_format == "bf16" else kv_data[kv_format]
     starts, lens = kv_indptr[:-1].cpu().long(), (kv_indptr[1:] - kv_indptr[:-1]).cpu().long()
@@ -394,7 +395,8 @@ def _paged(data: tuple, kv_format: str, page: int, seed: int = 0) -> Paged:
     if total % page or bool((starts % page).any()):
         raise Unavailable(f"the input's sequences do not start on pages of {page} rows")
     num_pages, width = total // page, kv.shape[-1]
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))  # logical page i -> order[i]
+    order = (torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)) if shuffled  # page i -> order[i]
+             else torch.arange(num_pages))
     cache = torch.empty((num_pages, page, 1, width), dtype=kv.dtype, device=kv.device)
     cache.view(torch.uint8)[order.to(kv.device)] = kv.view(torch.uint8).view(num_pages, page, 1, -1)
     if kv_format == "mxfp4":

@@ -19,7 +19,7 @@ ab: every variant's output is checked with reference.check_implementation, then 
 variants interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
 --page N times the paged kernels instead: the library's plan run (mla_decode.plan(...).run(...), a plan per variant
 and shape) over the input's cache re-laid in shuffled pages of N rows, as bench.py's paged rows are (a forced split
-count does not apply there).
+count does not apply there); --in-order keeps the pages in the cache's order.
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS, the `// TUNE: name` lines of the sources; prints,
 for the median of --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA
@@ -159,7 +159,7 @@ def run_ab(args, variants: dict) -> None:
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
-        paged = bench._paged(data, args.format, args.page) if args.page else None
+        paged = bench._paged(data, args.format, args.page, shuffled=not args.in_order) if args.page else None
         cells = []
         for name, variant in variants.items():
             call = variant.paged(paged, batch, kv_len) if paged else lambda variant=variant, data=data: variant(data)
@@ -240,7 +240,7 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
-        paged = bench._paged(data, args.format, args.page) if args.page else None
+        paged = bench._paged(data, args.format, args.page, shuffled=not args.in_order) if args.page else None
         for variant in variants.values():
             csrc = copy_sources(variant.csrc, workdir / f"timeline_{batch}x{kv_len}_{variant.name}")
             add_timeline(csrc, args.clock)
@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--page", type=int, help="time (ab) or stamp (timeline) the paged plan run over pages of "
                         "this many rows")
+    parser.add_argument("--in-order", action="store_true", help="with --page: the pages in the cache's order, not "
+                        "shuffled (what the table's scattered pages cost)")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clock", action="store_true", help="timeline in %%clock64 cycles per CTA")
     args = parser.parse_args(argv)
