@@ -111,30 +111,30 @@ __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, in
   return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, start, valid};
 }
 
-// Paged caches: the cache row of position pos of sequence b, or -1 where its page lies outside the cache (never
-// followed: the sequence's output becomes NaN).
-__device__ __forceinline__ int paged_row(const DecodeCall& c, int b, int pos) {
-  const int page = __ldg(c.block_table + static_cast<size_t>(b) * c.max_pages + pos / c.page_size);
-  return page >= 0 && page < c.total_kv / c.page_size ? page * c.page_size + pos % c.page_size : -1;
-}
-
 // The rows of the next tiles of a paged split, in shared memory: ROW_SLOTS tiles of BN rows (tile i in slot i %
 // ROW_SLOTS), written one iteration before the copies that read them. Threads 0..BN-1 each look up one row; `bad`
-// records a page outside the cache.
+// records a page outside the cache (never followed: the sequence's output becomes NaN).
 constexpr int ROW_SLOTS = 4;  // the copies' STAGES - 1 tiles ahead (3 at most) and the tile after the current one
 struct PagedRows {
   int* rows;  // [ROW_SLOTS][BN]
   int* bad;   // shared flag
 
-  // Thread tid < BN: the row of tile `tile`'s row tid (-1 past hi or on a bad page), to be stored by put().
+  // Thread tid < BN: the block table's entry for tile `tile`'s row tid (-1 past hi), which put() turns into a row.
+  // Nothing here depends on the loaded entry: a branch on it where it is loaded stalled the warp (and with it the
+  // warpgroup's next MMA) for the load's latency, every tile and once per tile before the first copies.
   __device__ __forceinline__ int fetch(const DecodeCall& c, int b, int lo, int hi, int tile, int tid) const {
     const int pos = lo + tile * BN + tid;
-    return tid < BN && pos < hi ? paged_row(c, b, pos) : -1;
+    return tid < BN && pos < hi ? __ldg(c.block_table + static_cast<size_t>(b) * c.max_pages + pos / c.page_size)
+                                : -1;
   }
-  __device__ __forceinline__ void put(int tile, int tid, int row, int lo, int hi) const {
+  // Stores the row of fetch()'s entry: -1 past hi, or where the page lies outside the cache (then flagged bad).
+  __device__ __forceinline__ void put(const DecodeCall& c, int tile, int tid, int entry, int lo, int hi) const {
+    const int pos = lo + tile * BN + tid;
     if (tid < BN) {
-      rows[(tile % ROW_SLOTS) * BN + tid] = row;
-      if (row < 0 && lo + tile * BN + tid < hi) *bad = 1;
+      const bool in = pos < hi;
+      const bool ok = in && static_cast<unsigned>(entry) < static_cast<unsigned>(c.total_kv / c.page_size);
+      rows[(tile % ROW_SLOTS) * BN + tid] = ok ? entry * c.page_size + pos % c.page_size : -1;
+      if (in && !ok) *bad = 1;
     }
   }
   __device__ __forceinline__ int at(int tile, int r) const { return rows[(tile % ROW_SLOTS) * BN + r]; }
@@ -149,7 +149,7 @@ struct PagedRows {
     for (int i = 0; i < STAGES; ++i) first[i] = fetch(c, b, lo, hi, i, tid);
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < STAGES; ++i) put(i, tid, first[i], lo, hi);
+    for (int i = 0; i < STAGES; ++i) put(c, i, tid, first[i], lo, hi);
     __syncthreads();
   }
 };

@@ -119,7 +119,7 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // tile i is visible; every warp is done with tile i - 1 (its stage, P and red)
     if (i + STAGES - 1 < ntiles) load_tile(i + STAGES - 1);
     asm volatile("cp.async.commit_group;\n");
-    const int next_row = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // stored after the products
+    const int next_entry = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // put after the products
     const uint8_t* kt = ks + (i % STAGES) * BN * KROW;
     const int n0 = lo + i * BN;
 
@@ -207,7 +207,7 @@ split_kernel(const DecodeCall call) {
         }
       }
     }
-    if (paged) paged_rows.put(i + STAGES, tid, next_row, lo, hi);  // read after the next iteration's barrier
+    if (paged) paged_rows.put(call, i + STAGES, tid, next_entry, lo, hi);  // read after the next iteration's barrier
   }
   asm volatile("cp.async.wait_group 0;\n");
 

@@ -359,7 +359,7 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1
     // TUNE: tile
     load_group(i + STAGES - 1);
-    const int next_row = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // stored after the products
+    const int next_entry = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // put after the products
     uint32_t kt = ks_addr + (i % STAGES) * TILE;
     if constexpr (MX) {  // codes + scales -> the e5m2 tile at offset 0 (free: every warp is done with tile i - 1)
       uint32_t scales[MX_JOBS];
@@ -477,7 +477,7 @@ split_kernel(const DecodeCall call) {
     wg_wait<0>();
 #pragma unroll
     for (int mb = 0; mb < 8; ++mb) fence_acc<H / 2>(acc[mb]);
-    if (paged) paged_rows.put(i + STAGES, tid, next_row, lo, hi);  // read after the next iteration's barrier
+    if (paged) paged_rows.put(call, i + STAGES, tid, next_entry, lo, hi);  // read after the next iteration's barrier
     // TUNE: PV
   }
   asm volatile("cp.async.wait_group 0;\n");
