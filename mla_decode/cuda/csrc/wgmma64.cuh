@@ -15,14 +15,17 @@ constexpr int WIDE_CTAS_PER_SM = 1;             // 128 accumulators and 32 score
 // read and the next one in flight.
 constexpr int WIDE_STAGES = 4;
 // Shared memory: the stages, then Q (64 x 576 e4m3), P (128 x 64 e4m3), the max reductions (64 heads x 8 warps
-// fp32), the running max (2 x 64 fp32, by the pair's parity), Q's scales (64 fp32) and the paged rows.
+// fp32), the running max (2 x 64 fp32, by the pair's parity), Q's scales (64 fp32), each thread's shares of its 16
+// heads' sums ([16][256] fp32: in registers, beside the 128 accumulators and 32 scores, they made the kernel
+// spill) and the paged rows.
+constexpr int WIDE_SUMS = WIDE_ROWS / 4 * WIDE_THREADS;
 constexpr int wide_smem_bytes() {
   return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_WARPS * WIDE_ROWS * 4 + 2 * WIDE_ROWS * 4 +
-         WIDE_ROWS * 4 + SMEM_PAGED;
+         WIDE_ROWS * 4 + WIDE_SUMS * 4 + SMEM_PAGED;
 }
 static_assert(wide_smem_bytes() <= 227 * 1024, "a block's shared memory on Hopper");
 // PagedRows' 4 slots (tile i in slot i % 4) hold pairs j + 1 and j + 2 during iteration j: pair j + 1's rows are read
-// by its copies at the top of the iteration, pair j + 2's written at its end (pair j's slots, free since j - 1).
+// by its copies at the top of the iteration, pair j + 2's written after the scores (pair j's slots, free since then).
 static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 
 template <bool PAGED>
@@ -40,7 +43,8 @@ split_kernel64(const DecodeCall call) {
   float* red = reinterpret_cast<float*>(ps + 2 * BN * H);
   float* mrun = red + WIDE_WARPS * H;  // [pair parity][head]: the running max before the pair
   float* qscale = mrun + 2 * H;
-  int* const rows_smem = reinterpret_cast<int*>(qscale + H);
+  float* lsum = qscale + H;  // [head e][tid]: this thread's share of head heads[e]'s sum (2^8-biased)
+  int* const rows_smem = reinterpret_cast<int*>(lsum + WIDE_SUMS);
   const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
   const int split = blockIdx.x;
@@ -91,9 +95,8 @@ split_kernel64(const DecodeCall call) {
   const uint32_t vbase = ks_addr + 2 * wg * SW128_BLOCK;
   const uint32_t voff[2] = {lane * 128u + ((warp ^ (lane & 7)) << 4), lane * 128u + (((4 + warp) ^ (lane & 7)) << 4)};
 
-  float l[NE];  // this thread's share of each head's sum (2^8-biased)
 #pragma unroll
-  for (int e = 0; e < NE; ++e) l[e] = 0.f;
+  for (int e = 0; e < NE; ++e) lsum[e * WIDE_THREADS + tid] = 0.f;
   float acc[4][H / 2];  // O^T: [64-dim block][accumulator]: dims 256*wg + 64*mb + 16*warp + 2g (+1 for rows g + 8)
 #pragma unroll
   for (int mb = 0; mb < 4; ++mb)
@@ -105,7 +108,8 @@ split_kernel64(const DecodeCall call) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();  // pair j is visible to the tensor cores; every warp is done with pair j - 1
     load_pair(j + 1);
-    // Threads 0..127 look up one row each of pair j + 2 (stored after the products, read after the next barrier).
+    // Threads 0..127 look up one row each of pair j + 2, stored once the scores are in (its slots, pair j's, were
+    // last read by this pair's copies, issued before the barrier above; read after the next barrier).
     const int ahead = 2 * (j + 2) + (tid >> 6);
     const int next_row = PAGED && tid < 2 * BN ? paged_rows.fetch(call, b, lo, hi, ahead, tid & (BN - 1)) : 0;
 
@@ -123,6 +127,7 @@ split_kernel64(const DecodeCall call) {
     wg_commit();
     wg_wait<0>();
     fence_acc<H / 2>(s);
+    if (PAGED && tid < 2 * BN) paged_rows.put(ahead, tid & (BN - 1), next_row, lo, hi);
 
     // Online softmax over the pair's 128 rows, log2 domain, one head at a time; rows past hi are masked. Each warp's
     // max of a head goes to red; after one barrier every thread combines the 8 warps' and the running max (one
@@ -153,7 +158,7 @@ split_kernel64(const DecodeCall call) {
       const float base_m = mn == -INFINITY ? 0.f : mn;
       const float alpha = ex2(mo - base_m);
       const float p0 = ex2(s[a] - (base_m - P_BIAS)), p1 = ex2(s[a + 2] - (base_m - P_BIAS));
-      l[e] = l[e] * alpha + (p0 + p1);
+      lsum[e * WIDE_THREADS + tid] = lsum[e * WIDE_THREADS + tid] * alpha + (p0 + p1);
       p0dst[h * 16] = to_e4m3(p0);
       p1dst[h * 16] = to_e4m3(p1);
 #pragma unroll
@@ -193,16 +198,15 @@ split_kernel64(const DecodeCall call) {
     wg_wait<0>();
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
-    if (PAGED && tid < 2 * BN) paged_rows.put(ahead, tid & (BN - 1), next_row, lo, hi);
   }
   asm volatile("cp.async.wait_group 0;\n");
 
   __syncthreads();  // every warp has read red in its last pair
+  float l[NE];  // sums across the CTA's rows
+#pragma unroll
+  for (int e = 0; e < NE; ++e) l[e] = lsum[e * WIDE_THREADS + tid];
   reduce_rows<NE, WIDE_WARPS>(l, heads, red, cwarp, g, [](float x, float y) { return x + y; });
   const float* m = mrun + (npairs & 1) * H;  // the final running max (written before the loop's last barrier)
-  float scale[NE];  // kv_scale / the sum (no rows: zeros)
-#pragma unroll
-  for (int e = 0; e < NE; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
   const bool bad_page = PAGED && *paged_rows.bad;
   const bool ok = valid && !bad_page;
   const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
@@ -216,18 +220,20 @@ split_kernel64(const DecodeCall call) {
         call.lse[rows.lse0 + heads[e] * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
     }
   }
-  // The output (or partial) through the free stages, as split_kernel stages it: 64 rows of 516 floats.
+  // The output (or partial) through the free stages, as split_kernel stages it: 64 rows of 516 floats. A head at a
+  // time (its scale made from its sum there: 16 scales held beside the accumulators spilled).
   constexpr int OUT_ROW = DV + 4;
   static_assert(H * OUT_ROW * 4 <= WIDE_STAGES * TILE, "the staged output fits the stages' bytes");
   float* staged = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int mb = 0; mb < 4; ++mb) {
-    const int dim = 256 * wg + 64 * mb + 16 * warp + 2 * g;
+  for (int e = 0; e < NE; ++e) {
+    const int a = (e & 1) + (e >> 1) * 4;
+    const float scale = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;  // kv_scale / the sum (no rows: zeros)
 #pragma unroll
-    for (int e = 0; e < NE; ++e) {
-      const int a = (e & 1) + (e >> 1) * 4;
+    for (int mb = 0; mb < 4; ++mb) {
+      const int dim = 256 * wg + 64 * mb + 16 * warp + 2 * g;
       *reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim) =
-          make_float2(acc[mb][a] * scale[e], acc[mb][a + 2] * scale[e]);
+          make_float2(acc[mb][a] * scale, acc[mb][a + 2] * scale);
     }
   }
   __syncthreads();
