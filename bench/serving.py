@@ -307,9 +307,11 @@ def as_returned(result: tuple) -> tuple:
     return result[0], result[1]
 
 
-def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | None = None):
+def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | None = None,
+          unit_rows: int | None = None):
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. block_h (triton):
-    a plan of that many query rows a program, 8 warps, splits sized for its groups (TritonPlan.block_h)."""
+    a plan of that many query rows a program, 8 warps, splits sized for its groups (TritonPlan.block_h). unit_rows
+    (cuda): the plan's query rows a CTA, whatever plan_unit_rows would pick."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -317,6 +319,10 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
         options, rows = None, shape.q_len * shape.heads
         if block_h is not None and rows % block_h:
             raise bench.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
+        if unit_rows is not None:
+            if shape.heads % unit_rows:
+                raise bench.Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
+            options = {"unit_rows": unit_rows}
         try:
             if block_h is not None:
                 base = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows // block_h)
@@ -443,6 +449,8 @@ METHODS = (
     Method("triton-mxfp4", "ours", "mxfp4", "mla_decode plan, backend triton, MXFP4 cache", _ours("triton", "mxfp4")),
     Method("triton-fp8-rows32", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, 32 query rows a program "
            "(block_h), 8 warps", _ours("triton", "fp8", block_h=32)),
+    Method("cuda-fp8-rows64", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, units of 64 query rows "
+           "(wgmma64)", _ours("cuda", "fp8", unit_rows=64)),
     Method("flashmla-bf16", "peer", "bf16", f"FlashMLA ({FLASHMLA_SOURCE}) fwd_kvcache_mla, BF16 cache",
            _flashmla("bf16")),
     Method("flashmla-fp8", "peer", "fp8",
