@@ -175,6 +175,36 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
+// S^T (64 tile rows x N query rows, fp32: N / 2 a thread) = K (the tile at shared address kt, 576 dims) Q^T (qdesc:
+// [chunk][N][16] e4m3): 18 k32 steps, both operands from shared memory; returns with the products done.
+template <int N, bool A_E5M2>
+__device__ __forceinline__ void score_tile(float* s, uint32_t kt, uint64_t qdesc) {
+  wg_fence();
+  const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
+#pragma unroll
+  for (int st = 0; st < D / 32; ++st) {
+    const uint64_t da =
+        st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
+    wgmma_ss<N, A_E5M2>(s, da, qdesc + ((2 * st * N * 16) >> 4), st);
+  }
+  wg_commit();
+  wg_wait<0>();
+  fence_acc<N / 2>(s);
+}
+
+// The value product's A fragment (V^T, 64 dims x 32 tile rows) of the 8-row blocks at shared address addr.
+// ldmatrix.trans of a chunk's 8-row blocks as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1],
+// V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of block r; byte permutes of blocks r and r + 8 give the fragment of A
+// row g (dim 2g) and row g + 8 (dim 2g+1).
+__device__ __forceinline__ void v_fragment(uint32_t* a, uint32_t addr) {
+  uint32_t vb[4];
+  ldsm_x4_trans(vb, addr);
+  a[0] = __byte_perm(vb[0], vb[1], 0x6420);
+  a[1] = __byte_perm(vb[0], vb[1], 0x7531);
+  a[2] = __byte_perm(vb[2], vb[3], 0x6420);
+  a[3] = __byte_perm(vb[2], vb[3], 0x7531);
+}
+
 // Reduces v[e] (head heads[e], NE heads a thread) over the CTA's rows: over the lanes of equal t4 (shuffles), then
 // over the NW warps (4 or 8) through `red` ([H heads][NW warps]); every thread gets the results for its heads. op: max
 // or sum.
@@ -455,19 +485,9 @@ split_kernel(const DecodeCall call) {
     }
     const int n0 = lo + i * BN;
 
-    // S^T (64 rows x H heads) = K (64 x 576) Q^T: 18 k32 steps, both operands from shared memory.
+    // S^T (64 rows x H heads) = K (64 x 576) Q^T
     float s[H / 2];
-    wg_fence();
-    const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
-#pragma unroll
-    for (int st = 0; st < D / 32; ++st) {
-      const uint64_t da =
-          st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
-      wgmma_ss<H, MX>(s, da, qdesc + ((2 * st * QCHUNK) >> 4), st);
-    }
-    wg_commit();
-    wg_wait<0>();
-    fence_acc<H / 2>(s);
+    score_tile<H, MX>(s, kt, qdesc);
     // TUNE: scored
 
     // Online softmax over the tile, log2 domain; rows past hi are masked.
@@ -514,10 +534,7 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // P is complete
     // TUNE: P
 
-    // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
-    // as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1], V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of
-    // block r; byte permutes of blocks r and r + 8 give the fragment of A row g (dim 2g) and row g + 8 (dim 2g+1).
-    // The fragments of MB m-blocks at a time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before
+    // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers (v_fragment). The fragments of MB m-blocks at a time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before
     // waited for, so that two groups' (32 registers) at most are live beside the 128 accumulators.
     constexpr int MB = H == 16 ? 8 : 4;
 #pragma unroll
@@ -528,12 +545,7 @@ split_kernel(const DecodeCall call) {
 #pragma unroll
         for (int j = 0; j < MB; ++j) {
           const int mb = mb0 + j;
-          uint32_t vb[4];
-          ldsm_x4_trans(vb, kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
-          a[j][0] = __byte_perm(vb[0], vb[1], 0x6420);
-          a[j][1] = __byte_perm(vb[0], vb[1], 0x7531);
-          a[j][2] = __byte_perm(vb[2], vb[3], 0x6420);
-          a[j][3] = __byte_perm(vb[2], vb[3], 0x7531);
+          v_fragment(a[j], kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
         }
 #pragma unroll
         for (int j = 0; j < MB; ++j) fence_acc<H / 2>(acc[mb0 + j]);

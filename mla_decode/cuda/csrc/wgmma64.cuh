@@ -116,17 +116,7 @@ split_kernel64(const DecodeCall call) {
     // S^T (64 rows x 64 heads) = K (tile 2j + wg) Q^T: 18 k32 steps, both operands from shared memory.
     const uint32_t kt = ks_addr + ((2 * j + wg) % WIDE_STAGES) * TILE;
     float s[H / 2];
-    wg_fence();
-    const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
-#pragma unroll
-    for (int st = 0; st < D / 32; ++st) {
-      const uint64_t da =
-          st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
-      wgmma_ss<H, false>(s, da, qdesc + ((2 * st * QCHUNK) >> 4), st);
-    }
-    wg_commit();
-    wg_wait<0>();
-    fence_acc<H / 2>(s);
+    score_tile<H, false>(s, kt, qdesc);
     if (PAGED && tid < 2 * BN) paged_rows.put(ahead, tid & (BN - 1), next_row, lo, hi);
 
     // Online softmax over the pair's 128 rows, log2 domain, one head at a time; rows past hi are masked. Each warp's
@@ -171,21 +161,14 @@ split_kernel64(const DecodeCall call) {
     __syncthreads();  // P is complete
 
     // O^T (this warpgroup's 256 dims x 64 heads) += V^T (256 x 128) P^T: k steps 0, 1 from tile 2j, 2, 3 from tile
-    // 2j + 1. A from registers as in split_kernel (ldmatrix.trans + byte permutes), a k step (4 m-blocks) at a
+    // 2j + 1. A from registers (v_fragment), a k step (4 m-blocks) at a
     // time, each group committed and the one before waited for: two groups' fragments live at most.
 #pragma unroll
     for (int kk = 0; kk < 2 * BN / 32; ++kk) {
       const uint32_t vt = vbase + ((2 * j + (kk >> 1)) % WIDE_STAGES) * TILE + (kk & 1) * 32 * 128;
       uint32_t a[4][4];
 #pragma unroll
-      for (int mb = 0; mb < 4; ++mb) {
-        uint32_t vb[4];
-        ldsm_x4_trans(vb, vt + (mb >> 1) * SW128_BLOCK + voff[mb & 1]);
-        a[mb][0] = __byte_perm(vb[0], vb[1], 0x6420);
-        a[mb][1] = __byte_perm(vb[0], vb[1], 0x7531);
-        a[mb][2] = __byte_perm(vb[2], vb[3], 0x6420);
-        a[mb][3] = __byte_perm(vb[2], vb[3], 0x7531);
-      }
+      for (int mb = 0; mb < 4; ++mb) v_fragment(a[mb], vt + (mb >> 1) * SW128_BLOCK + voff[mb & 1]);
 #pragma unroll
       for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
       wg_fence();
