@@ -205,6 +205,17 @@ __device__ __forceinline__ void v_fragment(uint32_t* a, uint32_t addr) {
   a[3] = __byte_perm(vb[2], vb[3], 0x7531);
 }
 
+// Query row h's log2-sum-exp lse2 (of H rows): with splits to part_lse's row `part` (NaN on a bad page: the merge
+// makes the unit NaN), else to lse (natural log; NaN where not ok).
+template <int H>
+__device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRows& rows, size_t part, int h, float lse2,
+                                          bool bad_page, bool ok) {
+  if (call.num_splits > 1)
+    call.part_lse[part * H + h] = bad_page ? NAN : lse2;
+  else if (call.lse)
+    call.lse[rows.lse0 + h * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
+}
+
 // Reduces v[e] (head heads[e], NE heads a thread) over the CTA's rows: over the lanes of equal t4 (shuffles), then
 // over the NW warps (4 or 8) through `red` ([H heads][NW warps]); every thread gets the results for its heads. op: max
 // or sum.
@@ -581,11 +592,7 @@ split_kernel(const DecodeCall call) {
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
-      const float lse2 = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
-      if (call.num_splits > 1)
-        call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the unit NaN
-      else if (call.lse)
-        call.lse[rows.lse0 + heads[e] * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
+      store_lse<H>(call, rows, part, heads[e], l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY, bad_page, ok);
     }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so

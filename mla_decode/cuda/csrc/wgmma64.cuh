@@ -197,10 +197,7 @@ split_kernel64(const DecodeCall call) {
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
       const float lse2 = l[e] > 0.f ? m[heads[e]] + __log2f(l[e]) - P_BIAS : -INFINITY;
-      if (call.num_splits > 1)
-        call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the unit NaN
-      else if (call.lse)
-        call.lse[rows.lse0 + heads[e] * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
+      store_lse<H>(call, rows, part, heads[e], lse2, bad_page, ok);
     }
   }
   // The output (or partial) through the free stages, as split_kernel stages it: 64 rows of 516 floats. A head at a
