@@ -37,16 +37,16 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
   __syncthreads();
 }
 
-// The merge of one unit's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A unit of H rows
-// has H x 128 quads (4 columns of one head): split `split` of S merges H x 128 / S of them with 128 threads (256 at
-// H = 64: L = 32 loads a thread, L = H below), and every thread issues all its L loads (8-byte quads of the bf16 partials, L2 only: other SMs wrote them) before using
-// any: one round trip (at H = 32 twice the loads a thread rather than a second round trip; the accumulators of the
-// split product are dead by then). The partials are bf16 because the merge is a convex combination (its error stays
-// at the bf16 output's) and half the bytes shorten the handoff: fp32 partials took 0.3-0.7 us more at the split
-// shapes (H200, H = 16). S < L: a thread merges W = L / S neighbouring quads over all S splits. S >= L: W = 1, and
-// the S / L threads of a quad (neighbouring lanes) take L splits each, then combine their (max, sum, acc) by
-// shuffles. S must be a power of two (every thread then has exactly its G = L / W splits; merge_splits dispatches
-// on W).
+// The merge of one unit's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A unit of H rows has
+// H x 128 quads (4 columns of one head): split `split` of S merges H x 128 / S of them with 128 threads (256 at H = 64:
+// L = 32 loads a thread; L = H below), and every thread issues all its L loads (8-byte quads of the bf16 partials, L2
+// only: other SMs wrote them) before using any: one round trip (at H = 32 twice the loads a thread rather than a second
+// round trip; the accumulators of the split product are dead by then). The partials are bf16 because the merge is a
+// convex combination (its error stays at the bf16 output's) and half the bytes shorten the handoff: fp32 partials took
+// 0.3-0.7 us more at the split shapes (H200, H = 16). S < L: a thread merges W = L / S neighbouring quads over all S
+// splits. S >= L: W = 1, and the S / L threads of a quad (neighbouring lanes) take L splits each, then combine their
+// (max, sum, acc) by shuffles. S must be a power of two (every thread then has exactly its G = L / W splits;
+// merge_splits dispatches on W).
 constexpr int MERGE_THREADS = 128;
 constexpr int MAX_SPLITS = 512;        // a quad's S / L threads stay within one warp (S / 16 <= 32)
 // A split's NaN LSE marks a page outside the cache: the unit's rows become NaN. out_lse, or null: the merged

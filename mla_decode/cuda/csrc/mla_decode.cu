@@ -1,17 +1,18 @@
 // The cuda backend's kernel library: mla_decode.cuda builds it with nvcc at first use and calls it through ctypes.
 // common.cuh: the problem's constants, helpers and the rows of a split; merge.cuh: the splits' barrier and merge;
-// wgmma.cuh: the Hopper kernel (MLA_WGMMA, sm_90a); mma_sync.cuh: the kernel for sm_80 and later; here: the C ABI
-// and the launcher. `// TUNE: name` lines mark where bench/tune_cuda.py's timeline stamps go.
+// wgmma.cuh: the Hopper kernel (MLA_WGMMA, sm_90a), wgmma64.cuh its 64-row units; mma_sync.cuh: the kernel for sm_80
+// and later; here: the C ABI and the launcher. `// TUNE: name` lines mark bench/tune_cuda.py's timeline stamps.
 //
-// Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
-// mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
+// Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else mma.sync
+// in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
 // split_kernel<STAGES, MX, PAGED[, H]>(DecodeCall): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the
-// call's unit_rows query rows of a sequence, 16, or 32 in the wgmma kernel (its H); common.cuh's QueryRows), the
-// call's fields as common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise
-// each writes part_o (units * num_splits, unit_rows, 512) bf16, its normalised partial output, and part_lse (units *
-// num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs of a unit meet at a barrier (`sync`: per unit a count of
-// arrivals over all launches, zero before the first) and each merges 1 / num_splits of the unit's outputs. The grid
-// is launched cooperatively, so all its CTAs are resident and the wait cannot hang.
+// call's unit_rows query rows of a sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED>
+// (WIDE_THREADS threads, FP8); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
+// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, unit_rows, 512)
+// bf16, its normalised partial output, and part_lse (units * num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs
+// of a unit meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each
+// merges 1 / num_splits of the unit's outputs. The grid is launched cooperatively, so all its CTAs are resident and
+// the wait cannot hang.
 
 #if MLA_WGMMA
 #include <cstddef>

@@ -545,8 +545,9 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // P is complete
     // TUNE: P
 
-    // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers (v_fragment). The fragments of MB m-blocks at a time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before
-    // waited for, so that two groups' (32 registers) at most are live beside the 128 accumulators.
+    // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers (v_fragment). The fragments of MB m-blocks at a
+    // time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before waited for, so that two groups' (32
+    // registers) at most are live beside the 128 accumulators.
     constexpr int MB = H == 16 ? 8 : 4;
 #pragma unroll
     for (int kk = 0; kk < BN / 32; ++kk) {

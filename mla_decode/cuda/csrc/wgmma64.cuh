@@ -143,7 +143,8 @@ split_kernel64(const DecodeCall call) {
       const int h = heads[e], a = (e & 1) + (e >> 1) * 4;
       const float4 x = reinterpret_cast<const float4*>(red)[2 * h], y = reinterpret_cast<const float4*>(red)[2 * h + 1];
       const float mo = mold[h];
-      const float mn = fmaxf(mo, fmaxf(fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)), fmaxf(fmaxf(y.x, y.y), fmaxf(y.z, y.w))));
+      const float mx = fmaxf(fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)), fmaxf(fmaxf(y.x, y.y), fmaxf(y.z, y.w)));
+      const float mn = fmaxf(mo, mx);
       if (tid < 4) mnew[h] = mn;  // lanes 0..3 of warp 0 hold every head
       const float base_m = mn == -INFINITY ? 0.f : mn;
       const float alpha = ex2(mo - base_m);
@@ -218,7 +219,8 @@ split_kernel64(const DecodeCall call) {
   }
   __syncthreads();
   const int col = 4 * (tid & 127);
-  __nv_bfloat16* dst = call.num_splits == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
+  __nv_bfloat16* dst =
+      call.num_splits == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
 #pragma unroll 4
   for (int h = wg; h < H; h += 2) {  // the warpgroups take alternate rows
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
