@@ -319,11 +319,11 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
         options, rows = None, shape.q_len * shape.heads
         if block_h is not None and rows % block_h:
             raise bench.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
+        if unit_rows is not None:
+            if shape.heads % unit_rows:
+                raise bench.Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
+            options = {"unit_rows": unit_rows}
         try:
-            if unit_rows is not None:
-                if shape.heads % unit_rows:
-                    raise bench.Unavailable(f"{shape.heads} heads do not make units of {unit_rows} rows")
-                options = {"unit_rows": unit_rows}
             if block_h is not None:
                 options = {"plan": triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
                                                shape.heads, block_h=block_h)}
@@ -455,6 +455,8 @@ METHODS = (
            "(unit_rows)", _ours("cuda", "fp8", unit_rows=16)),
     Method("cuda-fp8-rows32", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, 32 query rows a CTA "
            "(unit_rows)", _ours("cuda", "fp8", unit_rows=32)),
+    Method("cuda-fp8-rows64", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, units of 64 query rows "
+           "(wgmma64)", _ours("cuda", "fp8", unit_rows=64)),
     Method("flashmla-bf16", "peer", "bf16", f"FlashMLA ({FLASHMLA_SOURCE}) fwd_kvcache_mla, BF16 cache",
            _flashmla("bf16")),
     Method("flashmla-fp8", "peer", "fp8",

@@ -57,7 +57,10 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     assert lib.mla_decode.restype is not None
     assert lib.mla_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
     assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
-    assert lib.mla_max_unit_rows() == (32 if capability == C.WGMMA_CAPABILITY else 16)
+    assert lib.mla_max_unit_rows() == (64 if capability == C.WGMMA_CAPABILITY else 16)
+    # the cooperative launch needs every CTA resident: the 64-row kernel's CTA takes an SM
+    assert [lib.mla_unit_ctas_per_sm(rows) for rows in (16, 32, 64)] == (
+        [2, 2, 1] if capability == C.WGMMA_CAPABILITY else [1, 1, 1])
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert C.library(capability) is lib  # built once, then reused
     assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 24
@@ -70,13 +73,18 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
 @needs_nvcc
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
 def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capability):
-    """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 in the wgmma build,
-    and whole units of one token (num_heads a multiple of them); otherwise cudaErrorInvalidValue (1)."""
+    """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 and (the FP8 cache)
+    64 in the wgmma build, and whole units of one token (num_heads a multiple of them); otherwise
+    cudaErrorInvalidValue (1)."""
     lib = C.library(capability)
     widest = lib.mla_max_unit_rows()
-    for rows, num_heads in ((0, 16), (8, 16), (24, 48), (64, 128), (widest * 2, 128), (32, 48), (16, 40)):
-        call = C.DecodeCall(batch=1, num_splits=1, num_heads=num_heads, q_len=1, unit_rows=rows)
-        assert lib.mla_decode(ctypes.addressof(call)) == 1, (rows, num_heads)
+    refused = [(0, 16, 0), (8, 16, 0), (24, 48, 0), (48, 96, 0), (widest * 2, 256, 0), (32, 48, 0), (16, 40, 0),
+               (64, 96, 0), (64, 128, 1)]  # the last: MXFP4 in 64-row units
+    if widest < 64:
+        refused.append((64, 128, 0))
+    for rows, num_heads, kv_format in refused:
+        call = C.DecodeCall(batch=1, num_splits=1, num_heads=num_heads, q_len=1, unit_rows=rows, kv_format=kv_format)
+        assert lib.mla_decode(ctypes.addressof(call)) == 1, (rows, num_heads, kv_format)
 
 
 @needs_nvcc
@@ -147,41 +155,55 @@ def test_plan_stays_within_what_the_merge_takes():
     assert C.cuda_plan(1, 10_000_000, 1000, 2) == C.MAX_SPLITS == 512
 
 
-# (batch, num_heads, precision, the library's widest unit, the plan's unit rows); 132 SMs, 2 CTAs each, 1k rows, q_len 1
-@pytest.mark.parametrize("batch,num_heads,precision,widest,rows",
-                         [(128, 128, "fast", 32, 32), (128, 32, "fast", 32, 32), (8, 128, "fast", 32, 16),
-                          (2, 32, "fast", 32, 16), (128, 16, "fast", 32, 16), (128, 48, "fast", 32, 16),
-                          (128, 128, "precise", 32, 16), (128, 128, "fast", 16, 16)])
-def test_units_of_32_rows_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, num_heads,
-                                                               precision, widest, rows):
-    """plan_unit_rows: 32 query rows a CTA where the fast mode's library is the wgmma one (its mla_max_unit_rows; 16
-    in Hopper's mma.sync fallback), the heads come in 32s (a unit stays in one token) and the 32-row grid has more
-    CTAs than the GPU has SMs (8 x 128 heads x 1k: 32 units x 4 splits = 128, so 16 rows); else 16. The units (the
-    grid's y, the split plan's and the workspace's count) are of those rows. The backend option unit_rows asks for
-    16 or 32 where the kernel serves it and is refused otherwise, naming what it takes."""
+# (batch, num_heads, kv format, precision, the library's widest unit, the plan's unit rows); 132 SMs, 1k rows, q_len 1
+@pytest.mark.parametrize("batch,num_heads,kv_format,precision,widest,rows",
+                         [(128, 128, "fp8", "fast", 32, 32), (128, 32, "fp8", "fast", 32, 32),
+                          (8, 128, "fp8", "fast", 32, 16), (2, 32, "fp8", "fast", 32, 16),
+                          (128, 16, "fp8", "fast", 32, 16), (128, 48, "fp8", "fast", 32, 16),
+                          (128, 128, "fp8", "precise", 32, 16), (128, 128, "fp8", "fast", 16, 16),
+                          (128, 128, "fp8", "fast", 64, 64), (33, 128, "fp8", "fast", 64, 64),
+                          (32, 128, "fp8", "fast", 64, 32), (8, 128, "fp8", "fast", 64, 16),
+                          (256, 64, "fp8", "fast", 64, 64), (128, 64, "fp8", "fast", 64, 32),
+                          (128, 96, "fp8", "fast", 64, 32), (128, 128, "mxfp4", "fast", 64, 32),
+                          (128, 128, "fp8", "precise", 64, 16)])
+def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, num_heads, kv_format,
+                                                         precision, widest, rows):
+    """plan_unit_rows: in the fast mode's wgmma library (its mla_max_unit_rows; 16 in Hopper's mma.sync fallback),
+    64 query rows a CTA where the heads come in 64s, the cache is FP8 and the 64-row grid (one CTA an SM) has at
+    least as many CTAs as the GPU has SMs (33 x 128 heads: 66 units x 2 splits = 132; 32 x 128: 64 x 2 = 128, so
+    32 rows); else 32 where the heads come in 32s and the 32-row grid has more CTAs than SMs (8 x 128 heads x 1k: 32
+    units x 4 splits = 128, so 16 rows); else 16. The units (the grid's y, the split plan's and the workspace's
+    count) are of those rows. The backend option unit_rows asks for what the kernel serves and is refused otherwise,
+    naming what it takes."""
     libraries = []
 
     def library(capability, precise=False):
         libraries.append((capability, precise))
-        return SimpleNamespace(mla_max_unit_rows=lambda: widest, mla_ctas_per_sm=lambda: 2)
+        return SimpleNamespace(mla_max_unit_rows=lambda: widest, mla_ctas_per_sm=lambda: 2,
+                               mla_unit_ctas_per_sm=lambda unit_rows: 1 if unit_rows == 64 else 2)
 
     monkeypatch.setattr(C, "capability", lambda device: (9, 0))
     monkeypatch.setattr(C, "library", library)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    problem = mla_decode.api.make_problem(batch, torch.float8_e4m3fn, fake_nvidia_gpu, layout="ragged",
-                                          max_seqlen=1024, num_heads=num_heads,
-                                          precision=precision)
+    dtype = torch.float8_e4m3fn if kv_format == "fp8" else torch.uint8
+    problem = mla_decode.api.make_problem(batch, dtype, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
+                                          num_heads=num_heads, precision=precision)
     assert C.plan_unit_rows(problem) == rows
     assert C.query_units(problem) == batch * num_heads // rows
     assert all(precise is False for _, precise in libraries)  # the precise mode's kernel takes 16 rows unasked
     assert C.plan_unit_rows(problem, 16) == 16
-    if num_heads % 32 == 0 and precision == "fast" and widest == 32:
-        assert C.plan_unit_rows(problem, 32) == 32
-    else:
-        with pytest.raises(ValueError, match=r"unit_rows 32: this problem's cuda kernel takes \[16\] query rows"):
-            C.plan_unit_rows(problem, 32)
-    with pytest.raises(ValueError, match="unit_rows 64"):
-        C.plan_unit_rows(problem, 64)
+    fast = precision == "fast"
+    served = [16] + [r for r in (32, 64) if fast and num_heads % r == 0 and widest >= r and (r < 64 or kv_format ==
+                                                                                                 "fp8")]
+    for asked in (32, 64):
+        if asked in served:
+            assert C.plan_unit_rows(problem, asked) == asked
+        else:
+            with pytest.raises(ValueError, match=rf"unit_rows {asked}: this problem's cuda kernel takes "
+                                                 rf"\[{', '.join(map(str, served))}\] query rows"):
+                C.plan_unit_rows(problem, asked)
+    with pytest.raises(ValueError, match="unit_rows 128"):
+        C.plan_unit_rows(problem, 128)
 
 
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
@@ -511,7 +533,7 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
 
     def fake_cdll(path):
         exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_ctas_per_sm",
-                   "mla_supports_mxfp4", "mla_max_unit_rows")
+                   "mla_supports_mxfp4", "mla_max_unit_rows", "mla_unit_ctas_per_sm")
         lib = SimpleNamespace(path=path, **{name: SimpleNamespace() for name in exports})
         lib.mla_supports_mxfp4 = lambda: path.endswith("a")
         return lib

@@ -534,8 +534,8 @@ def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads,
 @pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
 def test_gpu_many_sequences_one_split(kernel, causal):
     """40 sequences of q_len 2 x 128 heads fill the GPU without splitting (640 units or programs of 16 rows; 320
-    units of the Hopper cuda kernel's 32): the split kernels write the output and the LSE themselves; causal and not,
-    against the float64 truth."""
+    units of the Hopper cuda kernel's 32, 160 of its 64 with the FP8 cache): the split kernels write the output and
+    the LSE themselves; causal and not, against the float64 truth."""
     backend, kv_format, precision = kernel
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
@@ -587,6 +587,121 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     narrow_out, narrow_lse = narrow.run(*case.args())
     out_error, lse_error = errors(out, lse, narrow_out.double().cpu(), narrow_lse.double().cpu())
     assert out_error < out_bound / 10 and lse_error < lse_bound / 10, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
+def _cuda_plan_in_units_of(rows: int, case, max_seqlen: int, ragged: bool = False, **settings):
+    """The cuda backend's plan for `case` (FP8; paged, or ragged over its _ragged_twin) in units of `rows` query rows,
+    whatever plan_unit_rows would pick; settings override the case's causal and the default softmax scale."""
+    batch, q_len, num_heads = case.q.shape[:3]
+    shared = dict(num_heads=num_heads, q_len=q_len, causal=case.causal, backend="cuda", max_seqlen=max_seqlen,
+                  backend_options={"unit_rows": rows}, kv_scale_dtype=case.kv_scale.dtype) | settings
+    if ragged:
+        return mla_decode.plan_ragged(batch, case.kv_cache.dtype, "cuda", **shared)
+    return mla_decode.plan(batch, case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda", **shared)
+
+
+def _needs_units_of_64():
+    pytest.importorskip("mla_decode.cuda")
+    if not _hopper_takes_32_rows("fast"):
+        pytest.skip("units of 64 rows are the Hopper kernel's")
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("num_heads", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_size, num_heads, splits):
+    """The Hopper cuda kernel's 64-row units (split_kernel64: two warpgroups on pairs of 64-row tiles, one CTA an
+    SM) through every merge width (W = 16 .. 2 quads a thread at 2 .. 16 splits, W = 1 from 32, two threads a quad
+    at 64): 3001 rows (47 tiles: an odd split leaves the second tile of its last pair empty, NaN-poisoned rows
+    beyond it), one row and none (as many sequences as one CTA an SM holds at once), over pages of 16 (each copy
+    looks its row up) and 64 (a tile's rows consecutive), 64 and 128 heads (1 and 2 units a token), against the
+    float64 truth and, where the 16-row grid fits, against the same split plan in 16-row units. A pair's two tiles,
+    the two warpgroups' halves of V's dims and the merge of 8192 quads each fail the truth far above its bounds when
+    wrong. Against 16-row units P's e4m3 rounding differs (scaled by a pair's running max, not a tile's: 0.6-1.7e-2
+    apart on random data in testkit's emulation of both walks), so half the output bound; the LSE (both sum the
+    unrounded P) within a quarter of its bound."""
+    C = pytest.importorskip("mla_decode.cuda")
+    _needs_units_of_64()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [3001, 1, 0][:sms // (splits * num_heads // 64)]  # a cooperative grid of 64-row CTAs: one an SM
+    if not lens:
+        pytest.skip(f"{splits} splits of {num_heads // 64} units of 64 rows exceed {sms} SMs")
+    monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
+    case = make_paged_case("fp8", page_size, lens, seed=splits + num_heads + page_size, num_heads=num_heads,
+                           device="cuda")
+    decode = _cuda_plan_in_units_of(64, case, max(lens))
+    assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (splits, 64)
+    out, lse = decode.run(*case.args())
+    out_error, lse_error = errors(out, lse, *paged_reference(case, q=_gpu_queries(case, "cuda", "fast")))
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    if len(lens) * num_heads // 16 * splits > 2 * sms:  # the 16-row grid's CTAs, two an SM
+        return
+    narrow = _cuda_plan_in_units_of(16, case, max(lens))
+    assert (narrow.impl.num_splits, narrow.impl.call.unit_rows) == (splits, 16)
+    narrow_out, narrow_lse = narrow.run(*case.args())
+    out_error, lse_error = errors(out, lse, narrow_out.double().cpu(), narrow_lse.double().cpu())
+    assert out_error < out_bound / 2 and lse_error < lse_bound / 4, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("q_len,num_heads", [(1, 64), (2, 64), (1, 128), (2, 128)])
+def test_gpu_cuda_units_of_64_rows_serving_shapes(q_len, num_heads):
+    """64-row units asked for (backend option unit_rows) on the serving lengths (0, 1 and 3: tokens that see nothing
+    at q_len 2, causal; 77: one pair; 4097: 65 tiles, odd) in pages of 64, the plan's own splits: against the float64
+    truth, bit for bit the ragged twin, and a planted bug (the tokens not causal, a 10% softmax scale error) fails."""
+    _needs_units_of_64()
+    case = make_paged_case("fp8", 64, SERVING_LENS, seed=64 + q_len * num_heads, q_len=q_len, num_heads=num_heads,
+                           device="cuda")
+    decode = _cuda_plan_in_units_of(64, case, max(SERVING_LENS))
+    assert decode.impl.call.unit_rows == 64
+    out, lse = decode.run(*case.args())
+    kv, scale, indptr = _ragged_twin(case)
+    twin = _cuda_plan_in_units_of(64, case, max(SERVING_LENS), ragged=True)
+    twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
+    assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", "fast"))
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    planted = [dict(softmax_scale=1.1 / math.sqrt(576))] + ([dict(causal=False)] if q_len > 1 else [])
+    for bug in planted:
+        bad = _cuda_plan_in_units_of(64, case, max(SERVING_LENS), **bug)
+        bad_out, bad_lse = bad.run(*case.args())
+        bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
+        assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bug, bad_out_error, bad_lse_error)
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("name", ["a bad page only token 1 reaches", *sorted(BAD_CONTENTS)])
+def test_gpu_cuda_units_of_64_rows_invalid_contents(name):
+    """q_len 2 x 128 heads (causal) in 64-row units, pages of 16: sequence 1's table or length invalid makes all its
+    rows NaN and leaves the others' truth; a page outside the cache holding only its last position makes its token 1
+    NaN and keeps token 0."""
+    _needs_units_of_64()
+    lens = [200, 4497, 7]
+    case = make_paged_case("fp8", 16, lens, seed=7, q_len=2, num_heads=128, device="cuda")
+    table, seqlens = case.block_table.cpu(), case.cache_seqlens.cpu()
+    if name in BAD_CONTENTS:
+        edit_table, edit_lens, _ = BAD_CONTENTS[name]
+        (edit_table or edit_lens)(table, seqlens)
+        nan_tokens, truthful = slice(None), [([0, 2], slice(None))]
+    else:
+        table[1, 4496 // 16] = 10_000
+        nan_tokens, truthful = slice(1, 2), [([0, 2], slice(None)), ([1], slice(0, 1))]
+    decode = _cuda_plan_in_units_of(64, case, max(lens))
+    out, lse = decode.run(case.q, case.kv_cache, table.cuda(), seqlens.cuda(), case.kv_scale)
+    assert torch.isnan(out[1, nan_tokens]).all() and torch.isnan(lse[1, :, nan_tokens]).all()
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", "fast"))  # over the table as it was
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    for rows, tokens in truthful:
+        out_error, lse_error = errors(out[rows][:, tokens], lse[rows][:, :, tokens], ref_out[rows][:, tokens],
+                                      ref_lse[rows][:, :, tokens])
+        assert out_error < out_bound and lse_error < lse_bound, (rows, out_error, lse_error)
 
 
 @pytest.mark.gpu

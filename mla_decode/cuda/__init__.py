@@ -4,15 +4,17 @@ no such package and runs the Triton kernel on NVIDIA.
 
 One source, two split kernels, each for the ragged and the paged layout (docs/design-notes.md has the measurements
 behind each choice):
-- Hopper (sm_90a, MLA_WGMMA; csrc/wgmma.cuh): one warpgroup per CTA, two CTAs per SM. S^T = K Q^T by warpgroup MMAs
-  with both FP8 operands in shared memory (the tile as the 64-row M side, Q in e4m3 per head as the N side); P =
-  2^8 * the softmax numerators in e4m3; O^T = V^T P^T with V^T from ldmatrix.trans of the FP8 rows. MXFP4: each
-  tile of codes is dequantized once into an e5m2 tile (exact), read as e5m2 x e4m3.
+- Hopper (sm_90a, MLA_WGMMA; csrc/wgmma.cuh): one warpgroup per CTA, two CTAs per SM (units of 64 rows,
+  csrc/wgmma64.cuh: two warpgroups on pairs of tiles, one CTA per SM). S^T = K Q^T by warpgroup MMAs with both FP8
+  operands in shared memory (the tile as the 64-row M side, Q in e4m3 per head as the N side); P = 2^8 * the
+  softmax numerators in e4m3; O^T = V^T P^T with V^T from ldmatrix.trans of the FP8 rows. MXFP4: each tile of codes
+  is dequantized once into an e5m2 tile (exact), read as e5m2 x e4m3.
 - Other GPUs (sm_80+; csrc/mma_sync.cuh): mma.sync m16n8k16 in fp16 with fp32 sums, Q in registers; also the
   precise mode on Hopper.
-A CTA serves a unit of 16 query rows (heads of one token), or 32 in the Hopper kernel where the heads come in 32s
-(unit_rows). With more than one split per sequence the grid is launched cooperatively and its CTAs merge their own
-partials behind a barrier per unit (csrc/merge.cuh): one launch per call.
+A CTA serves a unit of 16 query rows (heads of one token), or in the Hopper kernel 32 where the heads come in 32s
+and 64 (the FP8 cache) where they come in 64s (unit_rows). With more than one split per sequence the grid is
+launched cooperatively and its CTAs merge their own partials behind a barrier per unit (csrc/merge.cuh): one launch
+per call.
 Nothing here imports the rest of mla_decode: the few constants it needs are its own.
 """
 
@@ -31,6 +33,7 @@ import torch
 
 QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token: heads come in multiples of it
 WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multiples of 32 (unit_rows)
+WIDEST_QUERY_ROWS = 64  # the Hopper 64-row kernel's units (the FP8 cache; one CTA of two warpgroups per SM)
 V_HEAD_DIM = 512  # value width (DV in the source)
 KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
@@ -125,6 +128,8 @@ def library(capability: tuple[int, int], precise: bool = False):
     for name in ("mla_ctas_per_sm", "mla_supports_mxfp4", "mla_max_unit_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
+    lib.mla_unit_ctas_per_sm.restype = ctypes.c_int
+    lib.mla_unit_ctas_per_sm.argtypes = [ctypes.c_int]  # a unit's rows
     _LIBS[key] = lib
     return lib
 
@@ -155,7 +160,7 @@ def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool 
 
 
 def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
-    """Splits per unit (`batch` units of 16 or 32 query rows): the largest power of two with batch x splits <= the
+    """Splits per unit (`batch` units of 16, 32 or 64 query rows): the largest power of two with batch x splits <= the
     CTAs that fit at once (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most MAX_SPLITS and at
     least one 64-row tile per split; then, while a second CTA per SM would be needed (batch x splits > SMs), halved as
     long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so
@@ -200,39 +205,55 @@ class LaunchKey(NamedTuple):
     seq_len: int  # the longest sequence the split plan is sized for
     kv_format: str
     precise: bool
+    unit_rows: int = QUERY_ROWS  # its kernel's CTAs per SM: 1 at 64 rows, else the library's mla_ctas_per_sm
 
 
 def plan_splits(key: LaunchKey) -> int:
-    """The splits per sequence of the launch plan of `key` (cuda_plan on its GPU, with its kernel's CTAs per SM)."""
+    """The splits per sequence of the launch plan of `key` (cuda_plan on its GPU, with the CTAs per SM of its units'
+    kernel: the cooperative launch fails unless every CTA is resident)."""
     lib = library(capability(key.device), key.precise)
     return cuda_plan(key.units, key.seq_len, torch.cuda.get_device_properties(key.device).multi_processor_count,
-                     lib.mla_ctas_per_sm())
+                     lib.mla_unit_ctas_per_sm(key.unit_rows))
+
+
+def served_unit_rows(problem) -> list[int]:
+    """The query rows a unit (a CTA) of `problem` can take: 16; in the fast mode's Hopper (wgmma) library (its
+    mla_max_unit_rows) also 32 where the heads come in 32s and 64 where they come in 64s with the FP8 cache (the
+    64-row kernel has no MXFP4 path: two dequantized tiles beside the 4 stages would not fit). A unit stays in one
+    token."""
+    if problem.precision != "fast" or problem.num_heads % WIDE_QUERY_ROWS:
+        return [QUERY_ROWS]
+    widest = library(capability(problem.device)).mla_max_unit_rows()
+    wide = [WIDE_QUERY_ROWS] if widest >= WIDE_QUERY_ROWS else []
+    if widest >= WIDEST_QUERY_ROWS and problem.num_heads % WIDEST_QUERY_ROWS == 0 and problem.kv_format == "fp8":
+        wide.append(WIDEST_QUERY_ROWS)
+    return [QUERY_ROWS, *wide]
 
 
 def plan_unit_rows(problem, requested: int | None = None) -> int:
-    """The query rows of a unit (a CTA) in `problem`'s plan. 32 where the Hopper (wgmma) kernel serves it (the fast
-    mode, its library built), the heads come in multiples of 32 (a unit stays in one token) and the 32-row grid, split
-    as cuda_plan splits it, still has more CTAs than the GPU has SMs; else 16. A 32-row CTA reads each KV tile for
-    twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the per-tile chain once for them, but
-    halves the CTAs: where that leaves SMs idle, 16 rows win (8 sequences x 1k rows x 128 heads, H200: 28.7 us in
-    32-row units, 20.3 in 16). requested: 16 or 32, the plan's backend option, checked against what the kernel
-    serves. Called where the backend serves the problem's device (CudaDecode, and cuda_unusable_reason after
-    unusable_reason)."""
-    widest = QUERY_ROWS
-    if problem.num_heads % WIDE_QUERY_ROWS == 0 and problem.precision == "fast":
-        widest = min(library(capability(problem.device)).mla_max_unit_rows(), WIDE_QUERY_ROWS)
+    """The query rows of a unit (a CTA) in `problem`'s plan, of served_unit_rows: the widest whose grid, split as
+    cuda_plan splits it, still fills the GPU (64 rows: at least as many CTAs as SMs, one CTA per SM; 32: more CTAs
+    than SMs, two per SM); else 16. A wider CTA reads each KV tile for more rows (128 heads: each tile from L2 4
+    times at 32 rows, 2 at 64, not 8) and runs the per-tile chain once for them, but has fewer CTAs: where that
+    leaves SMs idle, narrower units win (8 sequences x 1k rows x 128 heads, H200: 28.7 us in 32-row units, 20.3 in
+    16). requested: the plan's backend option, checked against served_unit_rows. Called where the backend serves
+    the problem's device (CudaDecode, and cuda_unusable_reason after unusable_reason)."""
+    served = served_unit_rows(problem)
     if requested is not None:
-        if requested not in (QUERY_ROWS, WIDE_QUERY_ROWS) or requested > widest:
-            raise ValueError(f"backend_options: unit_rows {requested!r}: this problem's cuda kernel takes "
-                             f"{sorted({QUERY_ROWS, widest})} query rows a CTA ({problem.num_heads} heads, "
+        if requested not in served:
+            raise ValueError(f"backend_options: unit_rows {requested!r}: this problem's cuda kernel takes {served} "
+                             f"query rows a CTA ({problem.num_heads} heads, {problem.kv_format}, "
                              f"{problem.precision} mode)")
         return requested
-    if widest == QUERY_ROWS:
+    if served == [QUERY_ROWS]:
         return QUERY_ROWS
-    units = query_units(problem, WIDE_QUERY_ROWS)
-    splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False))
     sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
-    return WIDE_QUERY_ROWS if units * splits > sms else QUERY_ROWS
+    for rows in reversed(served[1:]):
+        units = query_units(problem, rows)
+        ctas = units * plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows))
+        if ctas > sms or (rows == WIDEST_QUERY_ROWS and ctas == sms):
+            return rows
+    return QUERY_ROWS
 
 
 def query_units(problem, rows: int | None = None) -> int:
@@ -276,7 +297,7 @@ class CudaDecode:
         units = query_units(problem, rows)
         if units > MAX_UNITS:
             raise ValueError(f"cuda backend: {units} units of {rows} query rows, more than the grid's {MAX_UNITS}")
-        self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise)
+        self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise, rows)
         self.decode = library(capability(device), precise).mla_decode
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.num_splits = splits = plan_splits(self.key)

@@ -15,10 +15,10 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // One call's arguments, the one list from the Python launcher to the kernels: mla_decode.cuda.DecodeCall is a ctypes
 // Structure of the same fields in the same order (mla_decode_call_layout lets it check the layout), a plan sets its
 // own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it by value.
-// q (batch, q_len, num_heads, 576) bf16, num_heads a multiple of unit_rows, the query rows of a CTA (16, or 32 in
-// the wgmma build: the plan picks them, the launcher the kernel instance); kv: kv_format 0, the FP8 cache (total_kv
-// rows of 576) e4m3 with kv_scale (1,) fp32; 1, the MXFP4 codes (total_kv rows of 288) with kv_block_scales, E8M0
-// bytes, row r's 18 at r * scale_stride.
+// q (batch, q_len, num_heads, 576) bf16, num_heads a multiple of unit_rows, the query rows of a CTA (16, or 32 and,
+// FP8 only, 64 in the wgmma build: the plan picks them, the launcher the kernel instance); kv: kv_format 0, the FP8
+// cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32; 1, the MXFP4 codes (total_kv rows of 288) with
+// kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride.
 // The rows of sequence b: page_size 0 (ragged), seqs is kv_indptr (batch + 1,) and they are kv_indptr[b] ..
 // kv_indptr[b+1] - 1; otherwise seqs is cache_seqlens (batch,) and position n is row block_table[b * max_pages + n /
 // page_size] * page_size + n % page_size. out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len)

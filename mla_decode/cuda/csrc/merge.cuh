@@ -1,4 +1,4 @@
-// Shared by both kernels: the per-unit barrier (a unit: 16 or 32 query rows of a sequence) of the splits and their
+// Shared by the kernels: the per-unit barrier (a unit: 16, 32 or 64 query rows of a sequence) of the splits and their
 // merge.
 #pragma once
 
@@ -37,25 +37,25 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
   __syncthreads();
 }
 
-// The merge of one unit's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A unit of H rows
-// has H x 128 quads (4 columns of one head): split `split` of S merges H x 128 / S of them with 128 threads, and
-// every thread issues all its H loads (8-byte quads of the bf16 partials, L2 only: other SMs wrote them) before using
-// any: one round trip (at H = 32 twice the loads a thread rather than a second round trip; the accumulators of the
-// split product are dead by then). The partials are bf16 because the merge is a convex combination (its error stays
-// at the bf16 output's) and half the bytes shorten the handoff: fp32 partials took 0.3-0.7 us more at the split
-// shapes (H200, H = 16). S < H: a thread merges W = H / S neighbouring quads over all S splits. S >= H: W = 1, and
-// the S / H threads of a quad (neighbouring lanes) take H splits each, then combine their (max, sum, acc) by
-// shuffles. S must be a power of two (every thread then has exactly its G = H / W splits; merge_splits dispatches
-// on W).
+// The merge of one unit's splits: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A unit of H rows has
+// H x 128 quads (4 columns of one head): split `split` of S merges H x 128 / S of them with 128 threads (256 at H = 64:
+// L = 32 loads a thread; L = H below), and every thread issues all its L loads (8-byte quads of the bf16 partials, L2
+// only: other SMs wrote them) before using any: one round trip (at H = 32 twice the loads a thread rather than a second
+// round trip; the accumulators of the split product are dead by then). The partials are bf16 because the merge is a
+// convex combination (its error stays at the bf16 output's) and half the bytes shorten the handoff: fp32 partials took
+// 0.3-0.7 us more at the split shapes (H200, H = 16). S < L: a thread merges W = L / S neighbouring quads over all S
+// splits. S >= L: W = 1, and the S / L threads of a quad (neighbouring lanes) take L splits each, then combine their
+// (max, sum, acc) by shuffles. S must be a power of two (every thread then has exactly its G = L / W splits;
+// merge_splits dispatches on W).
 constexpr int MERGE_THREADS = 128;
-constexpr int MAX_SPLITS = 512;        // a quad's S / H threads stay within one warp (S / 16 <= 32)
+constexpr int MAX_SPLITS = 512;        // a quad's S / L threads stay within one warp (S / 16 <= 32)
 // A split's NaN LSE marks a page outside the cache: the unit's rows become NaN. out_lse, or null: the merged
 // natural-log LSE of row h at out_lse[h * lse_stride], written by the thread of each row's first quad.
-template <int W, int H>
+template <int W, int H, int L = H>
 __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
                                             float* out_lse, int lse_stride, int num_splits, int split,
                                             bool valid) {
-  constexpr int G = H / W;  // splits per thread
+  constexpr int G = L / W;  // splits per thread
   constexpr int LOG_QUADS = log2i(H * DV / 4);  // the unit's quads: 2048 at H = 16
   const int log_splits = __ffs(num_splits) - 1;
   const int log_per_quad = max(log_splits - (__ffs(G) - 1), 0);  // threads per quad: num_splits / G (W == 1) or 1
@@ -134,12 +134,22 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
   const int num_splits = call.num_splits, u = rows.unit;
   wait_for_splits(call.sync, u, num_splits, base);
   // TUNE: barrier
-  if (threadIdx.x >= MERGE_THREADS) return;
+  if (H < 64 && threadIdx.x >= MERGE_THREADS) return;  // 64 rows: all 256 threads of split_kernel64
   const float* lse = call.part_lse + static_cast<size_t>(u) * num_splits * H;
   const __nv_bfloat16* po = call.part_o + static_cast<size_t>(u) * num_splits * H * DV;
   __nv_bfloat16* o = call.out + static_cast<size_t>(u) * H * DV;
   float* out_lse = call.lse ? call.lse + rows.lse0 : nullptr;
   const int ls = rows.lse_stride;
+  if constexpr (H == 64) {  // 8192 quads on 256 threads: 32 loads a thread
+    constexpr int L = 32;
+    switch (num_splits) {
+      case 2: return merge_quads<L / 2, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid);
+      case 4: return merge_quads<L / 4, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid);
+      case 8: return merge_quads<L / 8, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid);
+      case 16: return merge_quads<L / 16, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid);
+      default: return merge_quads<1, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid);  // num_splits >= L
+    }
+  }
   if constexpr (H == 32) {  // 16 splits take W = 2 here; a `case 16` in the switch changed the 16-row SASS
     if (num_splits == 16) return merge_quads<2, H>(lse, po, o, out_lse, ls, num_splits, split, valid);
   }

@@ -1,30 +1,39 @@
 // The cuda backend's kernel library: mla_decode.cuda builds it with nvcc at first use and calls it through ctypes.
 // common.cuh: the problem's constants, helpers and the rows of a split; merge.cuh: the splits' barrier and merge;
-// wgmma.cuh: the Hopper kernel (MLA_WGMMA, sm_90a); mma_sync.cuh: the kernel for sm_80 and later; here: the C ABI
-// and the launcher. `// TUNE: name` lines mark where bench/tune_cuda.py's timeline stamps go.
+// wgmma.cuh: the Hopper kernel (MLA_WGMMA, sm_90a), wgmma64.cuh its 64-row units; mma_sync.cuh: the kernel for sm_80
+// and later; here: the C ABI and the launcher. `// TUNE: name` lines mark bench/tune_cuda.py's timeline stamps.
 //
-// Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else
-// mma.sync in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
+// Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else mma.sync
+// in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
 // split_kernel<STAGES, MX, PAGED[, H]>(DecodeCall): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the
-// call's unit_rows query rows of a sequence, 16, or 32 in the wgmma kernel (its H); common.cuh's QueryRows), the
-// call's fields as common.cuh's DecodeCall states them. num_splits == 1: each CTA writes its rows of out. Otherwise
-// each writes part_o (units * num_splits, unit_rows, 512) bf16, its normalised partial output, and part_lse (units *
-// num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs of a unit meet at a barrier (`sync`: per unit a count of
-// arrivals over all launches, zero before the first) and each merges 1 / num_splits of the unit's outputs. The grid
-// is launched cooperatively, so all its CTAs are resident and the wait cannot hang.
+// call's unit_rows query rows of a sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED>
+// (WIDE_THREADS threads, FP8); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
+// num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, unit_rows, 512)
+// bf16, its normalised partial output, and part_lse (units * num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs
+// of a unit meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each
+// merges 1 / num_splits of the unit's outputs. The grid is launched cooperatively, so all its CTAs are resident and
+// the wait cannot hang.
 
 #if MLA_WGMMA
 #include <cstddef>
-#include "wgmma.cuh"
+#include "wgmma64.cuh"
 #else
 #include "mma_sync.cuh"
 #endif
 
 using mla::DecodeCall;
 
-// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism), whether this build reads the
-// MXFP4 cache, and the most query rows its units take (DecodeCall's unit_rows: 16, or also 32).
+// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism) for units of 16 or 32 rows, and
+// for units of unit_rows (64-row units: one, of 256 threads); whether this build reads the MXFP4 cache, and the most
+// query rows its units take (DecodeCall's unit_rows: 16, or also 32 and, FP8 only, 64).
 extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
+#if MLA_WGMMA
+extern "C" int mla_unit_ctas_per_sm(int unit_rows) {
+  return unit_rows == mla::WIDE_ROWS ? mla::WIDE_CTAS_PER_SM : mla::CTAS_PER_SM;
+}
+#else
+extern "C" int mla_unit_ctas_per_sm(int) { return mla::CTAS_PER_SM; }
+#endif
 extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
 extern "C" int mla_max_unit_rows() { return mla::MAX_UNIT_ROWS; }
 
@@ -59,9 +68,16 @@ extern "C" int mla_limit_shared_memory(int bytes) {
 template <int STAGES, bool MX, bool PAGED, int H>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
 #if MLA_WGMMA
-  const auto kernel = mla::split_kernel<STAGES, MX, PAGED, H>;
-  constexpr int smem = mla::smem_bytes<STAGES, MX, H>();
+  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX), "64-row units: FP8, 4 stages");
+  constexpr bool wide = H == mla::WIDE_ROWS;
+  const auto kernel = [] {
+    if constexpr (wide) return mla::split_kernel64<PAGED>;
+    else return mla::split_kernel<STAGES, MX, PAGED, H>;
+  }();
+  constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, MX, H>();
+  constexpr int threads = wide ? mla::WIDE_THREADS : mla::NTHREADS;
 #else
+  constexpr int threads = mla::NTHREADS;
   static_assert(H == mla::H, "the mma.sync kernel's units are 16 rows");
   const auto kernel = mla::split_kernel<STAGES, MX, PAGED>;
   constexpr int smem = mla::smem_bytes<STAGES, MX>();
@@ -74,7 +90,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(a.num_splits, a.batch * (a.q_len * a.num_heads / H));
-  cfg.blockDim = dim3(mla::NTHREADS);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(a.stream);
   cudaLaunchAttribute attrs[2];
@@ -111,6 +127,14 @@ static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window) {
                      : launch_split<STAGES, MX, false, 16>(dev, a, max_window);
 }
 
+#if MLA_WGMMA
+// The 64-row kernel's one configuration (FP8, 4 stages, one CTA an SM), ragged or paged.
+static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window) {
+  return a.page_size ? launch_split<mla::WIDE_STAGES, false, true, mla::WIDE_ROWS>(dev, a, max_window)
+                     : launch_split<mla::WIDE_STAGES, false, false, mla::WIDE_ROWS>(dev, a, max_window);
+}
+#endif
+
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
 constexpr int DECODE_CALL_FIELDS = 24;
@@ -136,8 +160,9 @@ extern "C" int mla_decode(const DecodeCall* c) {
   int dev = 0;
   cudaGetDevice(&dev);
   const int num_splits = c->num_splits, kv_format = c->kv_format;
-  const int rows = c->unit_rows;  // 16, or 32 where the build takes them; whole units of one token
-  const bool rows_ok = (rows == 16 || rows == mla::MAX_UNIT_ROWS) && c->num_heads > 0 && c->num_heads % rows == 0 &&
+  const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8) where the build takes them; whole units of one token
+  const bool rows_ok = (rows == 16 || rows == 32 || rows == 64) && rows <= mla::MAX_UNIT_ROWS &&
+                       !(rows == 64 && kv_format != 0) && c->num_heads > 0 && c->num_heads % rows == 0 &&
                        c->q_len > 0;
   const int units = rows_ok ? c->batch * (c->q_len * c->num_heads / rows) : 0;  // CTAs per split
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
@@ -151,7 +176,9 @@ extern "C" int mla_decode(const DecodeCall* c) {
   }
   cudaError_t e;
 #if MLA_WGMMA
-  if (kv_format == 1)
+  if (rows == mla::WIDE_ROWS)
+    e = launch_wide(dev, *c, max_window[dev]);
+  else if (kv_format == 1)
     e = launch_layout<mla::MX_STAGES, true>(dev, *c, max_window[dev]);
   else if (units * num_splits > sms[dev])
     e = launch_layout<mla::STAGES_SHARED, false>(dev, *c, max_window[dev]);

@@ -30,7 +30,7 @@ constexpr int TILE = BN * D;
 // MXFP4 (MX = true): the stages hold a tile's E2M1 codes as they lie in memory ([64 rows][288 bytes]); each tile
 // is dequantized once into one FP8 tile (e5m2, exact) at offset 0, which the products read as above.
 constexpr bool SUPPORTS_MXFP4 = true;
-constexpr int MAX_UNIT_ROWS = 32;      // units of 16 or 32 query rows (the kernel's H)
+constexpr int MAX_UNIT_ROWS = 64;      // units of 16 or 32 query rows (split_kernel's H), or 64 (wgmma64.cuh, FP8)
 constexpr int MX_ROW = D / 2;          // bytes of codes per row, two values per byte, low nibble first
 constexpr int MX_STAGE = BN * MX_ROW;
 constexpr int MX_BLOCKS = D / 32;      // E8M0 scales per row
@@ -70,7 +70,7 @@ __device__ __forceinline__ void fence_acc(float* d) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The products with N (the CTA's query rows, 16 or 32) as their N side: N / 2 fp32 accumulators a thread, which
+// The products with N (the CTA's query rows, 16, 32 or 64) as their N side: N / 2 fp32 accumulators a thread, which
 // hold for rows g and g + 8 of the warp's 16 (lane g = lane / 4, t4 = lane % 4) columns 8j + 2 t4 + {0, 1}, j < N / 8:
 // d[4j], d[4j + 1] at row g, d[4j + 2], d[4j + 3] at row g + 8.
 #define MLA_ACC8(i)                                                                                                 \
@@ -78,6 +78,9 @@ __device__ __forceinline__ void fence_acc(float* d) {
       "+f"(d[i + 7])
 #define MLA_REGS8 "{%0,%1,%2,%3,%4,%5,%6,%7}"
 #define MLA_REGS16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+#define MLA_REGS32                                                                                                  \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"    \
+  "%29,%30,%31}"
 
 // D (64 x N, fp32) (+)= A (64 x 32 e4m3, or e5m2 with A_E5M2, shared, K-major) * B (32 x N e4m3, shared, K-major).
 template <int N, bool A_E5M2>
@@ -87,11 +90,15 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                       \
                  "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 " MLA_REGS8 ", %8, %9, p, 1, 1;\n}\n"    \
                  : MLA_ACC8(0) : "l"(da), "l"(db), "r"(accumulate));                                               \
-  else                                                                                                              \
+  else if constexpr (N == 32)                                                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                       \
                  "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 " MLA_REGS16 ", %16, %17, p, 1, 1;\n}\n" \
-                 : MLA_ACC8(0), MLA_ACC8(8) : "l"(da), "l"(db), "r"(accumulate))
-  static_assert(N == 16 || N == 32, "m64n16k32 or m64n32k32");
+                 : MLA_ACC8(0), MLA_ACC8(8) : "l"(da), "l"(db), "r"(accumulate));                                  \
+  else                                                                                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                       \
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32." ATYPE ".e4m3 " MLA_REGS32 ", %32, %33, p, 1, 1;\n}\n" \
+                 : MLA_ACC8(0), MLA_ACC8(8), MLA_ACC8(16), MLA_ACC8(24) : "l"(da), "l"(db), "r"(accumulate))
+  static_assert(N == 16 || N == 32 || N == 64, "m64n16k32, m64n32k32 or m64n64k32");
   if constexpr (A_E5M2) { MLA_WGMMA_SS("e5m2"); } else { MLA_WGMMA_SS("e4m3"); }
 #undef MLA_WGMMA_SS
 }
@@ -104,17 +111,23 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t d
     asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 " MLA_REGS8                             \
                  ", {%8,%9,%10,%11}, %12, 1, 1, 1;\n"                                                               \
                  : MLA_ACC8(0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));                             \
-  else                                                                                                              \
+  else if constexpr (N == 32)                                                                                       \
     asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 " MLA_REGS16                            \
                  ", {%16,%17,%18,%19}, %20, 1, 1, 1;\n"                                                             \
-                 : MLA_ACC8(0), MLA_ACC8(8) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-  static_assert(N == 16 || N == 32, "m64n16k32 or m64n32k32");
+                 : MLA_ACC8(0), MLA_ACC8(8) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));                \
+  else                                                                                                              \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32." ATYPE ".e4m3 " MLA_REGS32                            \
+                 ", {%32,%33,%34,%35}, %36, 1, 1, 1;\n"                                                             \
+                 : MLA_ACC8(0), MLA_ACC8(8), MLA_ACC8(16), MLA_ACC8(24)                                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+  static_assert(N == 16 || N == 32 || N == 64, "m64n16k32, m64n32k32 or m64n64k32");
   if constexpr (A_E5M2) { MLA_WGMMA_RS("e5m2"); } else { MLA_WGMMA_RS("e4m3"); }
 #undef MLA_WGMMA_RS
 }
 #undef MLA_ACC8
 #undef MLA_REGS8
 #undef MLA_REGS16
+#undef MLA_REGS32
 
 __device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t b, uint32_t sel) {  // prmt with sign replication
   uint32_t d;
@@ -162,9 +175,51 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
-// Reduces v[e] (head heads[e], NE heads a thread) over a tile's 64 rows: over the lanes of equal t4 (shuffles), then
-// over the 4 warps through `red` ([H heads][4 warps]); every thread gets the results for its heads. op: max or sum.
-template <int NE, typename Op>
+// S^T (64 tile rows x N query rows, fp32: N / 2 a thread) = K (the tile at shared address kt, 576 dims) Q^T (qdesc:
+// [chunk][N][16] e4m3): 18 k32 steps, both operands from shared memory; returns with the products done.
+template <int N, bool A_E5M2>
+__device__ __forceinline__ void score_tile(float* s, uint32_t kt, uint64_t qdesc) {
+  wg_fence();
+  const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
+#pragma unroll
+  for (int st = 0; st < D / 32; ++st) {
+    const uint64_t da =
+        st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
+    wgmma_ss<N, A_E5M2>(s, da, qdesc + ((2 * st * N * 16) >> 4), st);
+  }
+  wg_commit();
+  wg_wait<0>();
+  fence_acc<N / 2>(s);
+}
+
+// The value product's A fragment (V^T, 64 dims x 32 tile rows) of the 8-row blocks at shared address addr.
+// ldmatrix.trans of a chunk's 8-row blocks as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1],
+// V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of block r; byte permutes of blocks r and r + 8 give the fragment of A
+// row g (dim 2g) and row g + 8 (dim 2g+1).
+__device__ __forceinline__ void v_fragment(uint32_t* a, uint32_t addr) {
+  uint32_t vb[4];
+  ldsm_x4_trans(vb, addr);
+  a[0] = __byte_perm(vb[0], vb[1], 0x6420);
+  a[1] = __byte_perm(vb[0], vb[1], 0x7531);
+  a[2] = __byte_perm(vb[2], vb[3], 0x6420);
+  a[3] = __byte_perm(vb[2], vb[3], 0x7531);
+}
+
+// Query row h's log2-sum-exp lse2 (of H rows): with splits to part_lse's row `part` (NaN on a bad page: the merge
+// makes the unit NaN), else to lse (natural log; NaN where not ok).
+template <int H>
+__device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRows& rows, size_t part, int h, float lse2,
+                                          bool bad_page, bool ok) {
+  if (call.num_splits > 1)
+    call.part_lse[part * H + h] = bad_page ? NAN : lse2;
+  else if (call.lse)
+    call.lse[rows.lse0 + h * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
+}
+
+// Reduces v[e] (head heads[e], NE heads a thread) over the CTA's rows: over the lanes of equal t4 (shuffles), then
+// over the NW warps (4 or 8) through `red` ([H heads][NW warps]); every thread gets the results for its heads. op: max
+// or sum.
+template <int NE, int NW = NWARPS, typename Op>
 __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, float* red, int warp, int g, Op op) {
 #pragma unroll
   for (int e = 0; e < NE; ++e)
@@ -172,15 +227,115 @@ __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, fl
     for (int o = 4; o < 32; o <<= 1) v[e] = op(v[e], __shfl_xor_sync(0xffffffffu, v[e], o));
   if (g == 0) {
 #pragma unroll
-    for (int e = 0; e < NE; ++e) red[heads[e] * NWARPS + warp] = v[e];
+    for (int e = 0; e < NE; ++e) red[heads[e] * NW + warp] = v[e];
   }
   __syncthreads();
 #pragma unroll
   for (int e = 0; e < NE; ++e) {
-    const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
+    const float4 r = reinterpret_cast<const float4*>(red)[heads[e] * (NW / 4)];
     v[e] = op(op(r.x, r.y), op(r.z, r.w));
+    if constexpr (NW == 8) {
+      const float4 q = reinterpret_cast<const float4*>(red)[heads[e] * 2 + 1];
+      v[e] = op(v[e], op(op(q.x, q.y), op(q.z, q.w)));
+    }
   }
 }
+
+// Copy plan of NT threads: thread tid copies units c = tid + NT * it of a tile, row c / 36, unit c % 36: its global
+// bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
+// the same for every tile. Rows past hi are zero-filled, never read. The copies ask L2 for whole 128-byte lines
+// (.L2::128B): 256x8192 took 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
+// MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
+template <int NT, bool MX>
+struct CopyPlan {
+  static constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NT;
+  static constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
+  static constexpr int ROW_BYTES = MX ? MX_ROW : D;
+  // The shared offset of this thread's copy `it`.
+  static __device__ __forceinline__ uint32_t offset(int tid, int it) {
+    const int c = tid + NT * it;
+    return MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
+  }
+  // Copies tile i (positions n0 = lo + 64 i ..) to shared dst. consecutive: its rows follow cache row `start + n0`
+  // (ragged) or paged_rows.at(i, 0) (pages of a multiple of 64 rows; -1: a page outside the cache), else each row
+  // is looked up in paged_rows. soff(it): offset(tid, it), held or recomputed.
+  template <typename Soff>
+  static __device__ __forceinline__ void tile(const DecodeCall& call, const PagedRows& paged_rows, bool paged,
+                                              bool consecutive, uint32_t dst, int i, int lo, int hi, int start,
+                                              int tid, Soff soff) {
+    const int n0 = lo + i * BN;
+    if (consecutive) {
+      const int first = paged ? paged_rows.at(i, 0) : start + n0;  // -1: a page outside the cache
+      const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * ROW_BYTES + tid * 16;
+      const int rows = first < 0 ? 0 : hi - n0;
+      if (rows >= BN) {
+#pragma unroll
+        for (int it = 0; it < COPIES; ++it)
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff(it)),
+                       "l"(src + it * NT * 16));
+      } else {
+#pragma unroll
+        for (int it = 0; it < COPIES; ++it) {
+          const bool in = (tid + NT * it) / ROW_UNITS < rows;
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)),
+                       "l"(in ? src + it * NT * 16 : call.kv), "r"(in ? 16 : 0));
+        }
+      }
+    } else {  // each 16-byte unit's row looked up (a thread's units lie in several rows; warps stay coalesced)
+#pragma unroll
+      for (int it = 0; it < COPIES; ++it) {
+        const int c = tid + NT * it, row = paged_rows.at(i, c / ROW_UNITS);  // -1: past hi or a bad page
+        const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * ROW_BYTES + (c % ROW_UNITS) * 16;
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)), "l"(src),
+                     "r"(row >= 0 ? 16 : 0));
+      }
+    }
+  }
+};
+
+// Q -> e4m3 with one scale per head (its amax maps to 448), in the [chunk][head][16] layout of the score product's B
+// operand (QCHUNK = H * 16 bytes a chunk); the head's scale, sm_scale * log2(e) and the KV scale multiply the
+// scores. NW warps, warp w quantizing heads w, w + NW, ...; load() is issued before the first tiles' copies so that
+// Q's loads do not queue behind them, store() after.
+template <int H, int NW>
+struct QueryQuant {
+  static constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
+  using Regs = __nv_bfloat162[H / NW][QPAIRS];
+
+  static __device__ __forceinline__ void load(Regs& qv, const DecodeCall& call, int unit, int warp, int lane) {
+#pragma unroll
+    for (int j = 0; j < H / NW; ++j) {
+      const __nv_bfloat162* src =
+          reinterpret_cast<const __nv_bfloat162*>(call.q + (static_cast<size_t>(unit) * H + warp + j * NW) * D);
+#pragma unroll
+      for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
+    }
+  }
+  static __device__ __forceinline__ void store(const Regs& qv, const DecodeCall& call, float kv_scale, uint8_t* qs,
+                                               float* qscale, int warp, int lane) {
+#pragma unroll
+    for (int j = 0; j < H / NW; ++j) {
+      const int h = warp + j * NW;
+      float2 v[QPAIRS];
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < QPAIRS; ++i) {
+        v[i] = __bfloat1622float2(qv[j][i]);
+        amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float inv = amax > 0.f ? 448.f / amax : 1.f;
+#pragma unroll
+      for (int i = 0; i < QPAIRS; ++i) {
+        const int d = 2 * (lane + 32 * i);
+        *reinterpret_cast<uint16_t*>(qs + (d >> 4) * (H * 16) + h * 16 + (d & 15)) =
+            to_e4m3x2(v[i].x * inv, v[i].y * inv);
+      }
+      if (lane == 0) qscale[h] = (amax > 0.f ? amax / 448.f : 1.f) * call.qk_scale * kv_scale;
+    }
+  }
+};
 
 // H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products.
 template <int STAGES, bool MX, bool PAGED, int H>
@@ -212,13 +367,8 @@ split_kernel(const DecodeCall call) {
   const bool consecutive = !paged || call.page_size % BN == 0;
   // TUNE: start
 
-  // Copy plan: thread tid copies units c = tid + NTHREADS * it of a tile, row c / 36, unit c % 36: its global
-  // bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
-  // the same for every tile. Rows past hi are zero-filled, never read. The copies ask L2 for whole 128-byte lines
-  // (.L2::128B): 256x8192 took 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
-  // MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
-  constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NTHREADS;
-  constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
+  using Copy = CopyPlan<NTHREADS, MX>;
+  constexpr int COPIES = Copy::COPIES;
   const uint32_t ks_addr = smem_u32(ks);
   auto copy_offset = [&](int it) -> uint32_t {
     const int c = tid + NTHREADS * it;
@@ -238,49 +388,13 @@ split_kernel(const DecodeCall call) {
     if constexpr (HOLD_OFFSETS) return held[it];
     else return copy_offset(it);
   };
-  constexpr int ROW_BYTES = MX ? MX_ROW : D;
   auto load_tile = [&](int i) {
-    const uint32_t dst = ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE);
-    const int n0 = lo + i * BN;
-    if (consecutive) {
-      const int first = paged ? paged_rows.at(i, 0) : start + n0;  // -1: a page outside the cache
-      const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * ROW_BYTES + tid * 16;
-      const int rows = first < 0 ? 0 : hi - n0;
-      if (rows >= BN) {
-#pragma unroll
-        for (int it = 0; it < COPIES; ++it)
-          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff(it)),
-                       "l"(src + it * NTHREADS * 16));
-      } else {
-#pragma unroll
-        for (int it = 0; it < COPIES; ++it) {
-          const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
-          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)),
-                       "l"(in ? src + it * NTHREADS * 16 : call.kv), "r"(in ? 16 : 0));
-        }
-      }
-    } else {  // each 16-byte unit's row looked up (a thread's units lie in several rows; warps stay coalesced)
-#pragma unroll
-      for (int it = 0; it < COPIES; ++it) {
-        const int c = tid + NTHREADS * it, row = paged_rows.at(i, c / ROW_UNITS);  // -1: past hi or a bad page
-        const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * ROW_BYTES + (c % ROW_UNITS) * 16;
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)), "l"(src),
-                     "r"(row >= 0 ? 16 : 0));
-      }
-    }
+    Copy::tile(call, paged_rows, paged, consecutive, ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi,
+               start, tid, soff);
   };
-  // Q -> e4m3 with one scale per head (its amax maps to 448), in the [chunk][head][16] layout of the score
-  // product's B operand; the head's scale, sm_scale * log2(e) and the KV scale multiply the scores. Q's loads are
-  // issued before the first tiles' copies so they do not queue behind them.
-  constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
-  __nv_bfloat162 qv[H / NWARPS][QPAIRS];
-#pragma unroll
-  for (int j = 0; j < H / NWARPS; ++j) {
-    const __nv_bfloat162* src =
-        reinterpret_cast<const __nv_bfloat162*>(call.q + (static_cast<size_t>(unit) * H + warp + j * NWARPS) * D);
-#pragma unroll
-    for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
-  }
+  using Query = QueryQuant<H, NWARPS>;
+  typename Query::Regs qv;
+  Query::load(qv, call, unit, warp, lane);
   // One cp.async group per tile (empty past the last).
   auto load_group = [&](int i) {
     if (i < ntiles) load_tile(i);
@@ -305,13 +419,14 @@ split_kernel(const DecodeCall call) {
     }
   };
   if constexpr (MX) load_scales(0);
+  // Query::store inlined: as the call, three MXFP4 16-row instances' registers were allocated differently.
 #pragma unroll
   for (int j = 0; j < H / NWARPS; ++j) {
     const int h = warp + j * NWARPS;
-    float2 v[QPAIRS];
+    float2 v[Query::QPAIRS];
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < QPAIRS; ++i) {
+    for (int i = 0; i < Query::QPAIRS; ++i) {
       v[i] = __bfloat1622float2(qv[j][i]);
       amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
     }
@@ -319,7 +434,7 @@ split_kernel(const DecodeCall call) {
     for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float inv = amax > 0.f ? 448.f / amax : 1.f;
 #pragma unroll
-    for (int i = 0; i < QPAIRS; ++i) {
+    for (int i = 0; i < Query::QPAIRS; ++i) {
       const int d = 2 * (lane + 32 * i);
       *reinterpret_cast<uint16_t*>(qs + (d >> 4) * QCHUNK + h * 16 + (d & 15)) = to_e4m3x2(v[i].x * inv, v[i].y * inv);
     }
@@ -381,19 +496,9 @@ split_kernel(const DecodeCall call) {
     }
     const int n0 = lo + i * BN;
 
-    // S^T (64 rows x H heads) = K (64 x 576) Q^T: 18 k32 steps, both operands from shared memory.
+    // S^T (64 rows x H heads) = K (64 x 576) Q^T
     float s[H / 2];
-    wg_fence();
-    const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
-#pragma unroll
-    for (int st = 0; st < D / 32; ++st) {
-      const uint64_t da =
-          st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
-      wgmma_ss<H, MX>(s, da, qdesc + ((2 * st * QCHUNK) >> 4), st);
-    }
-    wg_commit();
-    wg_wait<0>();
-    fence_acc<H / 2>(s);
+    score_tile<H, MX>(s, kt, qdesc);
     // TUNE: scored
 
     // Online softmax over the tile, log2 domain; rows past hi are masked.
@@ -440,11 +545,9 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // P is complete
     // TUNE: P
 
-    // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers. ldmatrix.trans of a chunk's 8-row blocks
-    // as b16 gives lane (g, t4) bytes V[r + 2t4][2g], V[r + 2t4][2g+1], V[r + 2t4 + 1][2g], V[r + 2t4 + 1][2g+1] of
-    // block r; byte permutes of blocks r and r + 8 give the fragment of A row g (dim 2g) and row g + 8 (dim 2g+1).
-    // The fragments of MB m-blocks at a time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before
-    // waited for, so that two groups' (32 registers) at most are live beside the 128 accumulators.
+    // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers (v_fragment). The fragments of MB m-blocks at a
+    // time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before waited for, so that two groups' (32
+    // registers) at most are live beside the 128 accumulators.
     constexpr int MB = H == 16 ? 8 : 4;
 #pragma unroll
     for (int kk = 0; kk < BN / 32; ++kk) {
@@ -454,12 +557,7 @@ split_kernel(const DecodeCall call) {
 #pragma unroll
         for (int j = 0; j < MB; ++j) {
           const int mb = mb0 + j;
-          uint32_t vb[4];
-          ldsm_x4_trans(vb, kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
-          a[j][0] = __byte_perm(vb[0], vb[1], 0x6420);
-          a[j][1] = __byte_perm(vb[0], vb[1], 0x7531);
-          a[j][2] = __byte_perm(vb[2], vb[3], 0x6420);
-          a[j][3] = __byte_perm(vb[2], vb[3], 0x7531);
+          v_fragment(a[j], kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
         }
 #pragma unroll
         for (int j = 0; j < MB; ++j) fence_acc<H / 2>(acc[mb0 + j]);
@@ -495,11 +593,7 @@ split_kernel(const DecodeCall call) {
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
-      const float lse2 = l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY;
-      if (call.num_splits > 1)
-        call.part_lse[part * H + heads[e]] = bad_page ? NAN : lse2;  // NaN: the merge makes the unit NaN
-      else if (call.lse)
-        call.lse[rows.lse0 + heads[e] * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
+      store_lse<H>(call, rows, part, heads[e], l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY, bad_page, ok);
     }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
