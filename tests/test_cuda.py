@@ -161,20 +161,19 @@ def test_plan_stays_within_what_the_merge_takes():
                           (8, 128, "fp8", "fast", 32, 16), (2, 32, "fp8", "fast", 32, 16),
                           (128, 16, "fp8", "fast", 32, 16), (128, 48, "fp8", "fast", 32, 16),
                           (128, 128, "fp8", "precise", 32, 16), (128, 128, "fp8", "fast", 16, 16),
-                          (128, 128, "fp8", "fast", 64, 64), (33, 128, "fp8", "fast", 64, 64),
+                          (128, 128, "fp8", "fast", 64, 32), (33, 128, "fp8", "fast", 64, 32),
                           (32, 128, "fp8", "fast", 64, 32), (8, 128, "fp8", "fast", 64, 16),
-                          (256, 64, "fp8", "fast", 64, 64), (128, 64, "fp8", "fast", 64, 32),
+                          (256, 64, "fp8", "fast", 64, 32), (128, 64, "fp8", "fast", 64, 32),
                           (128, 96, "fp8", "fast", 64, 32), (128, 128, "mxfp4", "fast", 64, 32),
                           (128, 128, "fp8", "precise", 64, 16)])
 def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, num_heads, kv_format,
                                                          precision, widest, rows):
     """plan_unit_rows: in the fast mode's wgmma library (its mla_max_unit_rows; 16 in Hopper's mma.sync fallback),
-    64 query rows a CTA where the heads come in 64s, the cache is FP8 and the 64-row grid (one CTA an SM) has at
-    least as many CTAs as the GPU has SMs (33 x 128 heads: 66 units x 2 splits = 132; 32 x 128: 64 x 2 = 128, so
-    32 rows); else 32 where the heads come in 32s and the 32-row grid has more CTAs than SMs (8 x 128 heads x 1k: 32
-    units x 4 splits = 128, so 16 rows); else 16. The units (the grid's y, the split plan's and the workspace's
-    count) are of those rows. The backend option unit_rows asks for what the kernel serves and is refused otherwise,
-    naming what it takes."""
+    32 query rows a CTA where the heads come in 32s and the 32-row grid has more CTAs than SMs (8 x 128 heads x 1k:
+    32 units x 4 splits = 128, so 16 rows); else 16; never 64 unasked, even where a 64-row library serves it. The
+    units (the grid's y, the split plan's and the workspace's count) are of those rows. The backend option
+    unit_rows asks for what the kernel serves (64: heads in 64s, the FP8 cache) and is refused otherwise, naming
+    what it takes."""
     libraries = []
 
     def library(capability, precise=False):

@@ -534,8 +534,8 @@ def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads,
 @pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
 def test_gpu_many_sequences_one_split(kernel, causal):
     """40 sequences of q_len 2 x 128 heads fill the GPU without splitting (640 units or programs of 16 rows; 320
-    units of the Hopper cuda kernel's 32, 160 of its 64 with the FP8 cache): the split kernels write the output and
-    the LSE themselves; causal and not, against the float64 truth."""
+    units of the Hopper cuda kernel's 32): the split kernels write the output and the LSE themselves; causal and
+    not, against the float64 truth. (The 64-row units' one-split case is in the 64-row tests.)"""
     backend, kv_format, precision = kernel
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")

@@ -231,13 +231,15 @@ def served_unit_rows(problem) -> list[int]:
 
 
 def plan_unit_rows(problem, requested: int | None = None) -> int:
-    """The query rows of a unit (a CTA) in `problem`'s plan, of served_unit_rows: the widest whose grid, split as
-    cuda_plan splits it, still fills the GPU (64 rows: at least as many CTAs as SMs, one CTA per SM; 32: more CTAs
-    than SMs, two per SM); else 16. A wider CTA reads each KV tile for more rows (128 heads: each tile from L2 4
-    times at 32 rows, 2 at 64, not 8) and runs the per-tile chain once for them, but has fewer CTAs: where that
-    leaves SMs idle, narrower units win (8 sequences x 1k rows x 128 heads, H200: 28.7 us in 32-row units, 20.3 in
-    16). requested: the plan's backend option, checked against served_unit_rows. Called where the backend serves
-    the problem's device (CudaDecode, and cuda_unusable_reason after unusable_reason)."""
+    """The query rows of a unit (a CTA) in `problem`'s plan, of served_unit_rows: 32 where served and the 32-row grid,
+    split as cuda_plan splits it, still has more CTAs than the GPU has SMs; else 16. A 32-row CTA reads each KV tile
+    for twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the per-tile chain once for them, but
+    halves the CTAs: where that leaves SMs idle, 16 rows win (8 sequences x 1k rows x 128 heads, H200: 28.7 us in
+    32-row units, 20.3 in 16). 64 only when asked: its two warpgroups meet at CTA barriers three times a pair of
+    tiles, so neither's softmax overlaps the other's MMAs as two 32-row CTAs' do, and it ran slower than 32-row
+    units (docs/2026-12-02-serving.md, section 11). requested: the plan's backend option, checked against
+    served_unit_rows. Called where the backend serves the problem's device (CudaDecode, and cuda_unusable_reason
+    after unusable_reason)."""
     served = served_unit_rows(problem)
     if requested is not None:
         if requested not in served:
@@ -245,15 +247,13 @@ def plan_unit_rows(problem, requested: int | None = None) -> int:
                              f"query rows a CTA ({problem.num_heads} heads, {problem.kv_format}, "
                              f"{problem.precision} mode)")
         return requested
-    if served == [QUERY_ROWS]:
+    if WIDE_QUERY_ROWS not in served:
         return QUERY_ROWS
-    sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
-    for rows in reversed(served[1:]):
-        units = query_units(problem, rows)
-        ctas = units * plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows))
-        if ctas > sms or (rows == WIDEST_QUERY_ROWS and ctas == sms):
-            return rows
-    return QUERY_ROWS
+    units = query_units(problem, WIDE_QUERY_ROWS)
+    splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False,
+                                   WIDE_QUERY_ROWS))
+    return WIDE_QUERY_ROWS if units * splits > torch.cuda.get_device_properties(problem.device).multi_processor_count \
+        else QUERY_ROWS
 
 
 def query_units(problem, rows: int | None = None) -> int:
