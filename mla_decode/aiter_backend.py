@@ -431,8 +431,8 @@ class _AiterPlan:
         self.kv_lens = torch.empty(batch, dtype=torch.int32, device=device) if refill else None
         # the query tokens that see no KV row, zeroed after the kernel: (batch,) for one token a sequence (empty
         # sequences), (batch, q_len) for causal tokens (token t sees the first length - q_len + 1 + t rows)
-        self.empty_rows = torch.empty((batch, q_len)[:1 if q_len == 1 else 2], dtype=torch.bool,
-                                      device=device) if refill else None
+        shape = (batch,) if q_len == 1 else (batch, q_len)
+        self.empty_rows = torch.empty(shape, dtype=torch.bool, device=device) if refill else None
         # t - (q_len - 1) for the causal tokens t of a sequence: length + this <= 0 sees nothing
         self.token_offsets = torch.arange(1 - q_len, 1, dtype=torch.int32, device=device) if q_len > 1 else None
         # The kv_indptr aiter sees: for a uniform plan the one its key proves, arange(batch + 1) * L, so the plan never
@@ -471,7 +471,7 @@ class AiterKey(NamedTuple):
         return self.kv_shape[0]
 
 
-_VARIANT_NOT_APPLICABLE: set = set()  # (variant, q_len, heads) already warned about
+_VARIANT_NOT_APPLICABLE: set = set()  # (variant, q_len, heads) already logged
 
 
 def _shape_variant(variant: str | None, q_len: int, heads: int) -> str | None:
@@ -484,7 +484,7 @@ def _shape_variant(variant: str | None, q_len: int, heads: int) -> str | None:
             _VARIANT_NOT_APPLICABLE:
         _VARIANT_NOT_APPLICABLE.add((variant, q_len, heads))
         log.info("MLA decode: aiter runs q_len %d with %d heads as %r only (one split per sequence); variant %r "
-                    "applies to q_len 1 with 16 heads", q_len, heads, AITER_SINGLE_VARIANT, variant)
+                 "applies to q_len 1 with 16 heads", q_len, heads, AITER_SINGLE_VARIANT, variant)
     return AITER_SINGLE_VARIANT
 
 

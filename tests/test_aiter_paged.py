@@ -362,3 +362,19 @@ def test_a_forced_variant_does_not_apply_to_mtp(standin, caplog):
     assert_tight(case, out)
     assert {key.variant for key in AB._AITER_PLANS} == {AB.AITER_SINGLE_VARIANT}
     assert "'fp8_ps' applies to q_len 1 with 16 heads" in caplog.text
+
+
+def test_an_mtp_paged_run_reads_nothing_on_the_host(standin, monkeypatch):
+    """q_len 4: after the first run, a plan's run makes no host read (the tokens that see nothing, and the bad-page
+    limits, are worked out on the device). The Q quantization in its torch form, as above."""
+    standin("RUNNER")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = make_paged_case("fp8", 16, MTP_LENS, seed=4, q_len=4)
+    plan = mla_decode.plan(len(MTP_LENS), 16, case.block_table.shape[1], E4M3FN, "cpu", q_len=4, causal=True,
+                           backend="aiter", return_lse=False)
+    plan.run(*case.args())
+    out = torch.empty((len(MTP_LENS), 4, 16, 512), dtype=torch.bfloat16)
+    case = make_paged_case("fp8", 16, MTP_LENS, seed=5, q_len=4)
+    with HostReadsForbidden():
+        plan.run(*case.args(), out=out)
+    assert_tight(case, out)
