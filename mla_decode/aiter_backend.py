@@ -1,4 +1,6 @@
-"""The aiter backend (AMD): FP8 Q x FP8 KV through ROCm/aiter's MLA decode, for 16 heads and one query token. It
+"""The aiter backend (AMD): FP8 Q x FP8 KV through ROCm/aiter's MLA decode, for the (q_len, heads) shapes of
+AITER_SHAPES: 16 heads with one query token (the leaderboard's; nine variants), and 16 heads with 2 or 4 causal query
+tokens (MTP) and 128 heads with 1 or 2, each through aiter's non-persistent kernel with one split per sequence. It
 hands aiter token indices at page size 1 whatever the cache's page size: on gfx950 aiter's MLA decode kernels ignore
 the page size (docs/aiter-contract.md), so a paged cache is expanded to its tokens on the device. aiter returns no
 LSE here: a call that asks for one goes to another backend. Every fact it relies on in aiter is in
@@ -24,8 +26,21 @@ from .contract import (
 )
 from .triton_backend import TritonTarget, _round_to_e4m3, triton_interpreted, triton_target
 
-AITER_HEADS = 16  # the qh16 kernels
+AITER_HEADS = 16  # the qh16 kernels: the leaderboard's shape, q_len AITER_Q_LEN, runs every variant
 AITER_Q_LEN = 1
+# (q_len, heads) -> the FP8 Q x FP8 KV kernel aiter runs for it here (hsa/gfx950/mla/mla_asm.csv, picked in
+# csrc/py_itfs_cu/asm_mla.cu; the same names in hsa/gfx942/mla/mla_asm.csv). docs/aiter-contract.md, "q_len 2 and 4,
+# 128 heads", says why these and no others: every shape but (1, 16) runs AITER_SINGLE_VARIANT, aiter's non-persistent
+# stage 1 with one split per sequence, because the runner's persistent split can leave a split of fewer than q_len rows
+# (NaN; fixed in aiter b564a7367b, after the runner's commit), and q_len > 1 must be causal: those kernels mask.
+AITER_SHAPES = {
+    (1, 16): "mla_a8w8_qh16_qseqlen1_gqaratio16_ps",  # persistent (fp8_ps); each variant names its own
+    (2, 16): "mla_a8w8_qh16_qseqlen2_gqaratio16",
+    (4, 16): "mla_a8w8_qh64_qseqlen4_gqaratio16",  # 4 tokens x 16 heads in one 64-row tile
+    (1, 128): "mla_a8w8_qh128_m32x4_n16x2_msk1",
+    (2, 128): "mla_a8w8_qh128_m32x4_n16x2_msk1",  # one 128-row tile per token
+}
+AITER_SINGLE_VARIANT = "fp8_nps"  # the only variant of a shape other than (AITER_Q_LEN, AITER_HEADS)
 
 
 @functools.cache
@@ -38,17 +53,23 @@ def aiter_importable() -> bool:  # cached: a failed import searches sys.path aga
 
 
 def aiter_unusable_reason(problem: Problem) -> str | None:
-    """None when the aiter backend takes this problem (aiter importable, the FP8 cache, the fast mode, 16 heads, one
-    query token, no LSE asked), else why not; its signatures are checked when a plan is made (_aiter_api)."""
+    """None when the aiter backend takes this problem (aiter importable, the FP8 cache, the fast mode, a (q_len,
+    heads) of AITER_SHAPES, causal where q_len > 1, no LSE asked), else why not; its signatures are checked when a
+    plan is made (_aiter_api)."""
     if not aiter_importable():
         return "the aiter package (ROCm/aiter, built from source) is not importable"
     if problem.precision == "precise":
         return "aiter's kernels take FP8 Q (no precise mode); use precision='fast'"
     if problem.kv_format != "fp8":
         return f"aiter reads the FP8 cache only, not {problem.kv_format} (the triton backend reads the others)"
-    if (problem.q_len, problem.num_heads) != (AITER_Q_LEN, AITER_HEADS):
-        return (f"aiter backend: serves q_len {AITER_Q_LEN} with {AITER_HEADS} heads here, not q_len "
-                f"{problem.q_len} with {problem.num_heads}")
+    if (problem.q_len, problem.num_heads) not in AITER_SHAPES:
+        return (f"aiter backend: serves q_len 1, 2 or 4 with 16 heads and q_len 1 or 2 with 128 heads (aiter's FP8 "
+                f"decode kernels whose masking and layout its sources establish), not q_len {problem.q_len} with "
+                f"{problem.num_heads} heads; other multiples of 16 heads aiter folds into 16-head groups only in its "
+                "persistent path at q_len 1, not mapped here (docs/aiter-contract.md)")
+    if problem.q_len > 1 and not problem.causal:
+        return (f"aiter backend: aiter's q_len {problem.q_len} decode kernels mask causally (the runner's aiter has no "
+                "unmasked one); pass causal=True or use another backend")
     if problem.return_lse:
         return "aiter backend: its decode calls here return no LSE; pass return_lse=False"
     return None
@@ -287,14 +308,15 @@ if triton is not None:
 
 
 class QQuantizer:
-    """q (batch, 16, 576) bf16, contiguous -> self.q_fp8 (same shape, `fp8`) and self.scale (1,) float32, on the
-    device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be issued in order on one queue. The Triton form
-    where it can run (allow_triton=False: the torch form; self.blocks == 0 tells which). `target`: the Triton target the
-    kernels are built for (default: triton_target(device) where Triton runs; tools/amd_check.py names an AMD one)."""
+    """q (batch, heads, 576) bf16, contiguous (batch: query rows, batch x q_len) -> self.q_fp8 (same shape, `fp8`) and
+    self.scale (1,) float32, on the device, into buffers allocated once: q ~= q_fp8 * scale. Calls must be issued in
+    order on one queue. The Triton form where it can run (allow_triton=False: the torch form; self.blocks == 0 tells
+    which). `target`: the Triton target the kernels are built for (default: triton_target(device) where Triton runs;
+    tools/amd_check.py names an AMD one)."""
 
     def __init__(self, batch: int, fp8: torch.dtype, device: torch.device, allow_triton: bool = True,
-                 target: TritonTarget | None = None):
-        self.q_fp8 = torch.empty((batch, AITER_HEADS, QK_HEAD_DIM), dtype=fp8, device=device)
+                 target: TritonTarget | None = None, heads: int = AITER_HEADS):
+        self.q_fp8 = torch.empty((batch, heads, QK_HEAD_DIM), dtype=fp8, device=device)
         self.scale = torch.empty(1, dtype=torch.float32, device=device)
         self.fp8_max = torch.finfo(fp8).max  # 448 for e4m3fn (gfx950), 240 for e4m3fnuz (gfx942)
         if target is None and triton is not None and (device.type == "cuda" or triton_interpreted()):
@@ -365,16 +387,22 @@ class _AiterPlan:
 
     __slots__ = ("variant", "call", "fns", "q_dtype", "fast_mode", "refill", "filled", "metadata", "decode_kwargs",
                  "partials", "kv_indices", "kv_last_page_lens", "q_quant", "kv_lens", "empty_rows", "kv_indptr_safe",
-                 "cummax_index", "indptr_changed", "invalid")
+                 "cummax_index", "indptr_changed", "invalid", "token_offsets")
 
     def __init__(self, fns: tuple, fp8: torch.dtype, variant: str, batch: int, total_kv: int, device: torch.device,
-                 uniform_len: int | None):
+                 uniform_len: int | None, q_len: int = AITER_Q_LEN, heads: int = AITER_HEADS):
         spec = AITER_VARIANT_SPECS[variant]
         self.variant = variant
         form = _aiter_call_form(fns, spec.call)  # the functions the call form uses, or None: it does not fit
         self.call, self.fns = (spec.call, form) if form is not None else ("decode_fwd", fns[:1])
+        if (q_len, heads) != (AITER_Q_LEN, AITER_HEADS) and self.call != "single":
+            # persistent q_len > 1 can leave a split shorter than q_len (NaN at the runner's commit), and the
+            # persistent 128-head kernels differ between commits: docs/aiter-contract.md
+            raise RuntimeError(f"aiter backend: q_len {q_len} with {heads} heads runs only mla_decode_fwd "
+                               f"non-persistent (variant {AITER_SINGLE_VARIANT!r}), which the installed aiter does "
+                               f"not take (variant {variant!r}, call form {self.call!r})")
         self.q_dtype = fp8 if spec.q == "fp8" else torch.bfloat16
-        self.q_quant = QQuantizer(batch, fp8, device) if spec.q == "fp8" else None
+        self.q_quant = QQuantizer(batch * q_len, fp8, device, heads=heads) if spec.q == "fp8" else None
         self.fast_mode = spec.fast_mode is not False
         self.metadata = self.partials = None
         if self.call == "single":  # one split per sequence
@@ -401,7 +429,12 @@ class _AiterPlan:
         self.kv_indices = torch.arange(total_kv, dtype=torch.int32, device=device)  # (total_kv,)
         self.kv_last_page_lens = torch.ones(batch, dtype=torch.int32, device=device)  # (batch,)
         self.kv_lens = torch.empty(batch, dtype=torch.int32, device=device) if refill else None
-        self.empty_rows = torch.empty(batch, dtype=torch.bool, device=device) if refill else None
+        # the query tokens that see no KV row, zeroed after the kernel: (batch,) for one token a sequence (empty
+        # sequences), (batch, q_len) for causal tokens (token t sees the first length - q_len + 1 + t rows)
+        shape = (batch,) if q_len == 1 else (batch, q_len)
+        self.empty_rows = torch.empty(shape, dtype=torch.bool, device=device) if refill else None
+        # t - (q_len - 1) for the causal tokens t of a sequence: length + this <= 0 sees nothing
+        self.token_offsets = torch.arange(1 - q_len, 1, dtype=torch.int32, device=device) if q_len > 1 else None
         # The kv_indptr aiter sees: for a uniform plan the one its key proves, arange(batch + 1) * L, so the plan never
         # depends on a caller's data; otherwise the caller's, clamped into [0, total_kv] and made non-decreasing.
         self.kv_indptr_safe = torch.arange(batch + 1, dtype=torch.int32, device=device) * (uniform_len or 0)
@@ -423,21 +456,44 @@ class AiterKey(NamedTuple):
     variant: str  # a name of AITER_VARIANT_SPECS
     uniform_len: int | None  # every sequence's length, proven by the shapes (see _aiter_plan_key); None: read on
     # the device at every call
+    q_len: int = AITER_Q_LEN  # query tokens per sequence: q_shape[0] is batch x q_len
 
     @property
     def batch(self) -> int:
-        return self.q_shape[0]
+        return self.q_shape[0] // self.q_len
+
+    @property
+    def heads(self) -> int:
+        return self.q_shape[1]
 
     @property
     def total_kv(self) -> int:
         return self.kv_shape[0]
 
 
+_VARIANT_NOT_APPLICABLE: set = set()  # (variant, q_len, heads) already logged
+
+
+def _shape_variant(variant: str | None, q_len: int, heads: int) -> str | None:
+    """`variant` for the leaderboard's shape (q_len 1, 16 heads); for any other shape AITER_SINGLE_VARIANT, the only
+    one it has (AITER_SHAPES), logged once where another was asked for (AITER_VARIANTS and MLA_AITER_VARIANT choose
+    among the ways to run q_len 1 x 16 heads; the leaderboard adapter passes the table's name whatever the shape)."""
+    if (q_len, heads) == (AITER_Q_LEN, AITER_HEADS):
+        return variant
+    if variant not in (None, AITER_SINGLE_VARIANT, ROCM_TRITON) and (variant, q_len, heads) not in \
+            _VARIANT_NOT_APPLICABLE:
+        _VARIANT_NOT_APPLICABLE.add((variant, q_len, heads))
+        log.info("MLA decode: aiter runs q_len %d with %d heads as %r only (one split per sequence); variant %r "
+                 "applies to q_len 1 with 16 heads", q_len, heads, AITER_SINGLE_VARIANT, variant)
+    return AITER_SINGLE_VARIANT
+
+
 def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Tensor, kv_seq_len: int | None,
-                    variant: str | None = None) -> AiterKey:
+                    variant: str | None = None, q_len: int = AITER_Q_LEN) -> AiterKey:
     """The whole key of a plan: the aiter functions, the device, every shape and dtype the plan depends on, the
-    variant (default aiter_variant's; its ROCM_TRITON means AITER_DEFAULT_VARIANT here) and the sequence-length facts.
-    q (batch, 16, 576); kv (total_kv, 576) or (total_kv, 1, 576).
+    variant (default aiter_variant's; its ROCM_TRITON means AITER_DEFAULT_VARIANT here; AITER_SINGLE_VARIANT for every
+    shape but q_len 1 x 16 heads) and the sequence-length facts. q (batch x q_len, heads, 576), a sequence's q_len
+    tokens consecutive; kv (total_kv, 576) or (total_kv, 1, 576).
 
     The rule. A plan's metadata (the work split) is computed by get_mla_metadata_v1 from the sequence lengths in
     kv_indptr. It may be reused WITHOUT reading kv_indptr only when the key proves the lengths are those it was built
@@ -448,20 +504,23 @@ def _aiter_plan_key(fns: tuple, fp8: torch.dtype, q: torch.Tensor, kv: torch.Ten
     "lengths read on device" (uniform_len None) whose metadata get_mla_metadata_v1 refills from the current kv_indptr
     on every call, on the device, with no host sync. So two batches with the same batch and total_kv but different
     lengths never share metadata: at most one of them is uniform, and a non-uniform one is always refilled. The
-    library's calls make no such promise (kv_seq_len None): they are always refilled.
+    library's calls make no such promise (kv_seq_len None): they are always refilled. With q_len > 1 the lengths are
+    always read on the device: the tokens that see no row are zeroed from them.
     """
-    batch, total_kv = q.shape[0], kv.shape[0]
-    uniform = kv_seq_len is not None and kv_seq_len > 0 and batch * kv_seq_len == total_kv
-    variant = variant or aiter_variant(batch, kv_seq_len)
+    batch, total_kv = q.shape[0] // q_len, kv.shape[0]
+    uniform = q_len == 1 and kv_seq_len is not None and kv_seq_len > 0 and batch * kv_seq_len == total_kv
+    variant = _shape_variant(variant, q_len, q.shape[1]) or aiter_variant(batch, kv_seq_len)
     return AiterKey(fns, fp8, q.device, tuple(q.shape), q.dtype, tuple(kv.shape), kv.dtype,
-                    AITER_DEFAULT_VARIANT if variant == ROCM_TRITON else variant, kv_seq_len if uniform else None)
+                    AITER_DEFAULT_VARIANT if variant == ROCM_TRITON else variant, kv_seq_len if uniform else None,
+                    q_len)
 
 
 def _aiter_plan(key: AiterKey) -> _AiterPlan:
     plan = _AITER_PLANS.get(key)
     if plan is None:
         plan = remember(_AITER_PLANS, key, _AiterPlan(key.fns, key.fp8, key.variant, key.batch, key.total_kv,
-                                                       key.device, uniform_len=key.uniform_len), PLAN_CACHE_LIMIT)
+                                                       key.device, uniform_len=key.uniform_len, q_len=key.q_len,
+                                                       heads=key.heads), PLAN_CACHE_LIMIT)
     return plan
 
 
@@ -490,12 +549,13 @@ def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor,
     plan.filled = True
 
 
-def aiter_key(q: torch.Tensor, kv: torch.Tensor, kv_seq_len: int | None, variant: str | None = None) -> AiterKey:
-    """The plan key of these validated inputs, after the installed aiter's check (_aiter_api) and the cache's dtype
-    against its FP8."""
+def aiter_key(q: torch.Tensor, kv: torch.Tensor, kv_seq_len: int | None, variant: str | None = None,
+              q_len: int = AITER_Q_LEN) -> AiterKey:
+    """The plan key of these validated inputs (q (batch x q_len, heads, 576)), after the installed aiter's check
+    (_aiter_api) and the cache's dtype against its FP8."""
     fns, fp8 = _aiter_api()
     expect(kv.dtype == fp8, "the FP8 cache's dtype", f"aiter.dtypes.fp8 = {fp8} (this GPU's FP8)", kv.dtype)
-    return _aiter_plan_key(fns, fp8, q, kv, kv_seq_len, variant)
+    return _aiter_plan_key(fns, fp8, q, kv, kv_seq_len, variant, q_len)
 
 
 def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: float, out: torch.Tensor,
@@ -504,15 +564,19 @@ def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: f
     launches; today's, "fp8_ps", is FP8 Q into one persistent aiter.mla.mla_decode_fwd call).
 
     Inputs (validated at the door, all on one device, any device: the real aiter refuses a non-ROCm one, a stand-in
-    in the tests does not):
-      q:          (batch, 16, 576) bfloat16, contiguous (one query token)
+    in the tests does not), with q_len = key.q_len query tokens a sequence and heads = key.heads (AITER_SHAPES):
+      q:          (batch x q_len, heads, 576) bfloat16, contiguous: sequence b's token t is row b x q_len + t, as
+                  aiter's q (total_q, nhead, 576) lies
       kv:         (total_kv, 576) or (total_kv, 1, 576) FP8, contiguous; aiter.dtypes.fp8 (e4m3fn on gfx950, fnuz
                   on gfx942)
       scale:      (1,) float32; the cache holds kv * scale
-      qo_indptr:  (batch + 1,) int32 = [0, 1, ..., batch]; kv_indptr: (batch + 1,) int32, offsets into kv_indices
+      qo_indptr:  (batch + 1,) int32 = [0, q_len, ..., batch x q_len]; kv_indptr: (batch + 1,) int32, offsets into
+                  kv_indices
       kv_indices: the tokens of the sequences in order, int32 (None: arange(total_kv), the rows as they lie)
-      out:        (batch, 16, 512) bfloat16, contiguous, written in place; mla_decode_fwd's return value is its
-                  scratch, not the result
+      out:        (batch x q_len, heads, 512) bfloat16, contiguous, written in place; mla_decode_fwd's return value is
+                  its scratch, not the result
+    With q_len > 1 the kernel masks causally (token t sees the first length - q_len + 1 + t rows); a token that sees
+    no row comes out zero here, whatever the kernel wrote for it.
     Page size 1, on purpose: the KV is viewed (total_kv, 1, 1, 576) with kv_indptr in tokens and
     kv_last_page_lens = ones. On gfx950 every dispatched MLA decode kernel ignores the page size, so page size 2
     would attend to the even tokens only (docs/aiter-contract.md, "Page size 1, on purpose"); the index traffic of
@@ -523,7 +587,7 @@ def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: f
     a key (the Q quantizer, the indices, the six metadata buffers that live and die together, the partials of
     "direct") is made once and kept in _AITER_PLANS; calls must run in order on one queue: the next reuses them.
     """
-    batch, total_kv = q.shape[0], kv.shape[0]
+    batch, q_len, total_kv = key.batch, key.q_len, kv.shape[0]
     if total_kv == 0 or (kv_indices is not None and kv_indices.shape[0] == 0):  # no sequence has a KV row
         out.zero_()  # before any plan: aiter is not called at all (not even its metadata info function)
         return
@@ -537,7 +601,7 @@ def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: f
     if plan.q_quant is None:
         q_in, q_scale = q, None
     else:
-        q_in, q_scale = plan.q_quant(q), plan.q_quant.scale  # (batch, 16, 576) fp8, (1,) float32
+        q_in, q_scale = plan.q_quant(q), plan.q_quant.scale  # (batch x q_len, heads, 576) fp8, (1,) float32
     kv_pages = kv.view(total_kv, 1, NUM_KV_HEADS, QK_HEAD_DIM)
     if plan.call == "direct":
         stage1, reduce = plan.fns
@@ -548,23 +612,29 @@ def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: f
                q_scale, scale)
         reduce(*plan.partials, reduce_indptr, reduce_final_map, reduce_partial_map, 1, out, None)
     else:  # mla_decode_fwd: persistent ("decode_fwd") or one split per sequence ("single")
-        plan.fns[0](q_in, kv_pages, out, qo_indptr, plan.kv_indptr_safe, indices, plan.kv_last_page_lens, 1,
+        plan.fns[0](q_in, kv_pages, out, qo_indptr, plan.kv_indptr_safe, indices, plan.kv_last_page_lens, q_len,
                     page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, q_scale=q_scale, kv_scale=scale,
                     intra_batch_mode=False, **plan.decode_kwargs)
     if plan.refill:
         # Lengths unknown on the host: a sequence with no KV rows gives zeros whatever the kernel wrote for it.
         torch.sub(plan.kv_indptr_safe[1:], plan.kv_indptr_safe[:-1], out=plan.kv_lens)
-        torch.eq(plan.kv_lens, 0, out=plan.empty_rows)
-        out.masked_fill_(plan.empty_rows.view(batch, 1, 1), 0.0)
+        if q_len == 1:
+            torch.eq(plan.kv_lens, 0, out=plan.empty_rows)
+        else:  # causal: token t sees length - q_len + 1 + t rows
+            torch.le(plan.kv_lens[:, None] + plan.token_offsets, 0, out=plan.empty_rows)
+        out.view(batch, q_len, -1).masked_fill_(plan.empty_rows.view(batch, q_len, 1), 0.0)
         out.masked_fill_(plan.invalid, torch.nan)
 
 
 class AiterDecode:
-    """The aiter backend's plan for a problem (16 heads, one query token, the FP8 cache). Ragged: kv_indptr over
-    the rows as they lie, as the leaderboard's call. Paged: every run expands the pages to token indices on the
-    device (page size 1 for aiter), with a sequence whose length or pages fall outside the cache reading nothing
-    and coming out NaN. `variant`: a name of AITER_VARIANT_SPECS (default: aiter_variant's); `kv_seq_len`: the
-    leaderboard's uniform-length promise (_aiter_plan_key), ragged only."""
+    """The aiter backend's plan for a problem (a (q_len, heads) of AITER_SHAPES, causal where q_len > 1, the FP8
+    cache). Ragged: kv_indptr over the rows as they lie, as the leaderboard's call. Paged: every run expands the pages
+    to token indices on the device (page size 1 for aiter). A sequence whose length falls outside its table comes out
+    NaN; one with a page outside the cache in its first `length` slots reads nothing and comes out NaN at q_len 1,
+    and at q_len > 1 reads page 0 there instead and comes out NaN in the tokens that see that slot (the others keep
+    their values). `variant`: a name of AITER_VARIANT_SPECS (default: aiter_variant's; AITER_SINGLE_VARIANT for
+    every shape but q_len 1 x 16 heads); `kv_seq_len`: the leaderboard's uniform-length promise (_aiter_plan_key),
+    ragged only."""
 
     def __init__(self, problem: Problem, variant: str | None = None, kv_seq_len: int | None = None):
         # A paged plan hands aiter its own token indptr: a uniform-length key would replace it with arange * L and
@@ -574,30 +644,39 @@ class AiterDecode:
         batch, device = problem.batch, problem.device
         self.problem, self.variant, self.kv_seq_len = problem, variant, kv_seq_len
         self.keys: dict = {}  # the cache's shape -> AiterKey (its dtype is the plan's)
-        self.qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        self.qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * problem.q_len
         if problem.layout == "paged":
             page, slots = problem.page_size, problem.page_size * problem.max_pages
             position = torch.arange(slots, dtype=torch.int32, device=device)
             self.position, self.page_column, self.in_page = position, position // page, position % page
+            # t - (q_len - 1) for the tokens t of a sequence: token t reads the first length + this slots
+            self.token_offsets = torch.arange(1 - problem.q_len, 1, dtype=torch.int32, device=device)
             self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
             self.kv_indices = torch.empty(batch * slots + 1, dtype=torch.int32, device=device)  # + a dump slot
 
     def _key(self, q, kv) -> AiterKey:
         key = self.keys.get(kv.shape)
         if key is None:
-            key = remember(self.keys, kv.shape, aiter_key(q, kv, self.kv_seq_len, self.variant), PLAN_CACHE_LIMIT)
+            key = remember(self.keys, kv.shape, aiter_key(q, kv, self.kv_seq_len, self.variant, self.problem.q_len),
+                           PLAN_CACHE_LIMIT)
         return key
 
     def _tokens(self, seqs: torch.Tensor, table: torch.Tensor, num_pages: int) -> torch.Tensor:
-        """Writes the token indptr and indices of the pages; returns which sequences are valid, (batch,) bool."""
+        """Writes the token indptr and indices of the pages; returns which query tokens are valid, (batch, q_len)
+        bool. A slot whose page lies outside the cache is read from page 0 where the sequence keeps its length."""
         page, slots = self.problem.page_size, self.in_page.shape[0]
         lens_ok = (seqs >= 0) & (seqs <= slots)
         lens = torch.where(lens_ok, seqs, 0)
         pages = table.index_select(1, self.page_column)  # (batch, slots): each slot's page
         used = self.position[None, :] < lens[:, None]
         pages_ok = (pages >= 0) & (pages < num_pages)
-        valid = lens_ok & ~(used & ~pages_ok).any(dim=1)
-        lens = torch.where(valid, lens, 0)  # a sequence with a page outside the cache reads nothing
+        bad = used & ~pages_ok
+        if self.problem.q_len == 1:
+            valid = (lens_ok & ~bad.any(dim=1))[:, None]
+            lens = torch.where(valid[:, 0], lens, 0)  # a sequence with a page outside the cache reads nothing
+        else:  # causal token t reads the first length - q_len + 1 + t slots: valid while they hold no bad one
+            first_bad = torch.where(bad, self.position[None, :], slots).amin(dim=1)  # slots: none
+            valid = lens_ok[:, None] & (lens[:, None] + self.token_offsets <= first_bad[:, None])
         torch.cumsum(lens, 0, out=self.kv_indptr[1:])
         tokens = torch.where(pages_ok, pages, 0) * page + self.in_page
         dest = torch.where(self.position[None, :] < lens[:, None], self.kv_indptr[:-1, None] + self.position,
@@ -606,14 +685,16 @@ class AiterDecode:
         return valid
 
     def run(self, q, kv, scale, seqs, table, out, lse) -> None:
-        """As TritonDecode.run; lse must be None (aiter_unusable_reason refuses return_lse)."""
-        batch = self.problem.batch
-        q3, out3 = q.view(batch, AITER_HEADS, QK_HEAD_DIM), out.view(batch, AITER_HEADS, V_HEAD_DIM)
+        """As TritonDecode.run; lse must be None (aiter_unusable_reason refuses return_lse). q (batch, q_len, heads,
+        576) and out (batch, q_len, heads, 512) are handed to aiter as the (batch x q_len, heads, ...) they are."""
+        p = self.problem
+        rows = p.batch * p.q_len
+        q3, out3 = q.view(rows, p.num_heads, QK_HEAD_DIM), out.view(rows, p.num_heads, V_HEAD_DIM)
         key = self._key(q3, kv)
-        sm_scale = self.problem.softmax_scale
-        if self.problem.layout == "ragged":
-            aiter_forward(key, q3, kv, scale, self.qo_indptr, seqs, sm_scale, out3)
+        if p.layout == "ragged":
+            aiter_forward(key, q3, kv, scale, self.qo_indptr, seqs, p.softmax_scale, out3)
             return
-        valid = self._tokens(seqs, table, kv.shape[0] // self.problem.page_size)
-        aiter_forward(key, q3, kv, scale, self.qo_indptr, self.kv_indptr, sm_scale, out3, self.kv_indices[:-1])
-        out3.masked_fill_(~valid.view(batch, 1, 1), torch.nan)
+        valid = self._tokens(seqs, table, kv.shape[0] // p.page_size)
+        aiter_forward(key, q3, kv, scale, self.qo_indptr, self.kv_indptr, p.softmax_scale, out3,
+                      self.kv_indices[:-1])
+        out3.view(p.batch, p.q_len, -1).masked_fill_(~valid.view(p.batch, p.q_len, 1), torch.nan)

@@ -17,11 +17,14 @@ semantics and where each fact was read). For a recorded version it creates the m
   reduce; work_metadata_ptrs receives the "device addresses" (data_ptr) of work_indptr and work_info_set;
 - model mla_decode_fwd as aiter/mla.py writes it, on top of the two public ops it launches, each also callable
   directly: mla_decode_stage1_asm_fwd (the C++ checks of csrc/py_itfs_cu/asm_mla.cu, the kernel lookup of
-  hsa/gfx950/mla/mla_asm.csv for 16 heads, GFX950_QH16_KERNELS, then the kernel) and mla_reduce_v1. Persistent mode
-  runs stage 1 then the reduce; non-persistent mode with FP8 Q and one split per sequence runs stage 1 alone, which
-  writes o (NEWEST first fills its split counts: one more launch). bf16 Q with FP8 KV exists in persistent mode
-  only (the a16w8 kernel, looked up with max_seqlen_q padded to 4; Q is not padded). Every kernel run is appended
-  to `launches`, by name, so tests count launches per call;
+  hsa/gfx950/mla/mla_asm.csv for 16 and 128 heads, GFX950_KERNELS, then the kernel) and mla_reduce_v1. Persistent
+  mode (16 heads, one query token) runs stage 1 then the reduce; non-persistent mode with FP8 Q and one split per
+  sequence runs stage 1 alone, which writes o (NEWEST first fills its split counts: one more launch), for 16 heads
+  with max_seqlen_q 1, 2 or 4 and 128 heads with any: the kernel takes max_seqlen_q query rows a sequence (qo_indptr
+  in steps of it) and masks them causally, bottom-right (token t of q_len sees the first n - q_len + 1 + t of the n
+  rows), as aiter's op_tests reference does; NEWEST's causal=False (the msk0 kernels) is not modelled. bf16 Q with
+  FP8 KV exists in persistent mode only (the a16w8 kernel, looked up with max_seqlen_q padded to 4; Q is not
+  padded). Every kernel run is appended to `launches`, by name, so tests count launches per call;
 - model the dispatched gfx950 kernels as PAGE-SIZE-1-ONLY: each kv_indices entry is one KV row at page_id x page
   stride, whatever page_size says (docs/aiter-contract.md, "Page size 1, on purpose"). The persistent kernel walks the
   work list through the addresses in work_meta_data, as the kernel does, so buffers that were freed or come from
@@ -32,8 +35,9 @@ semantics and where each fact was read). For a recorded version it creates the m
   split work into the fp32 partials and merged by log-sum-exp. A work item with no KV rows produces NaN (0/0), the
   pessimistic assumption for an empty sequence.
 
-Only the paths the backend's variants take are modelled (16 heads, one query per sequence); anything else raises
-NotImplementedError rather than guess. The WHEEL's functions have its signatures but no
+Only the paths the backend takes are modelled (the variants at 16 heads and one query per sequence; the
+non-persistent one-split call at the other shapes of AITER_SHAPES); anything else raises NotImplementedError rather
+than guess. The WHEEL's functions have its signatures but no
 behaviour: the backend must refuse that version before calling anything. `aiter.utility` is deliberately absent,
 so reference.py keeps its own MXFP4 quantizer while the stand-in is installed.
 """
@@ -69,14 +73,21 @@ MODELLED = ("RUNNER", "MAR15", "NEWEST")
 FP8_BY_ARCH = {"gfx950": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
 CU_COUNT = 16  # the stand-in GPU's compute units (S); an MI355X has 256, fewer keeps the CPU model fast
 NUM_HEADS, QK_HEAD_DIM, V_HEAD_DIM = 16, 576, 512
-# get_heuristic_kernel_mla's table for 16 query heads per KV head (hsa/gfx950/mla/mla_asm.csv at RUNNER):
-# (Q type, KV type, persistent, max_seqlen_q as looked up) -> kernel; anything else: "cannot get heuristic kernel"
-GFX950_QH16_KERNELS = {
-    ("fp8", "fp8", 1, 1): "mla_a8w8_qh16_qseqlen1_gqaratio16_ps",
-    ("fp8", "fp8", 0, 1): "mla_a8w8_qh16_qseqlen1_gqaratio16",
-    ("bf16", "fp8", 1, 4): "mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps",
-    ("bf16", "bf16", 1, 4): "mla_a16w16_qh16_m16x4_n16x1_coex0_mask1_ps",
-    ("bf16", "bf16", 0, 1): "mla_dec_stage1_bf16_a16w16_subQ16_mqa16",
+# get_heuristic_kernel_mla's table for 16 and 128 query heads per KV head (hsa/gfx950/mla/mla_asm.csv at RUNNER; at
+# NEWEST the same names for these keys, labelled causal=1): (Q type, KV type, heads, persistent, max_seqlen_q as looked
+# up) -> kernel; anything else: "cannot get heuristic kernel". 128 heads look up qSeqLen 0 whatever max_seqlen_q is.
+GFX950_KERNELS = {
+    ("fp8", "fp8", 16, 1, 1): "mla_a8w8_qh16_qseqlen1_gqaratio16_ps",
+    ("fp8", "fp8", 16, 0, 1): "mla_a8w8_qh16_qseqlen1_gqaratio16",
+    ("fp8", "fp8", 16, 1, 2): "mla_a8w8_qh16_qseqlen2_gqaratio16_ps",
+    ("fp8", "fp8", 16, 0, 2): "mla_a8w8_qh16_qseqlen2_gqaratio16",
+    ("fp8", "fp8", 16, 1, 4): "mla_a8w8_qh64_qseqlen4_gqaratio16_ps",
+    ("fp8", "fp8", 16, 0, 4): "mla_a8w8_qh64_qseqlen4_gqaratio16",
+    ("fp8", "fp8", 128, 1, 0): "mla_a8w8_qh128_m32x4_n16x2_msk0_ps",
+    ("fp8", "fp8", 128, 0, 0): "mla_a8w8_qh128_m32x4_n16x2_msk1",
+    ("bf16", "fp8", 16, 1, 4): "mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps",
+    ("bf16", "bf16", 16, 1, 4): "mla_a16w16_qh16_m16x4_n16x1_coex0_mask1_ps",
+    ("bf16", "bf16", 16, 0, 1): "mla_dec_stage1_bf16_a16w16_subQ16_mqa16",
 }
 WORK_ROW = 8  # int32 per work item: batch, partial slot (-1: straight to o), q_start, q_end, kv_start, kv_end,
 #               kv_offset, pad
@@ -185,7 +196,7 @@ class StandinAiter:
     """One stand-in aiter: its modules, the calls it received, and its "device memory" registry."""
 
     def __init__(self, version: str, arch: str = "gfx950", functions: dict | None = None, cu_count: int = CU_COUNT,
-                 round_p_to_fp8: bool = False):
+                 round_p_to_fp8: bool = False, mask_shift: int = 0):
         self.version = version
         self.newest = version == "NEWEST"
         self.modelled = version in MODELLED
@@ -193,6 +204,7 @@ class StandinAiter:
         self.fp8 = FP8_BY_ARCH[arch]
         self.cu_count = cu_count
         self.round_p_to_fp8 = round_p_to_fp8  # aiter's own torch model rounds the unnormalised P to fp8
+        self.mask_shift = mask_shift  # a negative control: the causal limit moved by this many rows (0: aiter's)
         self.calls: list[Call] = []
         self.stats = {"work_direct": 0, "work_split": 0, "work_empty": 0, "metadata_fills": 0}
         self.launches: list[str] = []  # every kernel the stand-in GPU ran, by name, in order
@@ -399,17 +411,25 @@ class StandinAiter:
         if sm_scale is None:
             sm_scale = 1.0 / (qk_head_dim**0.5)
         total_s, nhead, v_head_dim = o.shape  # ValueError unless 3-D
-        if nhead != NUM_HEADS or max_seqlen_q != 1:
-            raise NotImplementedError("stand-in: only 16 heads with max_seqlen_q 1 is modelled")
+        persistent = work_meta_data is not None
+        if persistent and (nhead != NUM_HEADS or max_seqlen_q != 1):
+            raise NotImplementedError("stand-in: persistent mode is modelled for 16 heads with max_seqlen_q 1 only "
+                                      "(RUNNER's split can leave a tail of fewer than max_seqlen_q rows: NaN, fixed "
+                                      "in b564a7367b; the persistent 128-head kernels differ between commits)")
+        if not persistent and nhead not in (NUM_HEADS, 128):
+            raise NotImplementedError("stand-in: non-persistent mode is modelled for 16 and 128 heads only")
         for name, value in (("cp_world_size", 1), ("g_kv_indptr", None)):
             _expect(newer.get(name, value) == value, NotImplementedError, f"stand-in: {name} is not modelled")
+        # NEWEST's causal flag (default True) picks the masked kernels; the unmasked (msk0) ones are not modelled
+        _expect(newer.get("causal", True) is True or max_seqlen_q == 1, NotImplementedError,
+                "stand-in: causal=False (the msk0 kernels) is not modelled")
         device = q.device
         stage1_args = (q, kv_buffer, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, num_kv_splits_indptr)
         if work_meta_data is None:  # non-persistent
             if num_kv_splits is None or num_kv_splits_indptr is None:
                 raise NotImplementedError("stand-in: get_meta_param's split heuristic is not modelled: pass "
                                           "num_kv_splits and num_kv_splits_indptr")
-            self._kernel(q.dtype, kv_buffer.dtype, False, max_seqlen_q)  # stage 1 would fail its lookup first
+            self._kernel(q.dtype, kv_buffer.dtype, False, max_seqlen_q, nhead // nhead_kv)  # stage 1's lookup
             if not (num_kv_splits == 1 and q.dtype == self.fp8):
                 raise NotImplementedError("stand-in: non-persistent mode is modelled for FP8 Q with one split only "
                                           "(stage 1 alone writes o; otherwise a Triton stage 2 follows)")
@@ -433,18 +453,27 @@ class StandinAiter:
                      final_lse, num_kv_splits=num_kv_splits)
         return logits, final_lse
 
-    def _kernel(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, persistent: bool, max_seqlen_q: int) -> str:
-        """get_heuristic_kernel_mla for 16 heads (csrc/py_itfs_cu/asm_mla.cu, RUNNER): bf16 Q in persistent mode
-        pads max_seqlen_q 1-4 to 4 for the lookup only (the kernel still gets max_seqlen_q, so Q is not padded)."""
+    def _kernel(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, persistent: bool, max_seqlen_q: int,
+                gqa: int = NUM_HEADS) -> str:
+        """get_heuristic_kernel_mla (csrc/py_itfs_cu/asm_mla.cu, RUNNER): 128 heads look up qSeqLen 0; for 16 heads
+        bf16 Q in persistent mode pads max_seqlen_q 1-4 to 4 for the lookup only (the kernel still gets max_seqlen_q,
+        so Q is not padded), FP8 Q looks up 1, 2, and 4 for 3 or 4, and refuses more than 4."""
         names = {torch.bfloat16: "bf16", self.fp8: "fp8"}
         q_type, kv_type = names.get(q_dtype), names.get(kv_dtype)
         _expect(q_type is not None, TypeError, f"Q dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {q_dtype}")
         _expect(kv_type is not None, TypeError,
                 f"KV dtype must be bf16 or aiter.dtypes.fp8 ({self.fp8}), got {kv_dtype}")
-        looked_up = 4 if q_type == "bf16" and persistent and max_seqlen_q <= 4 else max_seqlen_q
-        kernel = GFX950_QH16_KERNELS.get((q_type, kv_type, int(persistent), looked_up))
+        if gqa == 128:
+            looked_up = 0
+        elif q_type == "bf16":
+            looked_up = 4 if persistent and max_seqlen_q <= 4 else max_seqlen_q
+        else:
+            _expect(max_seqlen_q <= 4, RuntimeError, "mla_decode_stage1_asm_fwd:only support fp8 mla decoding for "
+                                                     "qo_len <= 4")
+            looked_up = 4 if max_seqlen_q == 3 else max_seqlen_q
+        kernel = GFX950_KERNELS.get((q_type, kv_type, gqa, int(persistent), looked_up))
         _expect(kernel is not None, RuntimeError, f"get_heuristic_kernel_mla: cannot get heuristic kernel! q_type:"
-                f"{q_type} kv_type:{kv_type} gqa:16 ps:{int(persistent)} qseqlen:{looked_up}")
+                f"{q_type} kv_type:{kv_type} gqa:{gqa} ps:{int(persistent)} qseqlen:{looked_up}")
         return kernel
 
     def _stage1(self, Q, KV, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_lens, num_kv_splits_indptr,
@@ -469,7 +498,7 @@ class StandinAiter:
         _expect(Q.dim() == 3 and Q.shape[0] == total_s and Q.shape[1] == nhead, RuntimeError,
                 f"Q must be (total_q, nhead, dim) like o, got {tuple(Q.shape)}")
         persistent = num_kv_splits_indptr is None
-        kernel = self._kernel(Q.dtype, KV.dtype, persistent, max_seqlen_q)
+        kernel = self._kernel(Q.dtype, KV.dtype, persistent, max_seqlen_q, nhead // max(nhead_kv, 1))
         _expect(nhead_kv == 1 and KV.dim() == 4 and KV.shape[2] == 1, RuntimeError, "nhead_kv must be 1")
         _expect(Q.shape[2] == KV.shape[3] == QK_HEAD_DIM and v_head_dim == V_HEAD_DIM, RuntimeError,
                 "Q.size(2) must equal KV.size(3) = 576 and o's last dim 512")
@@ -504,11 +533,16 @@ class StandinAiter:
             kvp, last, qo = kv_indptr.tolist(), kv_last_page_lens.tolist(), qo_indptr.tolist()
             _expect(all(n == 1 for n in last), NotImplementedError,
                     "stand-in: the non-persistent kernel reads kv_last_page_lens; only ones (page size 1) modelled")
+            # the kernel finds sequence b's tokens at b x stride_Q, stride_Q = Q.stride(0) x max_seqlen_q (asm_mla.cu)
+            _expect(qo == [b * max_seqlen_q for b in range(batch + 1)] and total_s == batch * max_seqlen_q,
+                    NotImplementedError, f"stand-in: the non-persistent kernel takes max_seqlen_q = {max_seqlen_q} "
+                    f"query rows a sequence; qo_indptr {qo[:6]}... with {total_s} rows is not modelled")
             rows = [(b, -1, qo[b], qo[b + 1], kvp[b], kvp[b + 1]) for b in range(batch)]
         self._launch(kernel)
         written = set()
         for _batch, slot, q0, q1, k0, k1 in rows:
-            out, part_lse = self._attend(qf[q0:q1], KV, kv_page_indices, k0, k1, scale, kv_mult, v_head_dim)
+            out, part_lse = self._attend(qf[q0:q1], KV, kv_page_indices, k0, k1, scale, kv_mult, v_head_dim,
+                                         1 if persistent else max_seqlen_q)
             if slot < 0:
                 output[q0:q1] = out.to(output.dtype)
                 self.stats["work_direct"] += 1
@@ -538,9 +572,12 @@ class StandinAiter:
         bounds = work_indptr_seen.tolist()
         return [tuple(r[:6]) for r in work_info_seen[:bounds[-1]].tolist()]
 
-    def _attend(self, qf, kv_buffer, indices, k0, k1, scale, kv_mult, v_head_dim):
+    def _attend(self, qf, kv_buffer, indices, k0, k1, scale, kv_mult, v_head_dim, q_len=1):
         """fp32 attention of the query rows qf over KV rows kv_indices[k0:k1] -> (out, lse). Page size 1 only: each
-        index is the row at page_id x page stride, no in-page offset whatever page_size says. No rows: NaN."""
+        index is the row at page_id x page stride, no in-page offset whatever page_size says. No rows: NaN. With
+        q_len > 1 (the non-persistent kernels here: qf is one sequence's q_len tokens) the mask is causal and
+        bottom-right: token t sees the first n - q_len + 1 + t of the n rows, as aiter's op_tests reference masks
+        (tril(diagonal = n - q_len)); a token that sees none: NaN, the pessimistic assumption."""
         _expect(0 <= k0 <= k1 <= indices.shape[0], RuntimeError,
                 f"memory fault: a work item reads kv_indices[{k0}:{k1}] of {indices.shape[0]}")
         page_ids = indices[k0:k1].long()
@@ -549,9 +586,15 @@ class StandinAiter:
         keys = kv_buffer[page_ids, 0, 0].float()  # (n, 576) raw FP8 (or bf16) values
         if keys.shape[0] == 0:
             self.stats["work_empty"] += 1
-            return (torch.full((qf.shape[0], NUM_HEADS, v_head_dim), torch.nan),
-                    torch.full((qf.shape[0], NUM_HEADS, 1), torch.nan))
+            return (torch.full((qf.shape[0], qf.shape[1], v_head_dim), torch.nan),
+                    torch.full((qf.shape[0], qf.shape[1], 1), torch.nan))
         s = torch.einsum("qhd,nd->qhn", qf, keys) * scale
+        if q_len > 1:
+            _expect(qf.shape[0] == q_len, NotImplementedError, "stand-in: a causal tile is one sequence's tokens")
+            n = keys.shape[0]
+            limit = n - q_len + 1 + torch.arange(q_len) + self.mask_shift
+            visible = torch.arange(n)[None, :] < limit[:, None]  # (q_len, n)
+            s = s.masked_fill(~visible[:, None, :], -torch.inf)
         m = s.amax(dim=-1, keepdim=True)
         p = torch.exp(s - m)
         denom = p.sum(dim=-1, keepdim=True)

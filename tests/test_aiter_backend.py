@@ -551,3 +551,78 @@ def test_auto_passes_aiter_over_for_mxfp4_and_precise_saying_why(standin, monkey
         assert S.leaderboard_backend(gpu, "fp8", "fast") == "aiter"
     assert "passed over: aiter: aiter reads the FP8 cache only, not mxfp4" in caplog.text, caplog.text
     assert "passed over: aiter: aiter's kernels take FP8 Q (no precise mode)" in caplog.text, caplog.text
+
+
+# --- the shapes aiter serves: AITER_SHAPES, causal where q_len > 1, and the reasons for the rest ---------------------
+
+SERVED = {(1, 16), (2, 16), (4, 16), (1, 128), (2, 128)}
+REFUSED = {  # (q_len, heads, causal) -> what the reason says
+    (3, 16, True): "not q_len 3 with 16 heads",  # aiter pads 3 to its qseqlen-4 kernel; not established
+    (8, 16, True): "not q_len 8 with 16 heads",
+    (4, 128, True): "not q_len 4 with 128 heads",
+    (1, 32, False): "not q_len 1 with 32 heads",  # folded into 16-head groups by aiter's persistent path only
+    (1, 48, False): "folds into 16-head groups only in its persistent path",
+    (1, 64, False): "not q_len 1 with 64 heads",
+    (1, 8, False): "not q_len 1 with 8 heads",
+    (2, 16, False): "mask causally",
+    (4, 16, False): "mask causally",
+    (2, 128, False): "mask causally",
+}
+
+
+def problem_of(q_len: int, heads: int, causal: bool, **kwargs):
+    from mla_decode.api import make_problem
+
+    return make_problem(4, E4M3FN, CPU, layout="paged", page_size=16, max_pages=4, num_heads=heads, q_len=q_len,
+                        causal=causal, return_lse=False, scale_dtype=None, **kwargs)
+
+
+def test_the_shapes_served_are_exactly_aiter_shapes(standin):
+    import mla_decode.aiter_backend as AB
+
+    standin()
+    assert set(AB.AITER_SHAPES) == SERVED
+    for q_len, heads in SERVED:
+        assert AB.aiter_unusable_reason(problem_of(q_len, heads, True)) is None
+    assert AB.aiter_unusable_reason(problem_of(1, 16, False)) is None  # one token: the mask changes nothing
+    assert AB.aiter_unusable_reason(problem_of(1, 128, False)) is None
+    assert "LSE" in AB.aiter_unusable_reason(problem_of(2, 16, True)._replace(return_lse=True))
+
+
+@pytest.mark.parametrize("refused", sorted(REFUSED))
+def test_other_shapes_are_refused_naming_what_aiter_serves(standin, refused):
+    """A forced aiter is refused before anything runs, with a reason that names the shape asked for and what aiter
+    serves (or that its q_len > 1 kernels mask causally)."""
+    import mla_decode
+    import mla_decode.aiter_backend as AB
+    from testkit.paged import make_paged_case
+
+    aiter = standin()
+    q_len, heads, causal = refused
+    reason = AB.aiter_unusable_reason(problem_of(q_len, heads, causal))
+    assert reason is not None and REFUSED[refused] in reason, reason
+    if causal:
+        assert "serves q_len 1, 2 or 4 with 16 heads and q_len 1 or 2 with 128 heads" in reason
+    case = make_paged_case("fp8", 16, [5, 40], seed=1, q_len=q_len, num_heads=heads, causal=causal)
+    with pytest.raises(RuntimeError, match=f"backend='aiter': .*{REFUSED[refused]}"):
+        mla_decode.mla_decode_with_kvcache(*case.args(), causal=causal, backend="aiter", return_lse=False)
+    assert aiter.calls == []
+
+
+def test_auto_passes_aiter_over_for_a_shape_it_does_not_serve(standin, monkeypatch, caplog):
+    """On ROCm, auto takes aiter for q_len 2 (causal) and passes it over, saying why, for q_len 3 or non-causal."""
+    import mla_decode.select as SEL
+
+    standin()
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(SEL, "_ANNOUNCED", set())
+    gpu = torch.device("cuda", 0)
+
+    def chosen(q_len, causal):
+        problem = problem_of(q_len, 16, causal)._replace(device=gpu)
+        return SEL.select_backend(problem, "auto")
+
+    assert chosen(2, True).backend == "aiter" and chosen(4, True).backend == "aiter"
+    for q_len, causal, why in ((3, True, "not q_len 3 with 16 heads"), (2, False, "mask causally")):
+        selection = chosen(q_len, causal)
+        assert selection.backend != "aiter" and any(why in line for line in selection.passed_over), selection

@@ -25,8 +25,9 @@ import mla_decode
 import mla_decode.aiter_backend as AB
 from mla_decode.api import DecodePlan, make_problem
 from testkit.attention import fp8_per_tensor
-from testkit.paged import make_paged_case, paged_reference
+from testkit.paged import make_paged_case, owned_rows, paged_reference
 
+CPU = torch.device("cpu")
 E4M3FN = torch.float8_e4m3fn
 DEFAULT_SCALE = 1.0 / math.sqrt(576)
 PAGE_SIZES = (1, 16, 64)
@@ -221,3 +222,159 @@ def test_gfx942_fp8_flavour_on_a_paged_cache(standin):
     assert max(errors) < TIGHT, errors
     with pytest.raises(ValueError, match=r"aiter\.dtypes\.fp8"):
         decode(make_paged_case("fp8", 16, LENS, seed=8))
+
+
+# --- q_len 2 and 4 (causal MTP decode) and 128 heads: aiter's non-persistent kernel, one split per sequence --------
+
+# lengths 0 and 1, shorter than q_len (2, 3), odd, and longer than a kernel tile
+MTP_LENS = [0, 1, 2, 3, 5, 17, 64, 130, 0, 300]
+OTHER_SHAPES = sorted(shape for shape in AB.AITER_SHAPES if shape != (1, 16))  # (q_len, heads)
+
+
+def mtp_decode(case, **kwargs) -> torch.Tensor:
+    batch, q_len, heads, _ = case.q.shape
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend="aiter",
+                                                  return_lse=False, **kwargs)
+    assert lse is None
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (batch, q_len, heads, 512) and out.is_contiguous()
+    return out
+
+
+def blind_tokens(lens: list[int], q_len: int) -> list[tuple[int, int]]:
+    """The (sequence, token) pairs that see no row: token t sees the first n - q_len + 1 + t."""
+    return [(b, t) for b, n in enumerate(lens) for t in range(q_len) if n - q_len + 1 + t <= 0]
+
+
+@pytest.mark.parametrize("version", ("RUNNER", "NEWEST"))
+@pytest.mark.parametrize("page_size", (1, 16))
+@pytest.mark.parametrize("shape", OTHER_SHAPES)
+def test_mtp_and_128_heads_match_the_float64_truth(standin, version, page_size, shape):
+    """Shuffled pages with NaN in every unowned slot, lengths 0, 1 and shorter than q_len: every token within TIGHT
+    of the causal float64 truth, the tokens that see nothing exactly zero. One plan, called twice; aiter gets q and o
+    as (batch x q_len, heads, ...) with qo_indptr in steps of q_len and max_seqlen_q = q_len, non-persistent with one
+    split per sequence (no metadata), and runs the kernel AITER_SHAPES names."""
+    q_len, heads = shape
+    aiter = standin(version)
+    batch = len(MTP_LENS)
+    for call in range(2):
+        case = make_paged_case("fp8", page_size, MTP_LENS, seed=100 * call + 7 * q_len + heads, q_len=q_len,
+                               num_heads=heads)
+        out = mtp_decode(case)
+        assert_tight(case, out)
+        for b, t in blind_tokens(MTP_LENS, q_len):
+            assert torch.equal(out[b, t], torch.zeros_like(out[b, t])), (b, t)
+    assert len(AB._AITER_PLANS) == 1 and {key.variant for key in AB._AITER_PLANS} == {AB.AITER_SINGLE_VARIANT}
+    assert aiter.calls_to("get_mla_metadata_info_v1") == [] and aiter.calls_to("get_mla_metadata_v1") == []
+    assert aiter.stats["work_empty"] > 0  # the stand-in wrote NaN for the empty sequences; the backend zeroed them
+    kernel = AB.AITER_SHAPES[shape]
+    assert aiter.launches == 2 * ((["fill valid_split_count"] if version == "NEWEST" else []) + [kernel])
+    for call in aiter.calls_to("mla_decode_fwd"):
+        d = call.arguments
+        assert d["max_seqlen_q"] == q_len and d["work_meta_data"] is None and d["num_kv_splits"] == 1
+        assert d["q"].shape == (batch * q_len, heads, 576) and d["q"].dtype == E4M3FN
+        assert d["o"].shape == (batch * q_len, heads, 512) and d["page_size"] == 1
+        assert d["qo_indptr"].value.tolist() == [b * q_len for b in range(batch + 1)]
+        assert d["num_kv_splits_indptr"].value.tolist() == list(range(batch + 1))
+        assert "causal" not in call.keywords  # NEWEST's default (True) picks the masked kernel; RUNNER has no flag
+
+
+def ragged_of(case):
+    """The paged case's sequences laid out ragged (rows in table order, consecutive), with poisoned rows after the
+    last sequence: (kv_cache (rows, 1, 576), kv_indptr)."""
+    rows = [owned_rows(case, b) for b in range(case.q.shape[0])]
+    poison = case.kv_cache.view(-1, 576)[~torch.isfinite(case.keys).all(dim=1)][:3]  # unowned: the FP8 NaN byte
+    kv = torch.cat([case.kv_cache.view(-1, 576)[torch.cat(rows)], poison])
+    kv_indptr = torch.tensor([0] + [int(n) for n in torch.tensor([len(r) for r in rows]).cumsum(0)], dtype=torch.int32)
+    return kv.view(-1, 1, 576), kv_indptr
+
+
+@pytest.mark.parametrize("shape", OTHER_SHAPES)
+def test_mtp_and_128_heads_on_a_ragged_cache(standin, shape):
+    """The library's ragged plan: the same truth, NaN rows after the last sequence never read."""
+    q_len, heads = shape
+    standin("RUNNER")
+    case = make_paged_case("fp8", 1, MTP_LENS, seed=3 * q_len + heads, q_len=q_len, num_heads=heads)
+    kv, kv_indptr = ragged_of(case)
+    plan = mla_decode.plan_ragged(len(MTP_LENS), E4M3FN, "cpu", max(MTP_LENS), num_heads=heads, q_len=q_len,
+                                  causal=True, backend="aiter", return_lse=False)
+    out, _ = plan.run_ragged(case.q, kv, kv_indptr, case.kv_scale)
+    assert_tight(case, out)
+
+
+@pytest.mark.parametrize("version", ("RUNNER", "NEWEST"))
+@pytest.mark.parametrize("q_len", (2, 4))
+def test_mtp_tuples_through_the_leaderboard_adapter(standin, version, q_len):
+    """custom_kernel with config q_seq_len 2 or 4 (qo_indptr in steps of it), MLA_BACKEND=aiter: the adapter passes
+    the table's variant, which does not apply to q_len > 1: the plan runs AITER_SINGLE_VARIANT. Both references."""
+    import reference as R
+    import submission as S
+    from testkit.attention import assert_matches, fp32_attention
+
+    standin(version)
+    for call in range(2):
+        data = R.generate_varlen_input([0, 1, 2, 3, 77, 130], seed=q_len + call, qseqlen=q_len, device=CPU)
+        out = S.custom_kernel(data)
+        assert tuple(out.shape) == (6 * q_len, 16, 512)
+        assert_matches(data, out, fp32_attention(data, "fp8", fp8_per_tensor(data[0])), TIGHT, kv_format="fp8")
+    assert {key.variant for key in S._AITER_PLANS} == {S.AITER_SINGLE_VARIANT} and len(S._AITER_PLANS) == 1
+
+
+def test_mtp_bad_pages_give_nan_only_to_the_tokens_that_see_them(standin):
+    """q_len 4: a sequence whose last owned slot lies on a page outside the cache keeps the tokens that stop before
+    it (tokens 0-2 see the first n - 3 + t slots) and gives NaN to token 3; a page outside the cache at its first
+    slot gives NaN to every token; a length past the table's capacity too. The others are right."""
+    standin("RUNNER")
+    lens = [33, 20, 9, 40]
+    case = make_paged_case("fp8", 16, lens, seed=11, q_len=4)
+    ref = fp8_q_reference(case)
+    num_pages, capacity = case.kv_cache.shape[0], 16 * case.block_table.shape[1]
+    seqlens, table = case.cache_seqlens.clone(), case.block_table.clone()
+    table[0, 2] = num_pages + 1  # slot 32, sequence 0's last (n = 33): only token 3 sees it
+    table[1, 0] = -1  # slot 0 of sequence 1: every token sees it
+    seqlens[2] = capacity + 1
+    out = mtp_decode(case._replace(cache_seqlens=seqlens, block_table=table))
+    assert torch.isnan(out[0, 3]).all() and torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    assert not torch.isnan(out[0, :3]).any() and not torch.isnan(out[3]).any()
+    errors = token_errors(torch.cat([out[0, :3], out[3]])[None], torch.cat([ref[0, :3], ref[3]])[None])
+    assert max(errors) < TIGHT, errors
+
+
+@pytest.mark.parametrize("shift", (-1, 1))
+def test_a_causal_limit_off_by_one_fails_the_bound(standin, shift):
+    """Negative control: a kernel whose causal limit is one row early or late (a stand-in with mask_shift) misses the
+    float64 truth by more than TIGHT, and so does a non-causal reading (every token its whole sequence)."""
+    standin("RUNNER", mask_shift=shift)
+    case = make_paged_case("fp8", 16, MTP_LENS, seed=9, q_len=2)
+    assert max(token_errors(mtp_decode(case), fp8_q_reference(case))) > TIGHT
+    non_causal = paged_reference(case._replace(causal=False), q=fp8_per_tensor(case.q))[0]
+    assert max(token_errors(non_causal, fp8_q_reference(case))) > TIGHT
+
+
+def test_a_forced_variant_does_not_apply_to_mtp(standin, caplog):
+    """A persistent variant asked for at q_len 2 (backend_options, as the leaderboard adapter passes its table's
+    name): the plan runs AITER_SINGLE_VARIANT, and says so once."""
+    standin("RUNNER")
+    case = make_paged_case("fp8", 16, MTP_LENS, seed=1, q_len=2)
+    problem = make_problem(len(MTP_LENS), E4M3FN, "cpu", layout="paged", page_size=16, q_len=2, causal=True,
+                           max_pages=case.block_table.shape[1], return_lse=False, scale_dtype=None)
+    with caplog.at_level("INFO", logger="mla_decode"):
+        out, _ = DecodePlan(problem, "aiter", backend_options={"variant": "fp8_ps"}).run(*case.args())
+    assert_tight(case, out)
+    assert {key.variant for key in AB._AITER_PLANS} == {AB.AITER_SINGLE_VARIANT}
+    assert "'fp8_ps' applies to q_len 1 with 16 heads" in caplog.text
+
+
+def test_an_mtp_paged_run_reads_nothing_on_the_host(standin, monkeypatch):
+    """q_len 4: after the first run, a plan's run makes no host read (the tokens that see nothing, and the bad-page
+    limits, are worked out on the device). The Q quantization in its torch form, as above."""
+    standin("RUNNER")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = make_paged_case("fp8", 16, MTP_LENS, seed=4, q_len=4)
+    plan = mla_decode.plan(len(MTP_LENS), 16, case.block_table.shape[1], E4M3FN, "cpu", q_len=4, causal=True,
+                           backend="aiter", return_lse=False)
+    plan.run(*case.args())
+    out = torch.empty((len(MTP_LENS), 4, 16, 512), dtype=torch.bfloat16)
+    case = make_paged_case("fp8", 16, MTP_LENS, seed=5, q_len=4)
+    with HostReadsForbidden():
+        plan.run(*case.args(), out=out)
+    assert_tight(case, out)

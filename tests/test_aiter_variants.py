@@ -34,7 +34,7 @@ LENGTHS = {
     "uniform_split": [1000] * 2,  # longer than a CU's share: partials merged by the reduce
     "varlen_with_empty": [1, 7, 0, 33, 129, 1, 2],  # refilled every call; the empty sequence must give zeros
 }
-STAGE1 = {  # the kernel each variant's stage 1 runs (GFX950_QH16_KERNELS)
+STAGE1 = {  # the kernel each variant's stage 1 runs (GFX950_KERNELS)
     "fp8": "mla_a8w8_qh16_qseqlen1_gqaratio16_ps",
     "bf16": "mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps",
     "single": "mla_a8w8_qh16_qseqlen1_gqaratio16",
