@@ -419,27 +419,7 @@ split_kernel(const DecodeCall call) {
     }
   };
   if constexpr (MX) load_scales(0);
-  // Query::store inlined: as the call, three MXFP4 16-row instances' registers were allocated differently.
-#pragma unroll
-  for (int j = 0; j < H / NWARPS; ++j) {
-    const int h = warp + j * NWARPS;
-    float2 v[Query::QPAIRS];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < Query::QPAIRS; ++i) {
-      v[i] = __bfloat1622float2(qv[j][i]);
-      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float inv = amax > 0.f ? 448.f / amax : 1.f;
-#pragma unroll
-    for (int i = 0; i < Query::QPAIRS; ++i) {
-      const int d = 2 * (lane + 32 * i);
-      *reinterpret_cast<uint16_t*>(qs + (d >> 4) * QCHUNK + h * 16 + (d & 15)) = to_e4m3x2(v[i].x * inv, v[i].y * inv);
-    }
-    if (lane == 0) qscale[h] = (amax > 0.f ? amax / 448.f : 1.f) * call.qk_scale * kv_scale;
-  }
+  Query::store(qv, call, kv_scale, qs, qscale, warp, lane);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   // TUNE: Q
