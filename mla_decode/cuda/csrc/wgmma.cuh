@@ -175,6 +175,15 @@ __device__ __forceinline__ int p_position(int r) {
   return (r & ~15) + 4 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
 }
 
+// This thread's heads, the score and output columns of both products: 8j + 2*t4 and 8j + 2*t4 + 1, j < NE / 2. Head
+// e is at accumulator a = (e & 1) + (e >> 1) * 4 for row g of the warp's 16 rows and a + 2 for row g + 8 (wgmma's
+// layout).
+template <int NE>
+__device__ __forceinline__ void thread_heads(int (&heads)[NE], int t4) {
+#pragma unroll
+  for (int e = 0; e < NE; ++e) heads[e] = 8 * (e >> 1) + 2 * t4 + (e & 1);
+}
+
 // S^T (64 tile rows x N query rows, fp32: N / 2 a thread) = K (the tile at shared address kt, 576 dims) Q^T (qdesc:
 // [chunk][N][16] e4m3): 18 k32 steps, both operands from shared memory; returns with the products done.
 template <int N, bool A_E5M2>
@@ -423,11 +432,8 @@ split_kernel(const DecodeCall call) {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   // TUNE: Q
-  // This thread's score columns (heads) are 8j + 2*t4 and 8j + 2*t4 + 1, j < H / 8: head e at accumulator a = (e & 1)
-  // + (e >> 1) * 4 for row g of the warp's 16 rows and a + 2 for row g + 8 (wgmma_ss' layout).
   int heads[NE];
-#pragma unroll
-  for (int e = 0; e < NE; ++e) heads[e] = 8 * (e >> 1) + 2 * t4 + (e & 1);
+  thread_heads(heads, t4);
   const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
   const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
   // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start.

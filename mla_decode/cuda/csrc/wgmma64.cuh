@@ -80,11 +80,8 @@ split_kernel64(const DecodeCall call) {
   if (tid < H) mrun[tid] = -INFINITY;
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
-  // This thread's heads (score and output columns) are 8j + 2*t4 and 8j + 2*t4 + 1, j < 8: head e at accumulator
-  // a = (e & 1) + (e >> 1) * 4 for row g of the warp's 16 rows and a + 2 for row g + 8 (wgmma's layout).
   int heads[NE];
-#pragma unroll
-  for (int e = 0; e < NE; ++e) heads[e] = 8 * (e >> 1) + 2 * t4 + (e & 1);
+  thread_heads(heads, t4);
   const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
   const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
   // P's k order: the pair's tile 2j + w at k = 64 w + p_position(row).
