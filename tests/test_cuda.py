@@ -155,25 +155,33 @@ def test_plan_stays_within_what_the_merge_takes():
     assert C.cuda_plan(1, 10_000_000, 1000, 2) == C.MAX_SPLITS == 512
 
 
-# (batch, num_heads, kv format, precision, the library's widest unit, the plan's unit rows); 132 SMs, 1k rows, q_len 1
-@pytest.mark.parametrize("batch,num_heads,kv_format,precision,widest,rows",
-                         [(128, 128, "fp8", "fast", 32, 32), (128, 32, "fp8", "fast", 32, 32),
-                          (8, 128, "fp8", "fast", 32, 16), (2, 32, "fp8", "fast", 32, 16),
-                          (128, 16, "fp8", "fast", 32, 16), (128, 48, "fp8", "fast", 32, 16),
-                          (128, 128, "fp8", "precise", 32, 16), (128, 128, "fp8", "fast", 16, 16),
-                          (128, 128, "fp8", "fast", 64, 32), (33, 128, "fp8", "fast", 64, 32),
-                          (32, 128, "fp8", "fast", 64, 32), (8, 128, "fp8", "fast", 64, 16),
-                          (256, 64, "fp8", "fast", 64, 32), (128, 64, "fp8", "fast", 64, 32),
-                          (128, 96, "fp8", "fast", 64, 32), (128, 128, "mxfp4", "fast", 64, 32),
-                          (128, 128, "fp8", "precise", 64, 16)])
-def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, num_heads, kv_format,
-                                                         precision, widest, rows):
+# (batch, q_len, num_heads, max_seqlen, kv format, precision, the library's widest unit, the plan's unit rows); 132 SMs.
+# The H200 rows behind the rule, in 16- and 32-row units (docs/2026-12-02-serving.md, sections 8 and 10): 8 x 1k x
+# 128 heads 20.3 / 28.7 us, 32 x 1k x 128 40.0 / 50.0, 1 x 8k x 128 x q_len 2 26.3 / 27.4, 8 x 8k x 64 41.8 / 38.9,
+# 16 x 4k x 128 x q_len 2 127.5 / 114.9, 8 x 8k x 128 72.5 / 62.1.
+@pytest.mark.parametrize("batch,q_len,num_heads,max_seqlen,kv_format,precision,widest,rows",
+                         [(128, 1, 128, 1024, "fp8", "fast", 32, 32),  # 512 CTAs, 16 tiles each
+                          (8, 1, 128, 1024, "fp8", "fast", 32, 16),  # 32 units x 4 splits = 128 CTAs: idle SMs
+                          (32, 1, 128, 1024, "fp8", "fast", 32, 16),  # 2 splits of 8 tiles; 16 rows need no split
+                          (1, 2, 128, 8192, "fp8", "fast", 32, 16),  # 32 splits of 4 tiles
+                          (8, 1, 64, 8192, "fp8", "fast", 32, 32),  # 16 splits of 8 tiles; 16 rows split too
+                          (16, 2, 128, 4096, "fp8", "fast", 32, 32),  # 2 splits of 32 tiles
+                          (8, 1, 128, 8192, "fp8", "fast", 32, 32),  # 8 splits of 16 tiles
+                          (128, 1, 32, 1024, "fp8", "fast", 32, 16), (2, 1, 32, 1024, "fp8", "fast", 32, 16),
+                          (128, 1, 16, 1024, "fp8", "fast", 32, 16), (128, 1, 48, 1024, "fp8", "fast", 32, 16),
+                          (128, 1, 128, 1024, "fp8", "precise", 32, 16), (128, 1, 128, 1024, "fp8", "fast", 16, 16),
+                          (128, 1, 128, 1024, "fp8", "fast", 64, 32), (33, 1, 128, 1024, "fp8", "fast", 64, 16),
+                          (256, 1, 64, 1024, "fp8", "fast", 64, 32), (128, 1, 64, 1024, "fp8", "fast", 64, 32),
+                          (128, 1, 96, 1024, "fp8", "fast", 64, 32), (128, 1, 128, 1024, "mxfp4", "fast", 64, 32),
+                          (128, 1, 128, 1024, "fp8", "precise", 64, 16)])
+def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, q_len, num_heads,
+                                                         max_seqlen, kv_format, precision, widest, rows):
     """plan_unit_rows: in the fast mode's wgmma library (its mla_max_unit_rows; 16 in Hopper's mma.sync fallback),
-    32 query rows a CTA where the heads come in 32s and the 32-row grid has more CTAs than SMs (8 x 128 heads x 1k:
-    32 units x 4 splits = 128, so 16 rows); else 16; never 64 unasked, even where a 64-row library serves it. The
-    units (the grid's y, the split plan's and the workspace's count) are of those rows. The backend option
-    unit_rows asks for what the kernel serves (64: heads in 64s, the FP8 cache) and is refused otherwise, naming
-    what it takes."""
+    32 query rows a CTA where the heads come in 32s, the 32-row grid has more CTAs than SMs and a 32-row CTA walks
+    at least 16 tiles, or 8 where the 16-row plan splits too; else 16; never 64 unasked, even where a 64-row
+    library serves it. The units (the grid's y, the split plan's and the workspace's count) are of those rows. The
+    backend option unit_rows asks for what the kernel serves (64: heads in 64s, the FP8 cache) and is refused
+    otherwise, naming what it takes."""
     libraries = []
 
     def library(capability, precise=False):
@@ -185,10 +193,10 @@ def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkey
     monkeypatch.setattr(C, "library", library)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     dtype = torch.float8_e4m3fn if kv_format == "fp8" else torch.uint8
-    problem = mla_decode.api.make_problem(batch, dtype, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
-                                          num_heads=num_heads, precision=precision)
+    problem = mla_decode.api.make_problem(batch, dtype, fake_nvidia_gpu, layout="ragged", max_seqlen=max_seqlen,
+                                          num_heads=num_heads, q_len=q_len, causal=q_len > 1, precision=precision)
     assert C.plan_unit_rows(problem) == rows
-    assert C.query_units(problem) == batch * num_heads // rows
+    assert C.query_units(problem) == batch * q_len * num_heads // rows
     assert all(precise is False for _, precise in libraries)  # the precise mode's kernel takes 16 rows unasked
     assert C.plan_unit_rows(problem, 16) == 16
     fast = precision == "fast"

@@ -478,11 +478,12 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
     twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
     assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
     if backend == "cuda":
-        # the plan's rule (plan_unit_rows, checked on the CPU); on the H200 the serving lengths' 32-row grids at
-        # (2, 32), (1, 128) and (2, 128) have more CTAs than SMs, so those cases run the 32-row kernel
+        # the plan's rule (plan_unit_rows, checked on the CPU); on the H200 the serving lengths' 32-row plans at
+        # (1, 128) and (2, 128) fill the SMs with CTAs of 8 and 16 tiles (the 16-row plan splitting too), so those
+        # cases run the 32-row kernel; at (2, 32) a 32-row CTA would walk 4 tiles
         C = pytest.importorskip("mla_decode.cuda")
         assert twin.impl.call.unit_rows == C.plan_unit_rows(twin.problem)
-        if _hopper_takes_32_rows(precision) and q_len * num_heads >= 64 and num_heads % 32 == 0:
+        if _hopper_takes_32_rows(precision) and num_heads == 128:
             assert twin.impl.call.unit_rows == 32
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
     out_bound, lse_bound = GPU_BOUNDS[kernel]
@@ -533,9 +534,9 @@ def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads,
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
 def test_gpu_many_sequences_one_split(kernel, causal):
-    """40 sequences of q_len 2 x 128 heads fill the GPU without splitting (640 units or programs of 16 rows; 320
-    units of the Hopper cuda kernel's 32): the split kernels write the output and the LSE themselves; causal and
-    not, against the float64 truth. (The 64-row units' one-split case is in the 64-row tests.)"""
+    """40 sequences of q_len 2 x 128 heads fill the GPU without splitting (640 units or programs of 16 rows; the
+    cuda plan keeps 16 since a 32-row CTA would walk 3 tiles): the split kernels write the output and the LSE
+    themselves; causal and not, against the float64 truth. (Wider units' one-split cases: their forced-rows tests.)"""
     backend, kv_format, precision = kernel
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")

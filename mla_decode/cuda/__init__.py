@@ -34,6 +34,8 @@ import torch
 QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token: heads come in multiples of it
 WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multiples of 32 (unit_rows)
 WIDEST_QUERY_ROWS = 64  # the Hopper 64-row kernel's units (the FP8 cache; one CTA of two warpgroups per SM)
+# plan_unit_rows: the tiles a 32-row CTA walks at least, and where the 16-row plan splits too (a merge either way)
+WIDE_MIN_TILES, WIDE_MERGED_MIN_TILES = 16, 8
 V_HEAD_DIM = 512  # value width (DV in the source)
 KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
@@ -231,15 +233,17 @@ def served_unit_rows(problem) -> list[int]:
 
 
 def plan_unit_rows(problem, requested: int | None = None) -> int:
-    """The query rows of a unit (a CTA) in `problem`'s plan, of served_unit_rows: 32 where served and the 32-row grid,
-    split as cuda_plan splits it, still has more CTAs than the GPU has SMs; else 16. A 32-row CTA reads each KV tile
-    for twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the per-tile chain once for them, but
-    halves the CTAs: where that leaves SMs idle, 16 rows win (8 sequences x 1k rows x 128 heads, H200: 28.7 us in
-    32-row units, 20.3 in 16). 64 only when asked: its two warpgroups meet at CTA barriers three times a pair of
-    tiles, so neither's softmax overlaps the other's MMAs as two 32-row CTAs' do, and it ran slower than 32-row
-    units (docs/2026-12-02-serving.md, section 11). requested: the plan's backend option, checked against
-    served_unit_rows. Called where the backend serves the problem's device (CudaDecode, and cuda_unusable_reason
-    after unusable_reason)."""
+    """The query rows of a unit (a CTA) in `problem`'s plan, of served_unit_rows: 32 where served, the 32-row grid,
+    split as cuda_plan splits it, has more CTAs than the GPU has SMs, and a 32-row CTA walks at least WIDE_MIN_TILES
+    tiles (WIDE_MERGED_MIN_TILES where the 16-row plan splits too); else 16. A 32-row CTA reads each KV tile for
+    twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the per-tile chain once for them, but its
+    fixed cost (Q, the staged output, the merge) is twice a 16-row CTA's, and it halves the CTAs: with idle SMs or
+    few tiles, 16 rows win (H200: 8 x 1k x 128 heads 20.3 us in 16-row units, 28.7 in 32; 32 x 1k x 128, whose
+    32-row plan adds a split and a merge, 40.0 against 50.0; docs/2026-12-02-serving.md, sections 8 and 10). 64 only
+    when asked: its two warpgroups meet at CTA barriers three times a pair of tiles, so neither's softmax overlaps the
+    other's MMAs as two 32-row CTAs' do, and it ran slower than 32-row units (same journal, section 11). requested:
+    the plan's backend option, checked against served_unit_rows. Called where the backend serves the problem's
+    device (CudaDecode, and cuda_unusable_reason after unusable_reason)."""
     served = served_unit_rows(problem)
     if requested is not None:
         if requested not in served:
@@ -249,11 +253,17 @@ def plan_unit_rows(problem, requested: int | None = None) -> int:
         return requested
     if WIDE_QUERY_ROWS not in served:
         return QUERY_ROWS
-    units = query_units(problem, WIDE_QUERY_ROWS)
-    splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False,
-                                   WIDE_QUERY_ROWS))
-    return WIDE_QUERY_ROWS if units * splits > torch.cuda.get_device_properties(problem.device).multi_processor_count \
-        else QUERY_ROWS
+
+    def plan(rows: int) -> tuple[int, int, int]:  # (units, splits, tiles a CTA) of the plan in units of `rows`
+        units = query_units(problem, rows)
+        splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows))
+        return units, splits, max(1, problem.max_seqlen // BLOCK_N) // splits
+
+    units, splits, tiles = plan(WIDE_QUERY_ROWS)
+    sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
+    if units * splits <= sms or tiles < WIDE_MERGED_MIN_TILES:
+        return QUERY_ROWS
+    return WIDE_QUERY_ROWS if tiles >= WIDE_MIN_TILES or plan(QUERY_ROWS)[1] > 1 else QUERY_ROWS
 
 
 def query_units(problem, rows: int | None = None) -> int:
