@@ -1034,6 +1034,27 @@ def aiter_unusable_reason(problem: Problem) -> str | None:
     return None
 
 
+def compute_units(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def aiter_auto_reason(problem: Problem) -> str | None:
+    """aiter_unusable_reason, and for auto also the one-split shapes (all of AITER_SHAPES but the leaderboard's) where
+    that kernel's grid, a workgroup a sequence (a token at 128 heads), is smaller than the GPU's CU count: the triton
+    kernel splits the KV across the CUs there. Neither was timed (no AMD GPU has run this project); a grid that
+    leaves most CUs idle is the risk avoided."""
+    reason = aiter_unusable_reason(problem)
+    if reason is not None or (problem.q_len, problem.num_heads) == (AITER_Q_LEN, AITER_HEADS):
+        return reason
+    workgroups = problem.batch * (problem.q_len if problem.num_heads > AITER_HEADS else 1)
+    num_cus = compute_units(problem.device)
+    if workgroups < num_cus:
+        return (f"aiter backend (auto): its one-split kernel for q_len {problem.q_len} x {problem.num_heads} heads "
+                f"runs {workgroups} workgroups on {num_cus} CUs; the triton kernel splits the KV (backend='aiter' "
+                "takes it anyway)")
+    return None
+
+
 
 # The call this backend makes, as (arguments passed by position, arguments passed by keyword) per function. The
 # leading arguments go by position the way the official reference calls aiter on the leaderboard's runner, the rest
@@ -1718,12 +1739,13 @@ class BackendChoice(NamedTuple):
     name: str
     unusable_reason: object  # problem -> None when it serves the problem, else why not
     auto_on: object  # device -> whether auto considers it on that device
-    forced_reason: object = None  # unusable_reason when it is asked for by name, where it differs (cuda: not cached)
+    forced_reason: object = None  # unusable_reason when asked for by name, where it differs (cuda: not cached; aiter:
+    # no grid check)
 
 
 # auto's order of preference: the first that auto considers on the device and that can serve the problem wins.
 BACKEND_PREFERENCE = (
-    BackendChoice("aiter", aiter_unusable_reason, _on_rocm),
+    BackendChoice("aiter", aiter_auto_reason, _on_rocm, aiter_unusable_reason),
     BackendChoice("cuda", _cuda_reason_for_auto, _on_nvidia, cuda_unusable_reason),
     BackendChoice("triton", triton_unusable_reason, lambda device: device.type == "cuda"),
     BackendChoice("torch", torch_unusable_reason, lambda device: True),

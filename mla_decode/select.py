@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from .aiter_backend import aiter_unusable_reason
+from .aiter_backend import aiter_auto_reason, aiter_unusable_reason
 from .contract import BACKEND_CHOICES, Problem, expect_choice, log
 from .torch_backend import torch_unusable_reason
 from .triton_backend import triton_unusable_reason
@@ -62,12 +62,13 @@ class BackendChoice(NamedTuple):
     name: str
     unusable_reason: object  # problem -> None when it serves the problem, else why not
     auto_on: object  # device -> whether auto considers it on that device
-    forced_reason: object = None  # unusable_reason when it is asked for by name, where it differs (cuda: not cached)
+    forced_reason: object = None  # unusable_reason when asked for by name, where it differs (cuda: not cached; aiter:
+    # no grid check)
 
 
 # auto's order of preference: the first that auto considers on the device and that can serve the problem wins.
 BACKEND_PREFERENCE = (
-    BackendChoice("aiter", aiter_unusable_reason, _on_rocm),
+    BackendChoice("aiter", aiter_auto_reason, _on_rocm, aiter_unusable_reason),
     BackendChoice("cuda", _cuda_reason_for_auto, _on_nvidia, cuda_unusable_reason),
     BackendChoice("triton", triton_unusable_reason, lambda device: device.type == "cuda"),
     BackendChoice("torch", torch_unusable_reason, lambda device: True),

@@ -610,12 +610,15 @@ def test_other_shapes_are_refused_naming_what_aiter_serves(standin, refused):
 
 
 def test_auto_passes_aiter_over_for_a_shape_it_does_not_serve(standin, monkeypatch, caplog):
-    """On ROCm, auto takes aiter for q_len 2 (causal) and passes it over, saying why, for q_len 3 or non-causal."""
+    """On ROCm, auto takes aiter for q_len 2 (causal) and passes it over, saying why, for q_len 3 or non-causal (on a
+    GPU of 4 CUs, which the 4 sequences' one-split grid fills)."""
+    import mla_decode.aiter_backend as AB
     import mla_decode.select as SEL
 
     standin()
     monkeypatch.setattr(torch.version, "hip", "6.4")
     monkeypatch.setattr(SEL, "_ANNOUNCED", set())
+    monkeypatch.setattr(AB, "compute_units", lambda device: 4)
     gpu = torch.device("cuda", 0)
 
     def chosen(q_len, causal):
@@ -626,3 +629,26 @@ def test_auto_passes_aiter_over_for_a_shape_it_does_not_serve(standin, monkeypat
     for q_len, causal, why in ((3, True, "not q_len 3 with 16 heads"), (2, False, "mask causally")):
         selection = chosen(q_len, causal)
         assert selection.backend != "aiter" and any(why in line for line in selection.passed_over), selection
+
+
+@pytest.mark.parametrize("q_len,heads,batch,cus,taken", [(2, 16, 4, 256, False), (2, 16, 256, 256, True),
+                                                         (4, 16, 255, 256, False), (2, 128, 128, 256, True),
+                                                         (1, 128, 128, 256, False), (1, 16, 1, 256, True)])
+def test_auto_takes_the_one_split_kernel_only_where_its_grid_fills_the_gpu(standin, monkeypatch, q_len, heads, batch,
+                                                                          cus, taken):
+    """aiter's one-split kernel (every shape but q_len 1 x 16 heads) runs a workgroup a sequence (a token at 128
+    heads): auto passes it over, saying so, where that is fewer workgroups than the GPU has CUs, and a forced aiter
+    takes it anyway; the leaderboard's persistent kernel splits by itself and is taken at any batch."""
+    import mla_decode.aiter_backend as AB
+    import mla_decode.select as SEL
+
+    standin()
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(SEL, "_ANNOUNCED", set())
+    monkeypatch.setattr(AB, "compute_units", lambda device: cus)
+    problem = problem_of(q_len, heads, True)._replace(device=torch.device("cuda", 0), batch=batch)
+    selection = SEL.select_backend(problem, "auto")
+    assert (selection.backend == "aiter") == taken, selection
+    if not taken:
+        assert any("one-split kernel" in line and f"on {cus} CUs" in line for line in selection.passed_over)
+    assert SEL.select_backend(problem, "aiter").backend == "aiter"
