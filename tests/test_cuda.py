@@ -55,7 +55,7 @@ def edited_sources(monkeypatch, tmp_path):
 def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix, ctas_per_sm):
     lib = C.library(capability)
     assert lib.mla_decode.restype is not None
-    assert lib.mla_ctas_per_sm() == ctas_per_sm  # which kernel the library holds
+    assert lib.mla_unit_ctas_per_sm(16) == ctas_per_sm  # which kernel the library holds
     assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
     assert lib.mla_max_unit_rows() == (64 if capability == C.WGMMA_CAPABILITY else 16)
     # the cooperative launch needs every CTA resident: the 64-row kernel's CTA takes an SM
@@ -93,7 +93,7 @@ def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, ed
     edited_sources(C.MAIN_SOURCE, "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n", line=1)
     with caplog.at_level("WARNING", logger="mla_decode"):
         lib = C.library((9, 0))
-    assert lib.mla_ctas_per_sm() == 1 and not lib.mla_supports_mxfp4() and lib.mla_max_unit_rows() == 16
+    assert lib.mla_unit_ctas_per_sm(16) == 1 and not lib.mla_supports_mxfp4() and lib.mla_max_unit_rows() == 16
     assert "the Hopper (wgmma) kernel did not build" in caplog.text and "no sm_90a here" in caplog.text
     assert [p.name.split("_")[2] for p in fresh_build.glob("*.so")] == ["sm90"]
 
@@ -186,7 +186,7 @@ def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkey
 
     def library(capability, precise=False):
         libraries.append((capability, precise))
-        return SimpleNamespace(mla_max_unit_rows=lambda: widest, mla_ctas_per_sm=lambda: 2,
+        return SimpleNamespace(mla_max_unit_rows=lambda: widest,
                                mla_unit_ctas_per_sm=lambda unit_rows: 1 if unit_rows == 64 else 2)
 
     monkeypatch.setattr(C, "capability", lambda device: (9, 0))
@@ -349,7 +349,7 @@ def cuda_backend(monkeypatch, request):
     if kernel == "mma_sync":
         monkeypatch.setattr(C, "WGMMA_CAPABILITY", None)
     lib = C.library(torch.cuda.get_device_capability())
-    assert lib.mla_ctas_per_sm() == (2 if kernel == "wgmma" else 1)
+    assert lib.mla_unit_ctas_per_sm(16) == (2 if kernel == "wgmma" else 1)
     if lib.mla_limit_shared_memory(0) < stages:  # the mma.sync kernel on a GPU with less shared memory
         pytest.skip(f"this GPU's shared memory per block holds fewer than {stages} stages")
     assert lib.mla_limit_shared_memory(smem_limit) == stages  # the limit took effect
@@ -539,8 +539,8 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
         return f"lib_{arch}"
 
     def fake_cdll(path):
-        exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_ctas_per_sm",
-                   "mla_supports_mxfp4", "mla_max_unit_rows", "mla_unit_ctas_per_sm")
+        exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_supports_mxfp4",
+                   "mla_max_unit_rows", "mla_unit_ctas_per_sm")
         lib = SimpleNamespace(path=path, **{name: SimpleNamespace() for name in exports})
         lib.mla_supports_mxfp4 = lambda: path.endswith("a")
         return lib

@@ -127,7 +127,7 @@ def library(capability: tuple[int, int], precise: bool = False):
     lib.mla_decode_call_layout.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.mla_limit_shared_memory.restype = ctypes.c_int
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
-    for name in ("mla_ctas_per_sm", "mla_supports_mxfp4", "mla_max_unit_rows"):
+    for name in ("mla_supports_mxfp4", "mla_max_unit_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     lib.mla_unit_ctas_per_sm.restype = ctypes.c_int
@@ -207,7 +207,7 @@ class LaunchKey(NamedTuple):
     seq_len: int  # the longest sequence the split plan is sized for
     kv_format: str
     precise: bool
-    unit_rows: int = QUERY_ROWS  # its kernel's CTAs per SM: 1 at 64 rows, else the library's mla_ctas_per_sm
+    unit_rows: int = QUERY_ROWS  # its kernel's CTAs per SM (mla_unit_ctas_per_sm): 1 at 64 rows, else 2 or 1
 
 
 def plan_splits(key: LaunchKey) -> int:

@@ -23,10 +23,9 @@
 
 using mla::DecodeCall;
 
-// Split kernel CTAs that fit on one SM (the split heuristic's unit of parallelism) for units of 16 or 32 rows, and
-// for units of unit_rows (64-row units: one, of 256 threads); whether this build reads the MXFP4 cache, and the most
-// query rows its units take (DecodeCall's unit_rows: 16, or also 32 and, FP8 only, 64).
-extern "C" int mla_ctas_per_sm() { return mla::CTAS_PER_SM; }
+// Split kernel CTAs of units of unit_rows that fit on one SM (the split heuristic's unit of parallelism; 64-row
+// units: one, of 256 threads); whether this build reads the MXFP4 cache, and the most query rows its units take
+// (DecodeCall's unit_rows: 16, or also 32 and, FP8 only, 64).
 #if MLA_WGMMA
 extern "C" int mla_unit_ctas_per_sm(int unit_rows) {
   return unit_rows == mla::WIDE_ROWS ? mla::WIDE_CTAS_PER_SM : mla::CTAS_PER_SM;
