@@ -185,18 +185,28 @@ __device__ __forceinline__ void thread_heads(int (&heads)[NE], int t4) {
 }
 
 // S^T (64 tile rows x N query rows, fp32: N / 2 a thread) = K (the tile at shared address kt, 576 dims) Q^T (qdesc:
-// [chunk][N][16] e4m3): 18 k32 steps, both operands from shared memory; returns with the products done.
-template <int N, bool A_E5M2>
-__device__ __forceinline__ void score_tile(float* s, uint32_t kt, uint64_t qdesc) {
+// [chunk][N][16] e4m3): 18 k32 steps, both operands from shared memory, issued and committed as one group (wait for
+// it, then fence_acc). Q_ROWS: the transpose, S (N = 64 query rows x 64 tile rows) = Q K^T, Q on the M side.
+template <int N, bool A_E5M2, bool Q_ROWS = false>
+__device__ __forceinline__ void issue_scores(float* s, uint32_t kt, uint64_t qdesc) {
+  static_assert(!Q_ROWS || (N == 64 && !A_E5M2), "Q as the 64-row A operand, the FP8 cache as B");
   wg_fence();
   const uint64_t k128 = desc(kt, 16, 1024, 1), k64 = desc(kt + ROPE_OFFSET, 16, 512, 2);
 #pragma unroll
   for (int st = 0; st < D / 32; ++st) {
-    const uint64_t da =
+    const uint64_t dk =
         st < 16 ? k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4) : k64 + (((st - 16) * 32) >> 4);
-    wgmma_ss<N, A_E5M2>(s, da, qdesc + ((2 * st * N * 16) >> 4), st);
+    const uint64_t dq = qdesc + ((2 * st * N * 16) >> 4);
+    if constexpr (Q_ROWS) wgmma_ss<N, false>(s, dq, dk, st);
+    else wgmma_ss<N, A_E5M2>(s, dk, dq, st);
   }
   wg_commit();
+}
+
+// issue_scores, returning with the products done.
+template <int N, bool A_E5M2>
+__device__ __forceinline__ void score_tile(float* s, uint32_t kt, uint64_t qdesc) {
+  issue_scores<N, A_E5M2>(s, kt, qdesc);
   wg_wait<0>();
   fence_acc<N / 2>(s);
 }
@@ -226,9 +236,8 @@ __device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRow
 }
 
 // Reduces v[e] (head heads[e], NE heads a thread) over the CTA's rows: over the lanes of equal t4 (shuffles), then
-// over the NW warps (4 or 8) through `red` ([H heads][NW warps]); every thread gets the results for its heads. op: max
-// or sum.
-template <int NE, int NW = NWARPS, typename Op>
+// over the 4 warps through `red` ([H heads][4 warps]); every thread gets the results for its heads. op: max or sum.
+template <int NE, typename Op>
 __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, float* red, int warp, int g, Op op) {
 #pragma unroll
   for (int e = 0; e < NE; ++e)
@@ -236,17 +245,13 @@ __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, fl
     for (int o = 4; o < 32; o <<= 1) v[e] = op(v[e], __shfl_xor_sync(0xffffffffu, v[e], o));
   if (g == 0) {
 #pragma unroll
-    for (int e = 0; e < NE; ++e) red[heads[e] * NW + warp] = v[e];
+    for (int e = 0; e < NE; ++e) red[heads[e] * NWARPS + warp] = v[e];
   }
   __syncthreads();
 #pragma unroll
   for (int e = 0; e < NE; ++e) {
-    const float4 r = reinterpret_cast<const float4*>(red)[heads[e] * (NW / 4)];
+    const float4 r = reinterpret_cast<const float4*>(red)[heads[e]];
     v[e] = op(op(r.x, r.y), op(r.z, r.w));
-    if constexpr (NW == 8) {
-      const float4 q = reinterpret_cast<const float4*>(red)[heads[e] * 2 + 1];
-      v[e] = op(v[e], op(op(q.x, q.y), op(q.z, q.w)));
-    }
   }
 }
 
