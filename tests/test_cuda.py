@@ -170,16 +170,31 @@ def test_plan_stays_within_what_the_merge_takes():
                           (128, 1, 32, 1024, "fp8", "fast", 32, 16), (2, 1, 32, 1024, "fp8", "fast", 32, 16),
                           (128, 1, 16, 1024, "fp8", "fast", 32, 16), (128, 1, 48, 1024, "fp8", "fast", 32, 16),
                           (128, 1, 128, 1024, "fp8", "precise", 32, 16), (128, 1, 128, 1024, "fp8", "fast", 16, 16),
-                          (128, 1, 128, 1024, "fp8", "fast", 64, 32), (33, 1, 128, 1024, "fp8", "fast", 64, 16),
-                          (256, 1, 64, 1024, "fp8", "fast", 64, 32), (128, 1, 64, 1024, "fp8", "fast", 64, 32),
                           (128, 1, 96, 1024, "fp8", "fast", 64, 32), (128, 1, 128, 1024, "mxfp4", "fast", 64, 32),
-                          (128, 1, 128, 1024, "fp8", "precise", 64, 16)])
+                          (128, 1, 128, 1024, "fp8", "precise", 64, 16),
+                          # with the 64-row kernel: the thirteen rows of the serving journal's section 12, and more
+                          (1, 2, 128, 32768, "fp8", "fast", 64, 64),  # 32 splits of 16 tiles
+                          (8, 1, 128, 1024, "fp8", "fast", 64, 16),  # 8 splits of 2 tiles
+                          (32, 2, 128, 8192, "fp8", "fast", 64, 64), (32, 1, 128, 32768, "fp8", "fast", 64, 64),
+                          (128, 2, 128, 1024, "fp8", "fast", 64, 64),  # 512 CTAs, no split
+                          (1, 2, 128, 8192, "fp8", "fast", 64, 64),  # 32 splits of 4 tiles; 16 rows split too
+                          (8, 1, 128, 8192, "fp8", "fast", 64, 64), (8, 1, 128, 32768, "fp8", "fast", 64, 64),
+                          (16, 2, 128, 4096, "fp8", "fast", 64, 64),
+                          (32, 1, 128, 1024, "fp8", "fast", 64, 16),  # 2 splits of 8 tiles; 16 rows need no split
+                          (64, 1, 128, 8192, "fp8", "fast", 64, 64),
+                          (8, 1, 64, 8192, "fp8", "fast", 64, 64),  # 16 splits of 8 tiles; 16 rows split too
+                          (32, 2, 64, 8192, "fp8", "fast", 64, 64),
+                          (128, 1, 128, 1024, "fp8", "fast", 64, 64), (33, 1, 128, 1024, "fp8", "fast", 64, 16),
+                          (256, 1, 64, 1024, "fp8", "fast", 64, 64), (128, 1, 64, 1024, "fp8", "fast", 64, 64),
+                          (2, 1, 64, 1024, "fp8", "fast", 64, 16),
+                          (256, 1, 64, 512, "fp8", "fast", 64, 64)])  # 256 CTAs of 8 tiles, no split
 def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, q_len, num_heads,
                                                          max_seqlen, kv_format, precision, widest, rows):
     """plan_unit_rows: in the fast mode's wgmma library (its mla_max_unit_rows; 16 in Hopper's mma.sync fallback),
-    32 query rows a CTA where the heads come in 32s, the 32-row grid has more CTAs than SMs and a 32-row CTA walks
-    at least 16 tiles, or 8 where the 16-row plan splits too; else 16; never 64 unasked, even where a 64-row
-    library serves it. The units (the grid's y, the split plan's and the workspace's count) are of those rows. The
+    64 query rows a CTA where served (heads in 64s, FP8) and a 64-row CTA walks at least 16 tiles, the unsplit
+    64-row grid fills the SMs, or it walks at least 4 tiles where the 16-row plan splits too; else 32 where the heads
+    come in 32s, the 32-row grid has more CTAs than SMs and a 32-row CTA walks at least 16 tiles, or 8 where the
+    16-row plan splits too; else 16. The units (the grid's y, the split plan's and the workspace's count) are of those rows. The
     backend option unit_rows asks for what the kernel serves (64: heads in 64s, the FP8 cache) and is refused
     otherwise, naming what it takes."""
     libraries = []

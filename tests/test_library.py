@@ -478,13 +478,13 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
     twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
     assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
     if backend == "cuda":
-        # the plan's rule (plan_unit_rows, checked on the CPU); on the H200 the serving lengths' 32-row plans at
-        # (1, 128) and (2, 128) fill the SMs with CTAs of 8 and 16 tiles (the 16-row plan splitting too), so those
-        # cases run the 32-row kernel; at (2, 32) a 32-row CTA would walk 4 tiles
+        # the plan's rule (plan_unit_rows, checked on the CPU); on the H200 the serving lengths' plans at (1, 128)
+        # and (2, 128) take 64-row CTAs of 8 and 16 tiles with the FP8 cache (the 16-row plan splitting too), and
+        # 32-row ones with MXFP4; at (2, 32) a 32-row CTA would walk 4 tiles
         C = pytest.importorskip("mla_decode.cuda")
         assert twin.impl.call.unit_rows == C.plan_unit_rows(twin.problem)
         if _hopper_takes_32_rows(precision) and num_heads == 128:
-            assert twin.impl.call.unit_rows == 32
+            assert twin.impl.call.unit_rows == (64 if kv_format == "fp8" else 32)
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
     out_bound, lse_bound = GPU_BOUNDS[kernel]
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)

@@ -4,11 +4,12 @@ no such package and runs the Triton kernel on NVIDIA.
 
 One source, two split kernels, each for the ragged and the paged layout (docs/design-notes.md has the measurements
 behind each choice):
-- Hopper (sm_90a, MLA_WGMMA; csrc/wgmma.cuh): one warpgroup per CTA, two CTAs per SM (units of 64 rows,
-  csrc/wgmma64.cuh: two warpgroups on pairs of tiles, one CTA per SM). S^T = K Q^T by warpgroup MMAs with both FP8
-  operands in shared memory (the tile as the 64-row M side, Q in e4m3 per head as the N side); P = 2^8 * the
-  softmax numerators in e4m3; O^T = V^T P^T with V^T from ldmatrix.trans of the FP8 rows. MXFP4: each tile of codes
-  is dequantized once into an e5m2 tile (exact), read as e5m2 x e4m3.
+- Hopper (sm_90a, MLA_WGMMA; csrc/wgmma.cuh): one warpgroup per CTA, two CTAs per SM. S^T = K Q^T by warpgroup
+  MMAs with both FP8 operands in shared memory (the tile as the 64-row M side, Q in e4m3 per head as the N side);
+  P = 2^8 * the softmax numerators in e4m3; O^T = V^T P^T with V^T from ldmatrix.trans of the FP8 rows. MXFP4: each
+  tile of codes is dequantized once into an e5m2 tile (exact), read as e5m2 x e4m3. Units of 64 rows (FP8;
+  csrc/wgmma64.cuh): two warpgroups on pairs of tiles, one CTA per SM, the scores as S = Q K^T (the 64 heads as the M
+  side), the value product as above.
 - Other GPUs (sm_80+; csrc/mma_sync.cuh): mma.sync m16n8k16 in fp16 with fp32 sums, Q in registers; also the
   precise mode on Hopper.
 A CTA serves a unit of 16 query rows (heads of one token), or in the Hopper kernel 32 where the heads come in 32s
@@ -36,6 +37,8 @@ WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multip
 WIDEST_QUERY_ROWS = 64  # the Hopper 64-row kernel's units (the FP8 cache; one CTA of two warpgroups per SM)
 # plan_unit_rows: the tiles a 32-row CTA walks at least, and where the 16-row plan splits too (a merge either way)
 WIDE_MIN_TILES, WIDE_MERGED_MIN_TILES = 16, 8
+# plan_unit_rows: the tiles a 64-row CTA walks at least, or at least where the 16-row plan splits too
+WIDEST_MIN_TILES, WIDEST_MERGED_MIN_TILES = 16, 4
 V_HEAD_DIM = 512  # value width (DV in the source)
 KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
@@ -233,17 +236,16 @@ def served_unit_rows(problem) -> list[int]:
 
 
 def plan_unit_rows(problem, requested: int | None = None) -> int:
-    """The query rows of a unit (a CTA) in `problem`'s plan, of served_unit_rows: 32 where served, the 32-row grid,
-    split as cuda_plan splits it, has more CTAs than the GPU has SMs, and a 32-row CTA walks at least WIDE_MIN_TILES
-    tiles (WIDE_MERGED_MIN_TILES where the 16-row plan splits too); else 16. A 32-row CTA reads each KV tile for
-    twice the rows (128 heads: each tile from L2 4 times, not 8) and runs the per-tile chain once for them, but its
-    fixed cost (Q, the staged output, the merge) is twice a 16-row CTA's, and it halves the CTAs: with idle SMs or
-    few tiles, 16 rows win (H200: 8 x 1k x 128 heads 20.3 us in 16-row units, 28.7 in 32; 32 x 1k x 128, whose
-    32-row plan adds a split and a merge, 40.0 against 50.0; docs/2026-12-02-serving.md, sections 8 and 10). 64 only
-    when asked: its two warpgroups meet at CTA barriers three times a pair of tiles, so neither's softmax overlaps the
-    other's MMAs as two 32-row CTAs' do, and it ran slower than 32-row units (same journal, section 11). requested:
-    the plan's backend option, checked against served_unit_rows. Called where the backend serves the problem's
-    device (CudaDecode, and cuda_unusable_reason after unusable_reason)."""
+    """The query rows of a unit (a CTA) in `problem`'s plan, of served_unit_rows. 64 where served and a 64-row CTA,
+    split as cuda_plan splits it, walks at least WIDEST_MIN_TILES tiles, or the unsplit 64-row grid fills the SMs, or
+    it walks at least WIDEST_MERGED_MIN_TILES where the 16-row plan splits too. Else 32 where served, the 32-row grid
+    has more CTAs than the GPU has SMs, and a 32-row CTA walks at least WIDE_MIN_TILES tiles (WIDE_MERGED_MIN_TILES
+    where the 16-row plan splits too); else 16. Wider units read each KV tile for more rows and run the per-tile chain
+    once for them, but their fixed cost (Q, the staged output, the merge) grows with the rows and they make fewer
+    CTAs: with idle SMs or few tiles, 16 rows win. The rule picks, on each of the H200 rows measured in 16-, 32- and
+    64-row units, the fastest (docs/2026-12-02-serving.md, sections 8, 10 and 12). requested: the plan's backend
+    option, checked against served_unit_rows. Called where the backend serves the problem's device (CudaDecode, and
+    cuda_unusable_reason after unusable_reason)."""
     served = served_unit_rows(problem)
     if requested is not None:
         if requested not in served:
@@ -259,11 +261,17 @@ def plan_unit_rows(problem, requested: int | None = None) -> int:
         splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows))
         return units, splits, max(1, problem.max_seqlen // BLOCK_N) // splits
 
-    units, splits, tiles = plan(WIDE_QUERY_ROWS)
     sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
+    narrow_splits = plan(QUERY_ROWS)[1]
+    if WIDEST_QUERY_ROWS in served:
+        units, splits, tiles = plan(WIDEST_QUERY_ROWS)
+        if (tiles >= WIDEST_MIN_TILES or (splits == 1 and units >= sms)
+                or (tiles >= WIDEST_MERGED_MIN_TILES and narrow_splits > 1)):
+            return WIDEST_QUERY_ROWS
+    units, splits, tiles = plan(WIDE_QUERY_ROWS)
     if units * splits <= sms or tiles < WIDE_MERGED_MIN_TILES:
         return QUERY_ROWS
-    return WIDE_QUERY_ROWS if tiles >= WIDE_MIN_TILES or plan(QUERY_ROWS)[1] > 1 else QUERY_ROWS
+    return WIDE_QUERY_ROWS if tiles >= WIDE_MIN_TILES or narrow_splits > 1 else QUERY_ROWS
 
 
 def query_units(problem, rows: int | None = None) -> int:

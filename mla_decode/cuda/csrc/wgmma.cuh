@@ -384,10 +384,6 @@ split_kernel(const DecodeCall call) {
   using Copy = CopyPlan<NTHREADS, MX>;
   constexpr int COPIES = Copy::COPIES;
   const uint32_t ks_addr = smem_u32(ks);
-  auto copy_offset = [&](int it) -> uint32_t {
-    const int c = tid + NTHREADS * it;
-    return MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
-  };
   // The offsets held in 18 registers (recomputed, the 16-row paged instances took 3-7% longer, H200), except at 32
   // rows paged, where the 128 accumulators leave no room: held, those spilled 80-88 B (11-12 local loads a tile);
   // recomputed, 4-12 B, for ~450 more instructions a tile. 32 rows ragged hold them with no spills (nvcc 13.1).
@@ -396,11 +392,11 @@ split_kernel(const DecodeCall call) {
   uint32_t held[HOLD_OFFSETS ? COPIES : 1];
   if constexpr (HOLD_OFFSETS) {
 #pragma unroll
-    for (int it = 0; it < COPIES; ++it) held[it] = copy_offset(it);
+    for (int it = 0; it < COPIES; ++it) held[it] = Copy::offset(tid, it);
   }
   auto soff = [&](int it) -> uint32_t {
     if constexpr (HOLD_OFFSETS) return held[it];
-    else return copy_offset(it);
+    else return Copy::offset(tid, it);
   };
   auto load_tile = [&](int i) {
     Copy::tile(call, paged_rows, paged, consecutive, ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi,
