@@ -194,9 +194,9 @@ def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkey
     64 query rows a CTA where served (heads in 64s, FP8) and a 64-row CTA walks at least 16 tiles, the unsplit
     64-row grid fills the SMs, or it walks at least 4 tiles where the 16-row plan splits too; else 32 where the heads
     come in 32s, the 32-row grid has more CTAs than SMs and a 32-row CTA walks at least 16 tiles, or 8 where the
-    16-row plan splits too; else 16. The units (the grid's y, the split plan's and the workspace's count) are of those rows. The
-    backend option unit_rows asks for what the kernel serves (64: heads in 64s, the FP8 cache) and is refused
-    otherwise, naming what it takes."""
+    16-row plan splits too; else 16. The units (the grid's y, the split plan's and the workspace's count) are of
+    those rows. The backend option unit_rows asks for what the kernel serves (64: heads in 64s, the FP8 cache) and is
+    refused otherwise, naming what it takes."""
     libraries = []
 
     def library(capability, precise=False):
