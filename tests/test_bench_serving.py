@@ -102,6 +102,13 @@ def test_reference_is_the_torch_backends_attention(heads, q_len):
         assert verdict.rel_l2 < TORCH_OUT_BOUND and verdict.lse_err < TORCH_LSE_BOUND, (kv_format, verdict)
 
 
+@pytest.mark.parametrize("spec", ["serving.yml", "serving_heads.yml"])
+def test_the_specs_load(spec):
+    """Both grids of rows parse, each row valid, none repeated."""
+    shapes = load_serving().load_shapes(ROOT / spec)
+    assert shapes and len({s.name for s in shapes}) == len(shapes)
+
+
 def test_pages_are_shuffled_and_each_owned_by_one_sequence():
     serving = load_serving()
     case = serving.Case(serving.ServingShape(5, 200, 16, 1, 64, seed=3), torch.device("cpu"))
