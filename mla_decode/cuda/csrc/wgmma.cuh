@@ -255,19 +255,19 @@ __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, fl
   }
 }
 
-// Copy plan of NT threads: thread tid copies units c = tid + NT * it of a tile, row c / 36, unit c % 36: its global
-// bytes lie c * 16 bytes after the tile's first row (one warp reads 512 contiguous bytes); its shared offsets are
-// the same for every tile. Rows past hi are zero-filled, never read. The copies ask L2 for whole 128-byte lines
+// Copy plan of split_kernel's warpgroup (the 64-row kernel has its own, WideCopy): thread tid copies units c = tid +
+// NTHREADS * it of a tile, row c / 36, unit c % 36: its global bytes lie c * 16 bytes after the tile's first row (one
+// warp reads 512 contiguous bytes); its shared offsets are the same for every tile. Rows past hi are zero-filled, never read. The copies ask L2 for whole 128-byte lines
 // (.L2::128B): 256x8192 took 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
 // MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
-template <int NT, bool MX>
+template <bool MX>
 struct CopyPlan {
-  static constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NT;
+  static constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NTHREADS;
   static constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
   static constexpr int ROW_BYTES = MX ? MX_ROW : D;
   // The shared offset of this thread's copy `it`.
   static __device__ __forceinline__ uint32_t offset(int tid, int it) {
-    const int c = tid + NT * it;
+    const int c = tid + NTHREADS * it;
     return MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
   }
   // Copies tile i (positions n0 = lo + 64 i ..) to shared dst. consecutive: its rows follow cache row `start + n0`
@@ -286,19 +286,19 @@ struct CopyPlan {
 #pragma unroll
         for (int it = 0; it < COPIES; ++it)
           asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff(it)),
-                       "l"(src + it * NT * 16));
+                       "l"(src + it * NTHREADS * 16));
       } else {
 #pragma unroll
         for (int it = 0; it < COPIES; ++it) {
-          const bool in = (tid + NT * it) / ROW_UNITS < rows;
+          const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
           asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)),
-                       "l"(in ? src + it * NT * 16 : call.kv), "r"(in ? 16 : 0));
+                       "l"(in ? src + it * NTHREADS * 16 : call.kv), "r"(in ? 16 : 0));
         }
       }
     } else {  // each 16-byte unit's row looked up (a thread's units lie in several rows; warps stay coalesced)
 #pragma unroll
       for (int it = 0; it < COPIES; ++it) {
-        const int c = tid + NT * it, row = paged_rows.at(i, c / ROW_UNITS);  // -1: past hi or a bad page
+        const int c = tid + NTHREADS * it, row = paged_rows.at(i, c / ROW_UNITS);  // -1: past hi or a bad page
         const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * ROW_BYTES + (c % ROW_UNITS) * 16;
         asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)), "l"(src),
                      "r"(row >= 0 ? 16 : 0));
@@ -381,7 +381,7 @@ split_kernel(const DecodeCall call) {
   const bool consecutive = !paged || call.page_size % BN == 0;
   // TUNE: start
 
-  using Copy = CopyPlan<NTHREADS, MX>;
+  using Copy = CopyPlan<MX>;
   constexpr int COPIES = Copy::COPIES;
   const uint32_t ks_addr = smem_u32(ks);
   // The offsets held in 18 registers (recomputed, the 16-row paged instances took 3-7% longer, H200), except at 32
