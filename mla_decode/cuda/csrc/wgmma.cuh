@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <utility>
+
 #include "merge.cuh"
 
 namespace mla {
@@ -255,53 +257,117 @@ __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, fl
   }
 }
 
-// Copy plan of split_kernel's warpgroup (the 64-row kernel has its own, WideCopy): thread tid copies units c = tid +
-// NTHREADS * it of a tile, row c / 36, unit c % 36: its global bytes lie c * 16 bytes after the tile's first row (one
-// warp reads 512 contiguous bytes); its shared offsets are the same for every tile. Rows past hi are zero-filled, never read. The copies ask L2 for whole 128-byte lines
-// (.L2::128B): 256x8192 took 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
-// MXFP4: a tile's 64 x 288 bytes of codes are contiguous, and land as they are (unit c at byte 16 c).
-template <bool MX>
+// A tile's copies by NT threads (128 or 256), 16 bytes each; rows past hi are zero-filled, never read. FP8: dims
+// 0..511 of rows R it + r0 (R = NT / 32 rows a round, r0 = tid / 32) as unit u = tid % 32 of the row, so a warp
+// reads a row's 512 contiguous bytes; a row's 128-byte swizzle repeats every 8 rows, so the shared offsets are
+// 8 / R bases plus immediates and the global ones immediates (no address arithmetic a copy). Dims 512..575: rows
+// tid / 4 + (NT / 4) k, one unit each. MXFP4: a tile's 64 x 288 bytes of codes are contiguous and land as they are
+// (unit c = tid + NT it at byte 16 c). The copies ask L2 for whole 128-byte lines (.L2::128B): 256x8192 took
+// 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
+template <int NT, bool MX>
 struct CopyPlan {
-  static constexpr int COPIES = (MX ? MX_STAGE : TILE) / 16 / NTHREADS;
-  static constexpr int ROW_UNITS = MX ? MX_ROW / 16 : D / 16;
-  static constexpr int ROW_BYTES = MX ? MX_ROW : D;
-  // The shared offset of this thread's copy `it`.
-  static __device__ __forceinline__ uint32_t offset(int tid, int it) {
-    const int c = tid + NTHREADS * it;
-    return MX ? c * 16 : tile_offset(c / (D / 16), c % (D / 16));
+  static_assert(NT == 128 || NT == 256, "one or two warpgroups");
+  static constexpr int R = NT / 32, ROUNDS = BN / R, PERIOD = 8 / R;  // FP8: rows a round, rounds, swizzle period
+  static constexpr int ROPE_ROWS = NT / 4, ROPE_COPIES = BN / ROPE_ROWS;
+  static constexpr int MX_COPIES = MX_STAGE / 16 / NT, MX_UNITS = MX_ROW / 16;
+  uint32_t main_off[PERIOD], rope_off;  // FP8: shared offsets of rounds 0 .. PERIOD - 1 and of the first rope unit
+  int tid, main_src, rope_src;          // FP8: global offsets within the tile's first row
+
+  __device__ __forceinline__ explicit CopyPlan(int thread) : tid(thread) {
+    const int u = tid & 31, r0 = tid >> 5, rr = tid >> 2, ru = tid & 3;
+#pragma unroll
+    for (int k = 0; k < PERIOD; ++k) {
+      const int r = r0 + R * k;
+      main_off[k] = (u >> 3) * SW128_BLOCK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+    }
+    rope_off = ROPE_OFFSET + rr * 64 + (((ru ^ (rr >> 1)) & 3) << 4);  // rows + 32 k keep (rr >> 1) & 3
+    main_src = r0 * D + u * 16, rope_src = rr * D + DV + ru * 16;
   }
+  // FP8 round `it` (row r0 + R it) and rope copy k (row tid / 4 + ROPE_ROWS k): shared offset and row.
+  __device__ __forceinline__ uint32_t main_at(int it) const { return main_off[it % PERIOD] + it / PERIOD * 1024; }
+  __device__ __forceinline__ uint32_t rope_at(int k) const { return rope_off + k * ROPE_ROWS * 64; }
+  __device__ __forceinline__ int main_row(int it) const { return (tid >> 5) + R * it; }
+  __device__ __forceinline__ int rope_row(int k) const { return (tid >> 2) + ROPE_ROWS * k; }
+
+  template <int SOFF, int GOFF>
+  static __device__ __forceinline__ void copy(uint32_t dst, const uint8_t* src) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0+%2], [%1+%3], 16;\n" ::"r"(dst), "l"(src), "n"(SOFF),
+                 "n"(GOFF));
+  }
+  template <int... IT>  // every FP8 round of a whole tile whose first row is `src`
+  __device__ __forceinline__ void rounds(uint32_t dst, const uint8_t* src, std::integer_sequence<int, IT...>) const {
+    (copy<IT / PERIOD * 1024, IT * R * D>(dst + main_off[IT % PERIOD], src + main_src), ...);
+  }
+  template <int... K>
+  __device__ __forceinline__ void ropes(uint32_t dst, const uint8_t* src, std::integer_sequence<int, K...>) const {
+    (copy<K * ROPE_ROWS * 64, K * ROPE_ROWS * D>(dst + rope_off, src + rope_src), ...);
+  }
+  template <int... IT>  // every MXFP4 copy of a whole tile (src: this thread's first unit)
+  static __device__ __forceinline__ void mx_rounds(uint32_t dst, const uint8_t* src, std::integer_sequence<int, IT...>) {
+    (copy<IT * NT * 16, IT * NT * 16>(dst, src), ...);
+  }
+  static __device__ __forceinline__ void copy_or_zero(uint32_t dst, const uint8_t* src, bool in) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0));
+  }
+
   // Copies tile i (positions n0 = lo + 64 i ..) to shared dst. consecutive: its rows follow cache row `start + n0`
   // (ragged) or paged_rows.at(i, 0) (pages of a multiple of 64 rows; -1: a page outside the cache), else each row
-  // is looked up in paged_rows. soff(it): offset(tid, it), held or recomputed.
-  template <typename Soff>
-  static __device__ __forceinline__ void tile(const DecodeCall& call, const PagedRows& paged_rows, bool paged,
-                                              bool consecutive, uint32_t dst, int i, int lo, int hi, int start,
-                                              int tid, Soff soff) {
+  // is looked up in paged_rows (-1: past hi or a bad page).
+  __device__ __forceinline__ void tile(const DecodeCall& call, const PagedRows& paged_rows, bool paged,
+                                       bool consecutive, uint32_t dst, int i, int lo, int hi, int start) const {
     const int n0 = lo + i * BN;
-    if (consecutive) {
-      const int first = paged ? paged_rows.at(i, 0) : start + n0;  // -1: a page outside the cache
-      const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * ROW_BYTES + tid * 16;
-      const int rows = first < 0 ? 0 : hi - n0;
-      if (rows >= BN) {
+    if constexpr (MX) {
+      if (consecutive) {
+        const int first = paged ? paged_rows.at(i, 0) : start + n0;
+        const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * MX_ROW + tid * 16;
+        const int rows = first < 0 ? 0 : hi - n0;
+        if (rows >= BN) {
+          mx_rounds(dst + tid * 16, src, std::make_integer_sequence<int, MX_COPIES>{});
+        } else {
 #pragma unroll
-        for (int it = 0; it < COPIES; ++it)
-          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + soff(it)),
-                       "l"(src + it * NTHREADS * 16));
+          for (int it = 0; it < MX_COPIES; ++it) {
+            const bool in = (tid + NT * it) / MX_UNITS < rows;
+            copy_or_zero(dst + (tid + NT * it) * 16, in ? src + it * NT * 16 : call.kv, in);
+          }
+        }
       } else {
 #pragma unroll
-        for (int it = 0; it < COPIES; ++it) {
-          const bool in = (tid + NTHREADS * it) / ROW_UNITS < rows;
-          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)),
-                       "l"(in ? src + it * NTHREADS * 16 : call.kv), "r"(in ? 16 : 0));
+        for (int it = 0; it < MX_COPIES; ++it) {
+          const int c = tid + NT * it, row = paged_rows.at(i, c / MX_UNITS);
+          copy_or_zero(dst + c * 16, call.kv + static_cast<size_t>(max(row, 0)) * MX_ROW + (c % MX_UNITS) * 16,
+                       row >= 0);
         }
       }
-    } else {  // each 16-byte unit's row looked up (a thread's units lie in several rows; warps stay coalesced)
+    } else if (consecutive) {
+      const int first = paged ? paged_rows.at(i, 0) : start + n0;
+      const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * D;
+      const int rows = first < 0 ? 0 : hi - n0;
+      if (rows >= BN) {
+        rounds(dst, src, std::make_integer_sequence<int, ROUNDS>{});
+        ropes(dst, src, std::make_integer_sequence<int, ROPE_COPIES>{});
+      } else {
 #pragma unroll
-      for (int it = 0; it < COPIES; ++it) {
-        const int c = tid + NTHREADS * it, row = paged_rows.at(i, c / ROW_UNITS);  // -1: past hi or a bad page
-        const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * ROW_BYTES + (c % ROW_UNITS) * 16;
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + soff(it)), "l"(src),
-                     "r"(row >= 0 ? 16 : 0));
+        for (int it = 0; it < ROUNDS; ++it) {
+          const bool in = main_row(it) < rows;
+          copy_or_zero(dst + main_at(it), in ? src + main_src + it * R * D : call.kv, in);
+        }
+#pragma unroll
+        for (int k = 0; k < ROPE_COPIES; ++k) {
+          const bool in = rope_row(k) < rows;
+          copy_or_zero(dst + rope_at(k), in ? src + rope_src + k * ROPE_ROWS * D : call.kv, in);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < ROUNDS; ++it) {
+        const int row = paged_rows.at(i, main_row(it));
+        copy_or_zero(dst + main_at(it), call.kv + static_cast<size_t>(max(row, 0)) * D + (tid & 31) * 16, row >= 0);
+      }
+#pragma unroll
+      for (int k = 0; k < ROPE_COPIES; ++k) {
+        const int row = paged_rows.at(i, rope_row(k));
+        copy_or_zero(dst + rope_at(k), call.kv + static_cast<size_t>(max(row, 0)) * D + DV + (tid & 3) * 16,
+                     row >= 0);
       }
     }
   }
@@ -381,26 +447,11 @@ split_kernel(const DecodeCall call) {
   const bool consecutive = !paged || call.page_size % BN == 0;
   // TUNE: start
 
-  using Copy = CopyPlan<MX>;
-  constexpr int COPIES = Copy::COPIES;
+  const CopyPlan<NTHREADS, MX> copy(tid);
   const uint32_t ks_addr = smem_u32(ks);
-  // The offsets held in 18 registers (recomputed, the 16-row paged instances took 3-7% longer, H200), except at 32
-  // rows paged, where the 128 accumulators leave no room: held, those spilled 80-88 B (11-12 local loads a tile);
-  // recomputed, 4-12 B, for ~450 more instructions a tile. 32 rows ragged hold them with no spills (nvcc 13.1).
-  // (MXFP4's c * 16 costs nothing either way.)
-  constexpr bool HOLD_OFFSETS = H == 16 || !PAGED;
-  uint32_t held[HOLD_OFFSETS ? COPIES : 1];
-  if constexpr (HOLD_OFFSETS) {
-#pragma unroll
-    for (int it = 0; it < COPIES; ++it) held[it] = Copy::offset(tid, it);
-  }
-  auto soff = [&](int it) -> uint32_t {
-    if constexpr (HOLD_OFFSETS) return held[it];
-    else return Copy::offset(tid, it);
-  };
   auto load_tile = [&](int i) {
-    Copy::tile(call, paged_rows, paged, consecutive, ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi,
-               start, tid, soff);
+    copy.tile(call, paged_rows, paged, consecutive, ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi,
+              start);
   };
   using Query = QueryQuant<H, NWARPS>;
   typename Query::Regs qv;

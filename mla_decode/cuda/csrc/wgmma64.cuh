@@ -4,8 +4,6 @@
 // product keeps them on N (O^T = V^T P^T, A from registers), as split_kernel has it.
 #pragma once
 
-#include <utility>
-
 #include "wgmma.cuh"
 
 namespace mla {
@@ -27,70 +25,6 @@ static_assert(wide_smem_bytes() <= 227 * 1024, "a block's shared memory on Hoppe
 // PagedRows' 4 slots (tile i in slot i % 4) hold pairs j + 1 and j + 2 during iteration j: pair j + 1's rows are read
 // by its copies at the top of the iteration, pair j + 2's written after the scores (pair j's slots, free since then).
 static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
-
-// A tile's copies by the 256 threads, 9 a thread, with no address arithmetic a copy: dims 0..511 of rows 8 it + r0
-// (r0 = tid / 32, it < 8) as unit u = tid % 32 of the row (the 128-byte swizzle of a row depends on row % 8 = r0
-// only, so the 8 copies lie 1 KB apart in shared memory and 8 rows apart in global: immediate offsets); dims 512..575
-// one unit a thread, row tid / 4. A warp reads 512 contiguous bytes of a row. Rows past hi are zero-filled, never
-// read.
-struct WideCopy {
-  template <int IT>  // rows 8 IT + r0: the offsets as the instruction's immediates
-  static __device__ __forceinline__ void copy_row(uint32_t dst, const uint8_t* src) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0+%2], [%1+%3], 16;\n" ::"r"(dst), "l"(src), "n"(IT * 1024),
-                 "n"(IT * 8 * D));
-  }
-  template <int... IT>
-  static __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t* src, std::integer_sequence<int, IT...>) {
-    (copy_row<IT>(dst, src), ...);
-  }
-
-  uint32_t main_off, rope_off;  // shared offsets within a tile
-  int main_row, rope_row, main_col, rope_col;
-
-  __device__ __forceinline__ explicit WideCopy(int tid) {
-    const int u = tid & 31, r0 = tid >> 5, rr = tid >> 2, ru = tid & 3;
-    main_off = (u >> 3) * SW128_BLOCK + r0 * 128 + (((u & 7) ^ r0) << 4);
-    rope_off = ROPE_OFFSET + rr * 64 + (((ru ^ (rr >> 1)) & 3) << 4);
-    main_row = r0, rope_row = rr, main_col = u * 16, rope_col = DV + ru * 16;
-  }
-  // Tile i (positions lo + 64 i ..) to shared dst: its rows follow cache row `start + n0` (ragged) or
-  // paged_rows.at(i, 0) (pages of a multiple of 64 rows, consecutive; -1: a page outside the cache), else each row
-  // is looked up in paged_rows.
-  __device__ __forceinline__ void tile(const DecodeCall& call, const PagedRows& paged_rows, bool paged,
-                                       bool consecutive, uint32_t dst, int i, int lo, int hi, int start) const {
-    const int n0 = lo + i * BN;
-    if (consecutive) {
-      const int first = paged ? paged_rows.at(i, 0) : start + n0;
-      const int rows = first < 0 ? 0 : hi - n0;
-      const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * D;
-      const uint8_t* msrc = src + main_row * D + main_col;
-      if (rows >= BN) {
-        copy_rows(dst + main_off, msrc, std::make_integer_sequence<int, 8>{});
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst + rope_off),
-                     "l"(src + rope_row * D + rope_col));
-      } else {
-#pragma unroll
-        for (int it = 0; it < 8; ++it) {
-          const bool in = main_row + 8 * it < rows;
-          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + main_off + it * 1024),
-                       "l"(in ? msrc + it * 8 * D : call.kv), "r"(in ? 16 : 0));
-        }
-        const bool in = rope_row < rows;
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst + rope_off),
-                     "l"(in ? src + rope_row * D + rope_col : call.kv), "r"(in ? 16 : 0));
-      }
-    } else {  // each row looked up (-1: past hi or a bad page)
-#pragma unroll
-      for (int it = 0; it < 9; ++it) {
-        const int row = paged_rows.at(i, it < 8 ? main_row + 8 * it : rope_row);
-        const uint8_t* src = call.kv + static_cast<size_t>(max(row, 0)) * D + (it < 8 ? main_col : rope_col);
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(
-                         dst + (it < 8 ? main_off + it * 1024 : rope_off)),
-                     "l"(src), "r"(row >= 0 ? 16 : 0));
-      }
-    }
-  }
-};
 
 template <bool PAGED>
 __global__ void __launch_bounds__(WIDE_THREADS, WIDE_CTAS_PER_SM)
@@ -121,7 +55,7 @@ split_kernel64(const DecodeCall call) {
   // A tile's rows are consecutive in the cache when ragged or in pages of a multiple of BN rows.
   const bool consecutive = !PAGED || call.page_size % BN == 0;
 
-  const WideCopy copy(tid);
+  const CopyPlan<WIDE_THREADS, false> copy(tid);
   const uint32_t ks_addr = smem_u32(smem);
   // Pair p: tiles 2p and 2p + 1 to stages 2 (p % 2) and + 1, one cp.async group (empty past the last pair). An odd
   // split's last pair has its second tile past hi: zero-filled (no global reads) and masked.
