@@ -13,7 +13,7 @@ mla_decode/aiter_backend.py; run through submission.py, which tools/bundle.py ge
              the BF16 truth computed once per shape): a variant that fails or raises is never recommended
   median µs  the leaderboard's timing of one whole custom_kernel call (MLA_BACKEND=aiter, MLA_AITER_VARIANT set
              to the variant): synchronize, flush L2, event, the call, event, synchronize; median of --iters calls
-             after --warmup untimed ones (bench/bench.py's Timer)
+             after --warmup untimed ones (bench/leaderboard.py's Timer)
   ran as     the call form the plan actually runs: a "direct" variant on an aiter whose stage 1 / reduce
              signatures differ from the runner's runs mla_decode_fwd ("decode_fwd (fallback)")
 and the triton backend's paths (TRITON_PATHS: MLA_BACKEND=triton in each KV format and precision, checked with
@@ -29,7 +29,7 @@ submission.py), each entry saying where its choice came from. The exit status is
 (everything is printed first).
 
 The chart (--chart, matplotlib): median µs per shape and path, log scale, with the FP8 read floor (the FP8 cache's
-bytes over the read ceiling bench.py's kernels measure first on the same GPU).
+bytes over the read ceiling leaderboard.py's kernels measure first on the same GPU).
 
 --dry-run installs the stand-in aiter of tests/aiter_standin.py (the runner's signatures), runs Triton's
 interpreter, and runs two tiny shapes on the CPU with wall-clock timing, no flush: it exercises the whole script
@@ -39,7 +39,6 @@ interpreter, and runs two tiny shapes on the CPU with wall-clock timing, no flus
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import os
 import statistics
@@ -48,8 +47,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-ROOT = BENCH_DIR.parent
+ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]  # the harness's top-level modules, imported by name as the harness does
 if "--dry-run" in sys.argv[1:]:  # before triton is first imported: the triton rows run in its interpreter
     os.environ["TRITON_INTERPRET"] = "1"
@@ -58,17 +56,9 @@ import torch  # noqa: E402
 
 import reference  # noqa: E402
 import submission  # noqa: E402
+from bench import chart, leaderboard  # noqa: E402  (leaderboard's shapes, scoped_env, timer, read ceiling: one of each)
 from utils import get_device  # noqa: E402
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_script", BENCH_DIR / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()  # shapes, scoped_env, the leaderboard timer and the read ceiling: one definition of each
 # The triton backend's paths: row name -> (KV format, precision). Only ROCM_TRITON (the FP8 cache, the fast mode) can
 # be recommended for a shape.
 TRITON_PATHS = {submission.ROCM_TRITON: ("fp8", "fast"), "triton-fp8-precise": ("fp8", "precise"),
@@ -77,7 +67,7 @@ TRITON_PATHS = {submission.ROCM_TRITON: ("fp8", "fast"), "triton-fp8-precise": (
 
 def leaderboard_times(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:
     """µs of each of `iters` calls timed as the leaderboard does (the only timing this script uses)."""
-    return bench.Timer(device).leaderboard(fn, iters)
+    return leaderboard.Timer(device).leaderboard(fn, iters)
 
 
 @dataclasses.dataclass
@@ -122,7 +112,7 @@ def measured_row(row: Row, env: dict, data: tuple, expected: torch.Tensor, kv_fo
     """`row` filled for custom_kernel under `env`: its first output checked against the BF16 truth with the bound
     of `kv_format`, ran_as_of(data) -> what the plan runs, then --warmup calls and the leaderboard's timing of
     --iters. An exception (a path this machine cannot run) makes it ERROR, never recommended."""
-    with bench.scoped_env(env):
+    with leaderboard.scoped_env(env):
         try:
             ok, msg = reference.check_against(data, submission.custom_kernel(data), expected, kv_format)
             row.ran_as = ran_as_of(data)
@@ -221,9 +211,6 @@ def render_rows(rows: list[Row], quants: list[dict]) -> str:
 
 def draw_chart(rows: list[Row], shapes, floors: dict, out: Path, title: str) -> None:
     """bench/chart.py's bars: each path's median µs per shape, the FP8 read floor beside them."""
-    spec = importlib.util.spec_from_file_location("bench_chart", BENCH_DIR / "chart.py")
-    chart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chart)
     times = {(r.shape, r.variant): r.median_us for r in rows if r.status == "OK"}
     out.parent.mkdir(parents=True, exist_ok=True)
     chart.draw([s.name for s in shapes], times, floors, out, title)
@@ -262,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         device, aiter_label = torch.device("cpu"), install_standin()
-        available = [bench.Shape(*s) for s in bench.DRY_RUN_SHAPES]
+        available = [leaderboard.Shape(*s) for s in leaderboard.DRY_RUN_SHAPES]
     else:
         device = get_device()
         if device.type != "cuda" or torch.version.hip is None:
@@ -270,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         import aiter
 
         aiter_label = f"aiter {getattr(aiter, '__version__', '(no version)')} at {aiter.__file__}"
-        available = bench.leaderboard_shapes()
-    shapes = bench.select_shapes(available, args.shapes)
+        available = leaderboard.leaderboard_shapes()
+    shapes = leaderboard.select_shapes(available, args.shapes)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
     date = datetime.date.today().isoformat()
     print(f"aiter_sweep on {gpu}, {aiter_label}: {len(shapes)} shapes x {len(args.variant_list)} variants, "
@@ -293,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     chosen = recommend(rows, shapes, args.min_gain, f"aiter_sweep {date} {gpu}")
-    ceiling = bench.measure_read_ceiling(bench.Context(argparse.Namespace(
+    ceiling = leaderboard.measure_read_ceiling(leaderboard.Context(argparse.Namespace(
         ceiling_gib=1 / 1024 if args.dry_run else 4, iters=args.iters), device))
-    floors = {s.name: s.batch * s.kv * bench.BYTES_PER_ROW["fp8"] / ceiling["gbps"] / 1e3 for s in shapes}
+    floors = {s.name: s.batch * s.kv * leaderboard.BYTES_PER_ROW["fp8"] / ceiling["gbps"] / 1e3 for s in shapes}
     if args.chart:
         draw_chart(rows, shapes, floors, args.chart, f"aiter_sweep {date}, {gpu}: µs per call")
         print(f"chart: {args.chart}")

@@ -1,6 +1,6 @@
-"""A bar chart of bench.py's JSON: median µs per call (leaderboard timing) per shape and method, log scale, with the
-FP8 read floor (the FP8 cache's bytes over the measured read ceiling) as a line. Needs matplotlib (not a project
-dependency: `pip install matplotlib`).
+"""A bar chart of leaderboard.py's JSON: median µs per call (leaderboard timing) per shape and method, log scale,
+with the FP8 read floor (the FP8 cache's bytes over the measured read ceiling) as a line. Needs matplotlib (not a
+project dependency: `pip install matplotlib`).
 
     python3 bench/chart.py BENCH.json [BENCH2.json ...] --out chart.png [--title TEXT]
 

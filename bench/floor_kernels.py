@@ -1,8 +1,8 @@
-"""Triton kernels that measure floors for bench.py: the HBM read ceiling, an empty launch, and a memory-only walk
+"""Triton kernels that measure floors for leaderboard.py: the HBM read ceiling, an empty launch, and a memory-only walk
 of the KV cache.
 
 None of them computes attention. Each reads what it must and writes a tiny checksum, so the compiler cannot drop
-the loads and bench.py can prove that every byte it counts was read:
+the loads and leaderboard.py can prove that every byte it counts was read:
   read_ceiling: a large int32 buffer summed per program; the ceiling is bytes read / time.
   empty:        no work at all; its time under the leaderboard's timing is the cost of one launch there.
   memwalk:      the KV bytes one decode must read (FP8: 576 B per row; MXFP4: 288 B of codes + 18 E8M0 scale
@@ -30,7 +30,7 @@ MXFP4_ROW_WORDS = MXFP4_ROW_BYTES // 4  # 72 = 64 (dims 0..511) + 8 (dims 512..5
 FP8_VALUE_WORDS, MXFP4_VALUE_WORDS = 128, 64  # the words of dims 0..511 (the values); the rest of a row is rope
 WRAP = 1 << 32  # the lanes add int32 words with wrap-around: checksums agree modulo 2**32
 
-# (BLOCK elements per load, loads per program, warps): the read-ceiling candidates; bench.py keeps the fastest.
+# (BLOCK elements per load, loads per program, warps): the read-ceiling candidates; leaderboard.py keeps the fastest.
 READ_CONFIGS = ((4096, 4, 8), (8192, 2, 8), (2048, 8, 4))
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one command for the H200 (the device tool's `run`, with carry: [".peers"]):
-#     bash bench/run_h200.sh [extra bench.py options, e.g. --shapes 4x1024 --iters 20]
+#     bash bench/run_h200.sh [extra leaderboard.py options, e.g. --shapes 4x1024 --iters 20]
 # 1. FlashInfer from .peers/ onto PYTHONPATH where it is there (bench/peers_env.sh says how).
-# 2. Run bench.py on the 8 leaderboard shapes, writing bench.json, bench.md and bench.log into $OUT (the device
+# 2. Run leaderboard.py on the 8 leaderboard shapes, writing bench.json, bench.md and bench.log into $OUT (the device
 #    tool brings that folder back), or into results/ where $OUT is unset.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +11,5 @@ mkdir -p "$OUT_DIR"
 source bench/peers_env.sh run_h200
 
 export PYTHONUNBUFFERED=1
-python3 bench/bench.py --json "$OUT_DIR/bench.json" --markdown "$OUT_DIR/bench.md" "$@" 2>&1 | tee "$OUT_DIR/bench.log"
+python3 bench/leaderboard.py --json "$OUT_DIR/bench.json" --markdown "$OUT_DIR/bench.md" "$@" 2>&1 \
+  | tee "$OUT_DIR/bench.log"

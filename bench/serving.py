@@ -19,7 +19,7 @@ Methods (columns of the compact table; one that cannot run here is skipped, with
           plan() once per row outside the timing.
   floor   the memory-only walk of the FP8 pages through the block table (floor_kernels.MemWalk): the fastest of a
           sweep over split counts and tile heights.
-Timing as bench.py's (utils.Timer.leaderboard): per call synchronize, flush the L2, CUDA event, the call, event,
+Timing as leaderboard.py's (utils.Timer.leaderboard): per call synchronize, flush the L2, CUDA event, the call, event,
 synchronize; the median of --iters calls after one checked call and --warmup more.
 Columns: median µs; KV GB/s (bytes of the format read over the median) and % of the HBM read ceiling measured at the
 start of the run; TFLOPS (2 * q_len * heads * the sum of the lengths * (576 + 512) FLOPs, the score and value
@@ -45,17 +45,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-BENCH_DIR = Path(__file__).resolve().parent
-ROOT = BENCH_DIR.parent
-# bench.py, floor_kernels and the harness's modules by name, also when a test loads this file by path.
-sys.path[:0] = [str(ROOT), str(BENCH_DIR)]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]  # the bench package (leaderboard.py) and the harness's modules by name
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-import bench  # noqa: E402
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
+from bench import leaderboard  # noqa: E402
 from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 from utils import get_device  # noqa: E402
 
@@ -249,8 +247,8 @@ def attention_check(case: Case, kv_format: str, canonical: Callable[[object], tu
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ServingContext(bench.Context):
-    """bench.py's context (device, timer, Triton, FlashInfer and its workspace) and FlashMLA's modules."""
+class ServingContext(leaderboard.Context):
+    """leaderboard.py's context (device, timer, Triton, FlashInfer and its workspace) and FlashMLA's modules."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device):
         super().__init__(args, device)
@@ -263,7 +261,7 @@ class ServingContext(bench.Context):
         if module not in self._flashmla_reasons:
             self._flashmla_reasons[module] = self._import_flashmla(module)
         if self._flashmla_reasons[module]:
-            raise bench.Unavailable(self._flashmla_reasons[module])
+            raise leaderboard.Unavailable(self._flashmla_reasons[module])
         return getattr(torch.ops, module)
 
     def _import_flashmla(self, module: str) -> str | None:
@@ -318,10 +316,10 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
         kv, scale = case.cache(kv_format)
         options, rows = None, shape.q_len * shape.heads
         if block_h is not None and rows % block_h:
-            raise bench.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
+            raise leaderboard.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
         if unit_rows is not None:
             if shape.heads % unit_rows:
-                raise bench.Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
+                raise leaderboard.Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
             options = {"unit_rows": unit_rows}
         try:
             if block_h is not None:
@@ -333,7 +331,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
                                      kv_scale_dtype=torch.uint8 if scale is None else scale.dtype,
                                      backend_options=options)
         except RuntimeError as e:  # the backend cannot serve this shape or format here (BackendUnavailable)
-            raise bench.Unavailable(str(e)) from e
+            raise leaderboard.Unavailable(str(e)) from e
         out = torch.empty((shape.batch, shape.q_len, shape.heads, V_DIM), dtype=torch.bfloat16, device=ctx.device)
         lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=ctx.device)
         return Prepared(fn=lambda: decode.run(case.q, kv, case.block_table, case.cache_seqlens, scale, out=out,
@@ -354,7 +352,7 @@ def _flashmla(kv_format: str):
         ops = ctx.flashmla(kv_format)
         shape = case.shape
         if shape.page != FLASHMLA_PAGE:
-            raise bench.Unavailable(f"FlashMLA reads pages of {FLASHMLA_PAGE} rows only, not {shape.page}")
+            raise leaderboard.Unavailable(f"FlashMLA reads pages of {FLASHMLA_PAGE} rows only, not {shape.page}")
         kv, scale = case.cache(kv_format)
         rows_per_kv_head = shape.q_len * shape.heads // NUM_KV_HEADS
         seqlens, table = case.cache_seqlens, case.block_table
@@ -398,7 +396,7 @@ def _flashinfer(kv_format: str):
                          causal=shape.causal, sm_scale=SOFTMAX_SCALE, q_data_type=torch.bfloat16,
                          kv_data_type=kv.dtype, lse_mode="basee")
         except ValueError as e:
-            raise bench.Unavailable(f"FlashInfer's plan refuses this shape: {bench.first_line(e)}") from e
+            raise leaderboard.Unavailable(f"FlashInfer's plan refuses this shape: {leaderboard.first_line(e)}") from e
         tokens = shape.batch * shape.q_len
         q = case.q.view(tokens, shape.heads, QK_DIM)
         kv_pages = kv.view(case.num_pages, shape.page, QK_DIM)
@@ -421,14 +419,14 @@ def _flashinfer(kv_format: str):
 
 def _memwalk(ctx: ServingContext, case: Case) -> Prepared:
     """The memory-only walk of the FP8 pages through the block table: the fastest verified configuration of
-    bench.memwalk_sweep (split count x tile height)."""
+    leaderboard.memwalk_sweep (split count x tile height)."""
     fk = ctx.floor_kernels()
     kv, scale = case.cache("fp8")
     expected_sum = case.fp8_word_sum() % fk.WRAP
     pages = (case.block_table, case.cache_seqlens, case.shape.page)
-    sweep = bench.memwalk_sweep(ctx, "fp8", {"fp8": (kv, scale)}, None, pages, max(case.lens), expected_sum)
+    sweep = leaderboard.memwalk_sweep(ctx, "fp8", {"fp8": (kv, scale)}, None, pages, max(case.lens), expected_sum)
     _, splits, block_n, walk = min(sweep, key=lambda t: t[0])
-    check = bench.checksum_check(walk, expected_sum)
+    check = leaderboard.checksum_check(walk, expected_sum)
 
     def verdict(out) -> Verdict:
         ok, _, message = check(out)
@@ -513,7 +511,7 @@ def run_method(ctx: ServingContext, method: Method, case: Case) -> Result:
     shape = case.shape
     result = Result(shape=shape.name, batch=shape.batch, kv=shape.kv, heads=shape.heads, q_len=shape.q_len,
                     page=shape.page, method=method.name, kind=method.kind, kv_format=method.kv_format,
-                    kv_rows=case.kv_rows, kv_bytes=case.kv_rows * bench.BYTES_PER_ROW[method.kv_format],
+                    kv_rows=case.kv_rows, kv_bytes=case.kv_rows * leaderboard.BYTES_PER_ROW[method.kv_format],
                     flops=2 * shape.q_len * shape.heads * case.kv_rows * (QK_DIM + V_DIM))
     try:
         prepared = method.prepare(ctx, case)
@@ -525,12 +523,12 @@ def run_method(ctx: ServingContext, method: Method, case: Case) -> Result:
         for _ in range(ctx.args.warmup):
             prepared.fn()
         result.times_us = ctx.timer.leaderboard(prepared.fn, ctx.args.iters)
-    except (bench.Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
-        result.reason = str(e) if isinstance(e, bench.Unavailable) else bench.first_line(e)
+    except (leaderboard.Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
+        result.reason = str(e) if isinstance(e, leaderboard.Unavailable) else leaderboard.first_line(e)
         return result
     except Exception as e:  # reported loudly (ERROR, exit status 1); the other methods still run
         traceback.print_exc()
-        result.status, result.reason = "ERROR", bench.first_line(e)
+        result.status, result.reason = "ERROR", leaderboard.first_line(e)
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         return result
@@ -571,9 +569,9 @@ def summarize(results: list[Result], methods: list[Method], n_shapes: int) -> di
             "shapes_timed": len(timed),
             "shapes_total": n_shapes,
             "failed": sum(r.status == "FAIL" for r in timed),
-            "geomean_us": bench.geomean([r.median_us for r in timed]),
-            "geomean_vs_best_peer": bench.geomean([r.vs_best_peer for r in timed if r.vs_best_peer is not None]),
-            "geomean_tflops": bench.geomean([r.tflops for r in timed if r.tflops is not None]),
+            "geomean_us": leaderboard.geomean([r.median_us for r in timed]),
+            "geomean_vs_best_peer": leaderboard.geomean([r.vs_best_peer for r in timed if r.vs_best_peer is not None]),
+            "geomean_tflops": leaderboard.geomean([r.tflops for r in timed if r.tflops is not None]),
         }
     return out
 
@@ -593,7 +591,7 @@ def detail_cells(r: Result) -> tuple[str, ...]:
         note = f"{r.check}; {note}" if note else r.check
     numbers = ((r.median_us, ".1f"), (r.mean_us, ".1f"), (r.gbps, ".0f"), (r.pct_ceiling, ".0f"), (r.tflops, ".1f"),
                (r.vs_best_peer, ".2f"), (r.rel_l2, ".1e"), (r.lse_err, ".1e"))
-    return (r.method, r.status, *(bench.fmt_or_dash(v, spec) for v, spec in numbers), note)
+    return (r.method, r.status, *(leaderboard.fmt_or_dash(v, spec) for v, spec in numbers), note)
 
 
 def detail_table(results: list[Result], shape: str | None = None) -> list[list[str]]:
@@ -605,21 +603,21 @@ def detail_table(results: list[Result], shape: str | None = None) -> list[list[s
 
 def compact_table(results: list[Result], summary: dict, cases: list[tuple[ServingShape, int]],
                   methods: list[Method], ceiling_gbps: float) -> list[list[str]]:
-    """Rows down, methods across, median µs (bench.compact_cell: skip, ERROR, ! for a failed check), and the FP8
+    """Rows down, methods across, median µs (leaderboard.compact_cell: skip, ERROR, ! for a failed check), and the FP8
     floor (the FP8 bytes over the ceiling); then the geometric means and their ratio to the best peer."""
     by_key = {(r.shape, r.method): r for r in results}
-    floors = {s.name: kv_rows * bench.BYTES_PER_ROW["fp8"] / ceiling_gbps / 1e3 for s, kv_rows in cases}
+    floors = {s.name: kv_rows * leaderboard.BYTES_PER_ROW["fp8"] / ceiling_gbps / 1e3 for s, kv_rows in cases}
     table = [["shape", *(m.name for m in methods), "FP8 floor"]]
     for s, _ in cases:
-        table.append([s.name, *(bench.compact_cell(by_key[(s.name, m.name)]) for m in methods),
+        table.append([s.name, *(leaderboard.compact_cell(by_key[(s.name, m.name)]) for m in methods),
                       f"{floors[s.name]:.1f}"])
     geomeans, ratios = ["geomean"], ["vs best peer"]
     for m in methods:
         sm = summary[m.name]
         partial = "" if sm["shapes_timed"] in (0, sm["shapes_total"]) else f" ({sm['shapes_timed']}/{len(cases)})"
-        geomeans.append(bench.fmt_or_dash(sm["geomean_us"], ".1f") + ("!" if sm["failed"] else "") + partial)
-        ratios.append(bench.fmt_or_dash(sm["geomean_vs_best_peer"], ".2f"))
-    return [*table, [*geomeans, f"{bench.geomean(list(floors.values())):.1f}"], [*ratios, ""]]
+        geomeans.append(leaderboard.fmt_or_dash(sm["geomean_us"], ".1f") + ("!" if sm["failed"] else "") + partial)
+        ratios.append(leaderboard.fmt_or_dash(sm["geomean_vs_best_peer"], ".2f"))
+    return [*table, [*geomeans, f"{leaderboard.geomean(list(floors.values())):.1f}"], [*ratios, ""]]
 
 
 def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: list[list[str]]) -> None:
@@ -642,14 +640,14 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         f"{', '.join(str(p) for p in meta['pages'])} rows; `!` = the row failed its check (still timed); `FP8 floor` ="
         " FP8 KV bytes / ceiling.",
         "",
-        bench.render_markdown(compact),
+        leaderboard.render_markdown(compact),
         "",
         *(f"- `{name}` ({m['kind']}): {m['label']}" for name, m in result["methods"].items()),
         *(f"- `{m}` skipped or failed: {reason}" for m, reason in skipped),
         "",
         "<details><summary>Every row</summary>",
         "",
-        bench.render_markdown(detail),
+        leaderboard.render_markdown(detail),
         "",
         "</details>",
         "",
@@ -724,20 +722,20 @@ def main(argv: list[str] | None = None) -> int:
     shapes = select(shapes, args.rows, "rows")
     methods = select(list(METHODS), args.methods, "methods")
     ctx = ServingContext(args, device)
-    dev = bench.device_info(device)
+    dev = leaderboard.device_info(device)
     sizes = f", {dev['sms']} SMs, L2 {dev['l2_bytes'] / 2**20:.0f} MiB" if dev["sms"] else ""
     print(f"device: {dev['name']}{sizes}")
-    flush = bench.flush_info(device)
+    flush = leaderboard.flush_info(device)
     if flush:
         print(f"L2 flush: {flush['passes']} fills of {flush['bytes'] / 2**20:.0f} MiB, {flush['ms']:.2f} ms")
-    read_ceiling = bench.measure_read_ceiling(ctx)
+    read_ceiling = leaderboard.measure_read_ceiling(ctx)
     print(f"HBM read ceiling: {read_ceiling['gbps']:.0f} GB/s ({read_ceiling['kernel']})", flush=True)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": shlex.join(["python3", "bench/serving.py", *(sys.argv[1:] if argv is None else argv)]),
         "dry_run": args.dry_run,
         "device": dev,
-        "versions": bench.versions(),
+        "versions": leaderboard.versions(),
         "iters": args.iters,
         "warmup": args.warmup,
         "ceiling_gib": args.ceiling_gib,
@@ -784,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     compact = compact_table(results, result["methods"], done, methods, read_ceiling["gbps"])
     for shape, _ in done:
         print(f"\n== {shape.name} ==")
-        print(bench.render_text(detail_table(results, shape.name)))
+        print(leaderboard.render_text(detail_table(results, shape.name)))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         write_markdown(args.markdown, result, compact, detail_table(results))
@@ -797,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL: {f}")
     print(f"\nmedian µs ({'' if device.type == 'cuda' else 'CPU, '}{args.iters} calls); read ceiling "
           f"{read_ceiling['gbps']:.0f} GB/s; ! = failed check; the run took {time.perf_counter() - run_start:.0f} s")
-    print(bench.render_text(compact))
+    print(leaderboard.render_text(compact))
     return 1 if failed or any(r.status == "ERROR" for r in results) else 0
 
 

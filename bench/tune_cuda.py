@@ -4,7 +4,7 @@
         --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40] [--page 64]
     python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock] [--page 64]
 
-Shapes are task.yml's benchmarks (bench.py's --shapes), with their seeds.
+Shapes are task.yml's benchmarks (leaderboard.py's --shapes), with their seeds.
 
 A variant is the kernel library built from a temporary copy of mla_decode/cuda/csrc with some of its integer
 constants replaced (`NAME=CONST:VALUE;CONST:VALUE`, every `constexpr int CONST = ...;` line of the .cu/.cuh files) and
@@ -15,11 +15,11 @@ split count), swapped into the mla_decode.cuda module and submission around its 
 submission or the tests' GPU runs.
 
 ab: every variant's output is checked with reference.check_implementation, then timed the leaderboard's way
-(utils.Timer, as bench.py times: L2 flushed, events around the one call; median of --iters after 2 warm-up calls),
+(utils.Timer, as leaderboard.py times: L2 flushed, events around the one call; median of --iters after 2 warm-up calls),
 variants interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
 --page N times the paged kernels instead: the library's plan run (mla_decode.plan(...).run(...), a plan per variant
-and shape) over the input's cache re-laid in shuffled pages of N rows, as bench.py's paged rows are (a forced split
-count does not apply there); --in-order keeps the pages in the cache's order.
+and shape) over the input's cache re-laid in shuffled pages of N rows, as leaderboard.py's paged rows are (a forced
+split count does not apply there); --in-order keeps the pages in the cache's order.
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS, the `// TUNE: name` lines of the sources; prints,
 for the median of --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA
@@ -41,13 +41,13 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
-import bench  # noqa: E402
 import mla_decode  # noqa: E402
 import mla_decode.cuda as C  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
+from bench import leaderboard  # noqa: E402
 from utils import Timer, clear_l2_cache  # noqa: E402
 
 PLAN = C.cuda_plan
@@ -135,7 +135,7 @@ class Variant:
         self.checked = True
 
     def paged(self, paged, batch: int, kv_len: int):
-        """The paged call of this variant's library on `paged` (bench.Paged): a plan made now (kept as
+        """The paged call of this variant's library on `paged` (leaderboard.Paged): a plan made now (kept as
         self.paged_plan), its run returned."""
         self.activate_checked()
         decode = mla_decode.plan(batch, paged.kv_cache.shape[1], paged.block_table.shape[1], paged.kv_cache.dtype,
@@ -159,7 +159,7 @@ def run_ab(args, variants: dict) -> None:
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
-        paged = bench._paged(data, args.format, args.page, shuffled=not args.in_order) if args.page else None
+        paged = leaderboard._paged(data, args.format, args.page, shuffled=not args.in_order) if args.page else None
         cells = []
         for name, variant in variants.items():
             call = variant.paged(paged, batch, kv_len) if paged else lambda variant=variant, data=data: variant(data)
@@ -240,7 +240,7 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
     for shape in args.shapes:
         batch, kv_len = shape.batch, shape.kv
         data = R.generate_input(batch, 1, kv_len, seed=shape.seed)
-        paged = bench._paged(data, args.format, args.page, shuffled=not args.in_order) if args.page else None
+        paged = leaderboard._paged(data, args.format, args.page, shuffled=not args.in_order) if args.page else None
         for variant in variants.values():
             csrc = copy_sources(variant.csrc, workdir / f"timeline_{batch}x{kv_len}_{variant.name}")
             add_timeline(csrc, args.clock)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clock", action="store_true", help="timeline in %%clock64 cycles per CTA")
     args = parser.parse_args(argv)
-    args.shapes = bench.select_shapes(bench.leaderboard_shapes(), args.shapes)
+    args.shapes = leaderboard.select_shapes(leaderboard.leaderboard_shapes(), args.shapes)
     if not torch.cuda.is_available():
         raise SystemExit("tune_cuda.py needs an NVIDIA GPU")
     os.environ.update(MLA_BACKEND="cuda", MLA_KV_FORMAT=args.format)

@@ -3,16 +3,14 @@ and timed by wall clock), its pasteable AITER_VARIANTS block, a negative control
 FAIL, never recommended, exit status 1), and the recommendation rule."""
 
 import ast
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import submission as S
+from bench import aiter_sweep, leaderboard
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "bench" / "aiter_sweep.py"
@@ -93,30 +91,22 @@ def test_a_variant_with_a_wrong_output_fails_and_is_never_recommended(tmp_path):
     assert all(variant != "fp8_nps" for variant, _ in pasted_table(proc.stdout).values())
 
 
-@pytest.fixture(scope="module")
-def sweep():
-    spec = importlib.util.spec_from_file_location("aiter_sweep_script", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_recommendation_rule(sweep):
-    shapes = [sweep.bench.Shape(4, 1024, 0), sweep.bench.Shape(4, 8192, 0), sweep.bench.Shape(32, 1024, 0),
-              sweep.bench.Shape(32, 8192, 0)]
+def test_recommendation_rule():
+    shapes = [leaderboard.Shape(4, 1024, 0), leaderboard.Shape(4, 8192, 0), leaderboard.Shape(32, 1024, 0),
+              leaderboard.Shape(32, 8192, 0)]
 
     def row(shape, variant, us, status="OK"):
-        return sweep.Row(shape, variant, status=status, median_us=us)
+        return aiter_sweep.Row(shape, variant, status=status, median_us=us)
 
     rows = [row("4x1024", "fp8_ps", 100.0), row("4x1024", "fp8_nps", 98.0),  # 2% faster: noise, keep the default
             row("4x8192", "fp8_ps", 100.0), row("4x8192", "a16w8_ps", 90.0), row("4x8192", "fp8_nps", 50.0, "FAIL"),
             row("32x1024", "fp8_ps", 0.0, "ERROR"), row("32x1024", "a16w8_ps", 70.0),
             row("32x8192", "fp8_ps", 0.0, "ERROR")]
-    chosen = sweep.recommend(rows, shapes, 0.03, "label")
+    chosen = aiter_sweep.recommend(rows, shapes, 0.03, "label")
     assert chosen == {
         (4, 1024): ("fp8_ps", "label: 100.0 us; best other fp8_nps 98.0 us"),
         (4, 8192): ("a16w8_ps", "label: 90.0 us; fp8_ps 100.0 us"),  # the faster FAIL row is never chosen
         (32, 1024): ("a16w8_ps", "label: 70.0 us; fp8_ps failed its check"),
         (32, 8192): ("fp8_ps", "label: no variant passed its check"),
     }
-    assert ast.literal_eval(sweep.render_table(chosen).split(" = ", 1)[1]) == chosen
+    assert ast.literal_eval(aiter_sweep.render_table(chosen).split(" = ", 1)[1]) == chosen

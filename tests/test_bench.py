@@ -1,9 +1,8 @@
-"""bench/bench.py on the CPU: the dry run's table and JSON, rows never dropped, the memory-only walks and the
+"""bench/leaderboard.py on the CPU: the dry run's table and JSON, rows never dropped, the memory-only walks and the
 read-ceiling kernel checked in the Triton interpreter, and negative controls (a wrong output is FAIL, a raising
 method is ERROR, a backend not built yet is skipped) with the exit status they set. Any GPU is hidden (subprocesses)
 or passed over (in process), so a GPU machine checks the same CPU rows."""
 
-import importlib.util
 import json
 import os
 import re
@@ -15,16 +14,10 @@ import pytest
 import torch
 
 import reference as R
+from bench import leaderboard
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench" / "bench.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_script", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+LEADERBOARD = ROOT / "bench" / "leaderboard.py"
 
 
 def cpu_env(interpret: bool) -> dict[str, str]:
@@ -39,19 +32,18 @@ def cpu_env(interpret: bool) -> dict[str, str]:
 def run_bench(tmp_path: Path, *args: str, interpret: bool = False) -> tuple[subprocess.CompletedProcess, dict, str]:
     env = cpu_env(interpret)
     out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
-    proc = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--json", str(out_json), "--markdown", str(out_md),
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(LEADERBOARD), "--dry-run", "--json", str(out_json), "--markdown",
+                           str(out_md), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out_json.read_text()), out_md.read_text()
 
 
 def test_dry_run_reports_every_row_and_prints_the_compact_table_last(tmp_path):
     proc, result, markdown = run_bench(tmp_path)
-    bench = load_bench()
     shapes = [s["name"] for s in result["shapes"]]
     assert shapes == ["2x64", "3x37"]
     rows = {(r["shape"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(s, m.name) for s in shapes for m in bench.METHODS}  # never silently dropped
+    assert set(rows) == {(s, m.name) for s in shapes for m in leaderboard.METHODS}  # never silently dropped
     for r in rows.values():
         assert r["status"] in ("ok", "skipped"), r
         assert r["status"] == "ok" or r["reason"], r  # every skip says why
@@ -106,8 +98,9 @@ def test_memory_walks_and_read_ceiling_in_the_interpreter(tmp_path):
 # process may already have done.
 MEMWALK_VARLEN = """
 import sys, torch
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/bench"]
-import floor_kernels as fk, reference as R
+sys.path[:0] = [sys.argv[1]]
+import reference as R
+from bench import floor_kernels as fk
 for kv_format in ("fp8", "mxfp4"):
     data = R.generate_varlen_input([5, 40, 1, 33], seed=3, device=torch.device("cpu"))
     kv_data, kv_indptr = data[1], data[3]
@@ -132,8 +125,7 @@ def test_memwalk_checksum_covers_exactly_the_rows_of_kv_indptr():
 
 def test_fresh_calls_bind_a_new_input_each_time():
     """The host time on fresh inputs must see a different input on every call, of the same shape."""
-    bench = load_bench()
-    make = bench.fresh_calls(bench.Shape(2, 16, 5), lambda data: data)  # binds nothing: returns the input itself
+    make = leaderboard.fresh_calls(leaderboard.Shape(2, 16, 5), lambda data: data)  # binds nothing: returns the input
     inputs = [make() for _ in range(3)]
     assert all(data[0].shape == inputs[0][0].shape and data[3].tolist() == [0, 16, 32] for data in inputs)
     digests = {hash(data[0].float().cpu().numpy().tobytes()) for data in inputs}
@@ -142,25 +134,23 @@ def test_fresh_calls_bind_a_new_input_each_time():
 
 
 def test_flashinfer_page_table_over_the_contiguous_cache():
-    bench = load_bench()
     kv_indptr = torch.tensor([0, 128, 256, 320], dtype=torch.int32)
-    page_indptr, indices, lens = bench._flashinfer_pages(kv_indptr, 320, 64)
+    page_indptr, indices, lens = leaderboard._flashinfer_pages(kv_indptr, 320, 64)
     assert page_indptr.tolist() == [0, 2, 4, 5] and indices.tolist() == [0, 1, 2, 3, 4]
     assert lens.tolist() == [128, 128, 64] and lens.dtype == torch.int32
-    assert bench._flashinfer_pages(torch.tensor([0, 100, 164], dtype=torch.int32), 164, 64) is None
-    page_indptr, indices, lens = bench._flashinfer_pages(torch.tensor([0, 3, 3, 5], dtype=torch.int32), 5, 1)
+    assert leaderboard._flashinfer_pages(torch.tensor([0, 100, 164], dtype=torch.int32), 164, 64) is None
+    page_indptr, indices, lens = leaderboard._flashinfer_pages(torch.tensor([0, 3, 3, 5], dtype=torch.int32), 5, 1)
     assert page_indptr.tolist() == [0, 3, 3, 5] and indices.tolist() == [0, 1, 2, 3, 4] and lens.tolist() == [3, 0, 2]
 
 
 def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
     """A zero output must be FAIL, an exception ERROR (both set exit status 1), NotImplementedError skipped."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    bench = load_bench()
-    monkeypatch.setattr(bench, "get_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(leaderboard, "get_device", lambda: torch.device("cpu"))
 
     def zeros(ctx, shape, data, expected):
-        return bench.Prepared(fn=lambda: torch.zeros_like(expected),
-                              check=bench._check_attention(data, expected, "fp8"))
+        return leaderboard.Prepared(fn=lambda: torch.zeros_like(expected),
+                                    check=leaderboard._check_attention(data, expected, "fp8"))
 
     def raises(ctx, shape, data, expected):
         raise RuntimeError("kernel exploded")
@@ -168,13 +158,13 @@ def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
     def not_built(ctx, shape, data, expected):
         raise NotImplementedError("triton backend: not built yet")
 
-    controls = [bench.Method("zeros", "ours", "fp8", "all-zero output", zeros),
-                bench.Method("raises", "ours", "fp8", "raises", raises),
-                bench.Method("not-built", "ours", "fp8", "stub", not_built)]
-    monkeypatch.setattr(bench, "METHOD_BY_NAME", {**bench.METHOD_BY_NAME, **{m.name: m for m in controls}})
+    controls = [leaderboard.Method("zeros", "ours", "fp8", "all-zero output", zeros),
+                leaderboard.Method("raises", "ours", "fp8", "raises", raises),
+                leaderboard.Method("not-built", "ours", "fp8", "stub", not_built)]
+    monkeypatch.setattr(leaderboard, "METHOD_BY_NAME", {**leaderboard.METHOD_BY_NAME, **{m.name: m for m in controls}})
     out_json = tmp_path / "r.json"
-    status = bench.main(["--dry-run", "--methods", "torch-ref,zeros,raises,not-built", "--iters", "1",
-                         "--warmup", "0", "--json", str(out_json)])
+    status = leaderboard.main(["--dry-run", "--methods", "torch-ref,zeros,raises,not-built", "--iters", "1",
+                               "--warmup", "0", "--json", str(out_json)])
     assert status == 1
     rows = {(r["shape"], r["method"]): r for r in json.loads(out_json.read_text())["rows"]}
     for shape in ("2x64", "3x37"):

@@ -4,7 +4,6 @@ and float64 reference (held to the library's torch backend: the same causal rule
 FlashInfer's calls through stand-ins that hold the arguments to those libraries' definitions; and negative controls:
 a planted output or LSE off by 1.25x its bound is FAIL and sets exit status 1, while the exact answer passes."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 import mla_decode
+from bench import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVING = ROOT / "bench" / "serving.py"
@@ -27,13 +27,6 @@ ROW_BYTES = {"fp8": 576, "mxfp4": 288 + 18, "bf16": 1152}
 TORCH_OUT_BOUND = 5e-3
 TORCH_LSE_BOUND = 1e-4
 PLANTED_EXCESS = 1.25  # the planted errors' size, in units of the bound they must break
-
-
-def load_serving():
-    spec = importlib.util.spec_from_file_location("serving_script", SERVING)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def cpu_env() -> dict[str, str]:
@@ -51,7 +44,6 @@ def test_dry_run_reports_every_row_and_method(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result, markdown = json.loads(out_json.read_text()), out_md.read_text()
-    serving = load_serving()
     assert [s["name"] for s in result["shapes"]] == DRY_ROWS
     assert [s["kv_rows"] for s in result["shapes"]] == [100 + 93, 70 + 63 + 56]  # kv - (7 b) % 64
     rows = {(r["shape"], r["method"]): r for r in result["results"]}
@@ -90,7 +82,6 @@ def test_dry_run_reports_every_row_and_method(tmp_path):
 def test_reference_is_the_torch_backends_attention(heads, q_len):
     """serving.py's float64 truth, per format, against the library's torch backend (fp32 over the exactly dequantized
     rows each sequence owns; causal for q_len > 1 as the README says) over the same shuffled pages."""
-    serving = load_serving()
     case = serving.Case(serving.ServingShape(3, 70, heads, q_len, 16, seed=5), torch.device("cpu"))
     for kv_format in ("bf16", "fp8", "mxfp4"):
         kv, scale = case.cache(kv_format)
@@ -105,12 +96,11 @@ def test_reference_is_the_torch_backends_attention(heads, q_len):
 @pytest.mark.parametrize("spec", ["serving.yml", "serving_heads.yml"])
 def test_the_specs_load(spec):
     """Both grids of rows parse, each row valid, none repeated."""
-    shapes = load_serving().load_shapes(ROOT / spec)
+    shapes = serving.load_shapes(ROOT / spec)
     assert shapes and len({s.name for s in shapes}) == len(shapes)
 
 
 def test_pages_are_shuffled_and_each_owned_by_one_sequence():
-    serving = load_serving()
     case = serving.Case(serving.ServingShape(5, 200, 16, 1, 64, seed=3), torch.device("cpu"))
     assert case.lens == [200, 193, 186, 179, 172]
     owned = [p for b in range(5) for p in case.block_table[b, :-(-case.lens[b] // 64)].tolist()]
@@ -123,7 +113,6 @@ def test_planted_wrong_output_or_lse_is_FAIL(tmp_path, monkeypatch):
     """The exact answer (rounded to bf16) passes; the output scaled or the LSE shifted by 1.25x the FP8 bound fails,
     is still timed, and makes the exit status 1."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the read ceiling from torch alone: fast
-    serving = load_serving()
     monkeypatch.setattr(serving, "get_device", lambda: torch.device("cpu"))
     bound = serving.SERVING_BOUNDS["fp8"]
 
@@ -230,7 +219,6 @@ def test_peer_calls_through_stand_ins(tmp_path, monkeypatch):
     the math on the torch backend: the glue (metadata, packing, CSR pages, the LSE's layout, the FP8 scales) passes
     its check at both dry-run rows, and the fastest peer gets the ratio 1."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    serving = load_serving()
     monkeypatch.setattr(serving, "get_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(serving.ServingContext, "flashmla", lambda self, kv_format: StandinFlashMLA())
     flashinfer = SimpleNamespace(mla=SimpleNamespace(BatchMLAPagedAttentionWrapper=StandinMLAWrapper,

@@ -4,7 +4,6 @@ inputs, and bench/modes_agree.py. The flush's sizing rule is checked here with m
 flush does not."""
 
 import hashlib
-import importlib.util
 import math
 import os
 import statistics
@@ -20,17 +19,11 @@ import torch
 import eval as harness
 import reference as R
 import utils
+from bench import modes_agree
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-def load_modes_agree():
-    spec = importlib.util.spec_from_file_location("modes_agree", ROOT / "bench" / "modes_agree.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def q_digest(data) -> str:
@@ -201,7 +194,6 @@ def popcorn_values(means_ns: list[float], check: str = "pass") -> dict[str, str]
 
 
 def test_modes_agree_compares_the_means_within_the_tolerance():
-    modes_agree = load_modes_agree()
     bench = popcorn_values([10_000.0, 300_000.0])
     rows, ok = modes_agree.compare({"benchmark": bench, "leaderboard": popcorn_values([10_400.0, 290_000.0])}, 0.05)
     assert ok and [row["ratio"] for row in rows] == pytest.approx([1.04, 290 / 300])

@@ -4,7 +4,6 @@ sources built by nvcc, and both modes run on an NVIDIA GPU."""
 
 import ctypes
 import difflib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,22 +15,15 @@ import pytest
 import torch
 
 import mla_decode.cuda as C
+from bench import tune_cuda as tune
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNE = ROOT / "bench" / "tune_cuda.py"
 needs_nvcc = pytest.mark.skipif(C.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 
 
-@pytest.fixture(scope="module")
-def tune():
-    spec = importlib.util.spec_from_file_location("tune_cuda", TUNE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
-def csrc(tune, tmp_path):
+def csrc(tmp_path):
     """A copy of the package's sources, as the tool patches them."""
     return tune.copy_sources(C.CSRC, tmp_path / "csrc")
 
@@ -52,23 +44,23 @@ def changed_lines(before: Path, after: Path) -> list[tuple[str, str, str]]:
     ("b=STAGES_ALONE:2;STAGES_SHARED:3@16", ("b", {"STAGES_ALONE": 2, "STAGES_SHARED": 3}, 16)),
     ("c=@8", ("c", {}, 8)),
 ])
-def test_variant_specs(tune, text, expected):
+def test_variant_specs(text, expected):
     assert tune.parse_variant(text) == expected
 
 
 @pytest.mark.parametrize("text", ["STAGES_ALONE:4", "=x", "a=STAGES_ALONE"])
-def test_a_malformed_variant_is_refused(tune, text):
+def test_a_malformed_variant_is_refused(text):
     with pytest.raises(ValueError):
         tune.parse_variant(text)
 
 
-def test_the_copy_holds_every_source_file(tune, csrc):
+def test_the_copy_holds_every_source_file(csrc):
     assert [p.name for p in C.source_files(csrc)] == [p.name for p in C.source_files(C.CSRC)]
     assert C.MAIN_SOURCE in [p.name for p in C.source_files(csrc)]
     assert changed_lines(C.CSRC, csrc) == []
 
 
-def test_patched_sources_change_only_the_named_constants(tune, csrc):
+def test_patched_sources_change_only_the_named_constants(csrc):
     tune.patch_constants(csrc, {"STAGES_ALONE": 7})
     assert changed_lines(C.CSRC, csrc) == [("wgmma.cuh", "constexpr int STAGES_ALONE = 3;",
                                             "constexpr int STAGES_ALONE = 7;")]
@@ -77,7 +69,7 @@ def test_patched_sources_change_only_the_named_constants(tune, csrc):
 
 
 @pytest.mark.parametrize("clock", [False, True])
-def test_every_timeline_mark_finds_its_place(tune, csrc, clock):
+def test_every_timeline_mark_finds_its_place(csrc, clock):
     tune.add_timeline(csrc, clock)
     stamped = "".join(p.read_text() for p in C.source_files(csrc))
     assert stamped.count("%%clock64" if clock else "%%globaltimer") == len(tune.MARKS)
@@ -92,7 +84,7 @@ def test_every_timeline_mark_finds_its_place(tune, csrc, clock):
 
 
 @pytest.mark.parametrize("edit", ["drop", "repeat", "move"])
-def test_a_kernel_edit_that_loses_a_timeline_anchor_fails(tune, csrc, edit):
+def test_a_kernel_edit_that_loses_a_timeline_anchor_fails(csrc, edit):
     """An anchor deleted, duplicated, or moved into the other file (here: the merge's "lse" into the wgmma kernel)."""
     merge, kernel = csrc / "merge.cuh", csrc / "wgmma.cuh"
     text = merge.read_text()
@@ -109,7 +101,7 @@ def test_a_kernel_edit_that_loses_a_timeline_anchor_fails(tune, csrc, edit):
 
 
 @pytest.mark.parametrize("library", ["same", "fields", "offsets", "no export"])
-def test_a_variant_whose_decode_call_differs_is_refused(tune, monkeypatch, library):
+def test_a_variant_whose_decode_call_differs_is_refused(monkeypatch, library):
     """A variant's library must read the DecodeCall mla_decode.cuda passes (a --source from before a change to the
     struct would read garbage): one whose field count or offsets differ, or that cannot say, is refused."""
     fields = len(C.DecodeCall._fields_)
@@ -138,7 +130,7 @@ def test_a_variant_whose_decode_call_differs_is_refused(tune, monkeypatch, libra
 
 @needs_nvcc
 @pytest.mark.parametrize("clock", [False, True])
-def test_the_stamped_sources_build(tune, csrc, monkeypatch, tmp_path, clock):
+def test_the_stamped_sources_build(csrc, monkeypatch, tmp_path, clock):
     monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path / "cache"))
     tune.add_timeline(csrc, clock)
     monkeypatch.setattr(C, "CSRC", csrc)

@@ -1,6 +1,6 @@
 """Benchmark of our MLA decode backends against every installed peer, in one process, beside the roofline.
 
-    python3 bench/bench.py [--json PATH] [--markdown PATH] [--shapes 4x1024,256x8192] [--iters 50]
+    python3 bench/leaderboard.py [--json PATH] [--markdown PATH] [--shapes 4x1024,256x8192] [--iters 50]
                            [--methods triton-fp8,flashinfer-bf16,...] [--dry-run]
     bash bench/run_h200.sh     # on the H200 through the device tool, carry [".peers"]: FlashInfer, then this
 
@@ -57,11 +57,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-BENCH_DIR = Path(__file__).resolve().parent
-ROOT = BENCH_DIR.parent
+ROOT = Path(__file__).resolve().parent.parent
 # The harness's top-level modules (reference, submission, utils) are imported by name, as the harness does, and
-# floor_kernels from beside this file, also when a test loads this file by path.
-sys.path[:0] = [str(ROOT), str(BENCH_DIR)]
+# floor_kernels from this package (bench).
+sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -177,7 +176,7 @@ class Context:
         """bench/floor_kernels.py, imported only where Triton can run (the import compiles nothing)."""
         if self.triton_reason:
             raise Unavailable(self.triton_reason)
-        import floor_kernels
+        from bench import floor_kernels
         return floor_kernels
 
     def flashinfer(self):
@@ -907,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join(["python3", "bench/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(["python3", "bench/leaderboard.py", *(sys.argv[1:] if argv is None else argv)]),
         "dry_run": args.dry_run,
         "device": dev,
         "versions": versions(),
