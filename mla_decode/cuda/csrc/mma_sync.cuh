@@ -63,6 +63,7 @@ split_kernel(const DecodeCall call) {
   const int b = rows.b, unit = rows.unit;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const SplitRange range = split_range(call, b, split, rows.t);
+  const float kv_scale = *call.kv_scale;  // read with the length (split_kernel says why)
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
@@ -90,7 +91,6 @@ split_kernel(const DecodeCall call) {
   // A operand of every k16 step. Within each 16-dim chunk, lane t4 takes dims 4*t4 + {0,1} as the k-pair t4*2 and
   // 4*t4 + {2,3} as the k-pair t4*2 + 8: the products run over that permutation of the dims, the same for K (whose
   // ldmatrix fragments come out in exactly this order).
-  const float kv_scale = *call.kv_scale;
   for (int c = tid; c < H * D / 2; c += NTHREADS) {
     const int h = c / (D / 2), j = c % (D / 2);
     const float2 v =

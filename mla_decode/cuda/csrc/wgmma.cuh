@@ -438,6 +438,8 @@ split_kernel(const DecodeCall call) {
   const QueryRows rows = query_rows<H>(call, blockIdx.y);
   const int b = rows.b, unit = rows.unit;
   const SplitRange range = split_range(call, b, split, rows.t);
+  // Read with the length, not behind the first copies: Q's scale waits for it, a round trip after the L2 flush.
+  const float kv_scale = MX ? 1.f : *call.kv_scale;
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
@@ -465,7 +467,6 @@ split_kernel(const DecodeCall call) {
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) load_group(i);
   // TUNE: issued
-  const float kv_scale = MX ? 1.f : *call.kv_scale;
   // MXFP4: this thread dequantizes blocks c = tid + 128 j (j < 9) of each tile, row c / 18, block c % 18; their
   // E8M0 scales are loaded one tile ahead, into registers (rows past hi: 127, a scale of 1 over zero codes).
   constexpr int MX_JOBS = MX ? BN * MX_BLOCKS / NTHREADS : 1;

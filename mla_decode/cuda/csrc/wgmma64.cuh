@@ -49,6 +49,7 @@ split_kernel64(const DecodeCall call) {
   const QueryRows rows = query_rows<H>(call, blockIdx.y);
   const int b = rows.b, unit = rows.unit;
   const SplitRange range = split_range(call, b, split, rows.t);
+  const float kv_scale = *call.kv_scale;  // read with the length (split_kernel says why)
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start, npairs = (ntiles + 1) / 2;
   const bool valid = range.valid;
@@ -73,7 +74,6 @@ split_kernel64(const DecodeCall call) {
   Query::load(qv, call, unit, cwarp, lane);
   if (PAGED) paged_rows.first_tiles<4>(call, b, lo, hi, tid);  // pairs 0 and 1
   load_pair(0);
-  const float kv_scale = *call.kv_scale;
   Query::store(qv, call, kv_scale, qs, qscale, cwarp, lane);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
