@@ -263,7 +263,7 @@ __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, fl
 // 8 / R bases plus immediates and the global ones immediates (no address arithmetic a copy). Dims 512..575: rows
 // tid / 4 + (NT / 4) k, one unit each. MXFP4: a tile's 64 x 288 bytes of codes are contiguous and land as they are
 // (unit c = tid + NT it at byte 16 c). The copies ask L2 for whole 128-byte lines (.L2::128B): 256x8192 took
-// 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain).
+// 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain); gather() says where not.
 template <int NT, bool MX>
 struct CopyPlan {
   static_assert(NT == 128 || NT == 256, "one or two warpgroups");
@@ -306,39 +306,64 @@ struct CopyPlan {
   static __device__ __forceinline__ void mx_rounds(uint32_t dst, const uint8_t* src, std::integer_sequence<int, IT...>) {
     (copy<IT * NT * 16, IT * NT * 16>(dst, src), ...);
   }
+  template <bool WHOLE_LINES = true>
   static __device__ __forceinline__ void copy_or_zero(uint32_t dst, const uint8_t* src, bool in) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0));
+    if constexpr (WHOLE_LINES)
+      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0));
+    else
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0));
+  }
+  // Tile i's rows each looked up in paged_rows (-1: past hi or a bad page). WHOLE_LINES: the pages' rows start on
+  // 128-byte lines; where they do not (pages of one FP8 row), whole lines would fetch the neighbours' bytes too:
+  // pages of 1 at 256x8192 took 335 us with the hint, 324 without (H200).
+  template <bool WHOLE_LINES>
+  __device__ __forceinline__ void gather(const DecodeCall& call, const PagedRows& paged_rows, uint32_t dst,
+                                         int i) const {
+    if constexpr (MX) {
+#pragma unroll
+      for (int it = 0; it < MX_COPIES; ++it) {
+        const int c = tid + NT * it, row = paged_rows.at(i, c / MX_UNITS);
+        copy_or_zero<WHOLE_LINES>(dst + c * 16,
+                                  call.kv + static_cast<size_t>(max(row, 0)) * MX_ROW + (c % MX_UNITS) * 16, row >= 0);
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < ROUNDS; ++it) {
+        const int row = paged_rows.at(i, main_row(it));
+        copy_or_zero<WHOLE_LINES>(dst + main_at(it), call.kv + static_cast<size_t>(max(row, 0)) * D + (tid & 31) * 16,
+                                  row >= 0);
+      }
+#pragma unroll
+      for (int k = 0; k < ROPE_COPIES; ++k) {
+        const int row = paged_rows.at(i, rope_row(k));
+        copy_or_zero<WHOLE_LINES>(dst + rope_at(k),
+                                  call.kv + static_cast<size_t>(max(row, 0)) * D + DV + (tid & 3) * 16, row >= 0);
+      }
+    }
   }
 
   // Copies tile i (positions n0 = lo + 64 i ..) to shared dst. consecutive: its rows follow cache row `start + n0`
-  // (ragged) or paged_rows.at(i, 0) (pages of a multiple of 64 rows; -1: a page outside the cache), else each row
-  // is looked up in paged_rows (-1: past hi or a bad page).
+  // (ragged) or paged_rows.at(i, 0) (pages of a multiple of 64 rows; -1: a page outside the cache), else gather().
   __device__ __forceinline__ void tile(const DecodeCall& call, const PagedRows& paged_rows, bool paged,
                                        bool consecutive, uint32_t dst, int i, int lo, int hi, int start) const {
     const int n0 = lo + i * BN;
-    if constexpr (MX) {
-      if (consecutive) {
-        const int first = paged ? paged_rows.at(i, 0) : start + n0;
-        const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * MX_ROW + tid * 16;
-        const int rows = first < 0 ? 0 : hi - n0;
-        if (rows >= BN) {
-          mx_rounds(dst + tid * 16, src, std::make_integer_sequence<int, MX_COPIES>{});
-        } else {
-#pragma unroll
-          for (int it = 0; it < MX_COPIES; ++it) {
-            const bool in = (tid + NT * it) / MX_UNITS < rows;
-            copy_or_zero(dst + (tid + NT * it) * 16, in ? src + it * NT * 16 : call.kv, in);
-          }
-        }
+    if (!consecutive) {
+      if (call.page_size * (MX ? MX_ROW : D) % 128 == 0) gather<true>(call, paged_rows, dst, i);
+      else gather<false>(call, paged_rows, dst, i);
+    } else if constexpr (MX) {
+      const int first = paged ? paged_rows.at(i, 0) : start + n0;
+      const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * MX_ROW + tid * 16;
+      const int rows = first < 0 ? 0 : hi - n0;
+      if (rows >= BN) {
+        mx_rounds(dst + tid * 16, src, std::make_integer_sequence<int, MX_COPIES>{});
       } else {
 #pragma unroll
         for (int it = 0; it < MX_COPIES; ++it) {
-          const int c = tid + NT * it, row = paged_rows.at(i, c / MX_UNITS);
-          copy_or_zero(dst + c * 16, call.kv + static_cast<size_t>(max(row, 0)) * MX_ROW + (c % MX_UNITS) * 16,
-                       row >= 0);
+          const bool in = (tid + NT * it) / MX_UNITS < rows;
+          copy_or_zero(dst + (tid + NT * it) * 16, in ? src + it * NT * 16 : call.kv, in);
         }
       }
-    } else if (consecutive) {
+    } else {
       const int first = paged ? paged_rows.at(i, 0) : start + n0;
       const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * D;
       const int rows = first < 0 ? 0 : hi - n0;
@@ -356,18 +381,6 @@ struct CopyPlan {
           const bool in = rope_row(k) < rows;
           copy_or_zero(dst + rope_at(k), in ? src + rope_src + k * ROPE_ROWS * D : call.kv, in);
         }
-      }
-    } else {
-#pragma unroll
-      for (int it = 0; it < ROUNDS; ++it) {
-        const int row = paged_rows.at(i, main_row(it));
-        copy_or_zero(dst + main_at(it), call.kv + static_cast<size_t>(max(row, 0)) * D + (tid & 31) * 16, row >= 0);
-      }
-#pragma unroll
-      for (int k = 0; k < ROPE_COPIES; ++k) {
-        const int row = paged_rows.at(i, rope_row(k));
-        copy_or_zero(dst + rope_at(k), call.kv + static_cast<size_t>(max(row, 0)) * D + DV + (tid & 3) * 16,
-                     row >= 0);
       }
     }
   }
