@@ -63,7 +63,7 @@ split_kernel(const DecodeCall call) {
   const int b = rows.b, unit = rows.unit;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const SplitRange range = split_range(call, b, split, rows.t);
-  const float kv_scale = *call.kv_scale;  // read with the length (split_kernel says why)
+  const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;

@@ -49,7 +49,7 @@ split_kernel64(const DecodeCall call) {
   const QueryRows rows = query_rows<H>(call, blockIdx.y);
   const int b = rows.b, unit = rows.unit;
   const SplitRange range = split_range(call, b, split, rows.t);
-  const float kv_scale = *call.kv_scale;  // read with the length (split_kernel says why)
+  const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start, npairs = (ntiles + 1) / 2;
   const bool valid = range.valid;
