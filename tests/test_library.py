@@ -647,6 +647,59 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_s
     assert out_error < out_bound / 2 and lse_error < lse_bound / 4, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
+# split_kernel64's lazy running max (wgmma64.cuh's LAZY_MAX, in log2 units): a pair's P is taken against the
+# running max, which moves only where the pair's max passes it by more than this.
+LAZY_MAX = 2.0
+
+
+def _rising_logits_case(lens: list[int], rise: float, seed: int):
+    """A paged FP8 case of 64 heads whose logits climb along each sequence: key dim 575 ramps over the e4m3 grid to
+    400 (x kv_scale) and every head's q dim 575 is set so that the ramp adds `rise` log2 units from the first row to
+    the last. Every other dim is make_paged_case's random data; keys and kv_cache edited alike."""
+    case = make_paged_case("fp8", 64, lens, seed=seed, num_heads=64)
+    kv, keys, scale = case.kv_cache.view(-1, 576).clone(), case.keys.clone(), float(case.kv_scale)
+    for b, n in enumerate(lens):
+        rows = owned_rows(case, b)
+        ramp = (torch.arange(n, dtype=torch.float64) * (400.0 / max(n - 1, 1))).to(torch.float8_e4m3fn)
+        kv[rows, 575] = ramp
+        keys[rows, 575] = ramp.double() * scale
+    q = case.q.clone()
+    q[..., 575] = rise / (400.0 * scale / math.sqrt(576) * math.log2(math.e))
+    return case._replace(q=q, kv_cache=kv.view(case.kv_cache.shape), keys=keys)
+
+
+@pytest.mark.gpu
+@needs_nvidia
+def test_gpu_cuda_units_of_64_rows_rising_logits(monkeypatch):
+    """The 64-row kernel's lazy running max where the logits climb 40 log2 units along a sequence of 3001 rows (one
+    split, 24 pairs of tiles): the kernel's rule, replayed here on the float64 logits, moves the max on some pairs
+    and keeps it on others whose max lies above it (P up to 2^LAZY_MAX times larger), and the result meets the
+    float64 truth. A kernel that stopped rescaling after the first pair fails it (checked on the H200)."""
+    C = pytest.importorskip("mla_decode.cuda")
+    _needs_units_of_64()
+    lens = [3001, 1, 0]
+    case = _rising_logits_case(lens, rise=40.0, seed=64)
+    q = _gpu_queries(case, "cuda", "fast")
+    logits = (q[0, 0] @ case.keys[owned_rows(case, 0)].T.cpu() / math.sqrt(576) * math.log2(math.e))  # (64, 3001)
+    pair_max = torch.nn.functional.pad(logits, (0, 3072 - 3001), value=-math.inf).view(64, -1, 128).amax(-1)
+    running, moved, kept_above = pair_max[:, 0].clone(), 0, 0
+    for j in range(1, pair_max.shape[1]):
+        up = pair_max[:, j] > running + LAZY_MAX
+        moved += int(up.sum())
+        kept_above += int(((pair_max[:, j] > running) & ~up).sum())
+        running = torch.where(up, pair_max[:, j], running)
+    assert moved >= 64 and kept_above >= 64, (moved, kept_above)
+    monkeypatch.setattr(C, "cuda_plan", lambda *args: 1)
+    device_case = case._replace(**{name: getattr(case, name).cuda() for name in
+                                   ("q", "kv_cache", "kv_scale", "block_table", "cache_seqlens")})
+    decode = _cuda_plan_in_units_of(64, device_case, max(lens))
+    assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (1, 64)
+    out, lse = decode.run(*device_case.args())
+    out_error, lse_error = errors(out, lse, *paged_reference(case, q=q))
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("q_len,num_heads", [(1, 64), (2, 64), (1, 128), (2, 128)])

@@ -15,8 +15,14 @@ constexpr int WIDE_CTAS_PER_SM = 1;             // 128 accumulators and 32 score
 // Each loop iteration takes a pair of 64-row tiles (warpgroup w scores tile 2j + w): 4 stages hold the pair being
 // read and the next one in flight.
 constexpr int WIDE_STAGES = 4;
-// Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum, Q's scale.
-constexpr int WIDE_STATS = 6 * WIDE_ROWS;
+// Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum, Q's scale;
+// then two flags (by pair parity): whether any head's rescale is not 1.
+constexpr int WIDE_STATS = 6 * WIDE_ROWS + 2;
+// The running max a pair's P is taken against moves only when the pair's max passes it by more than LAZY_MAX (log2
+// units): most pairs then rescale nothing. P = 2^(s - max + WIDE_P_BIAS) stays within e4m3's 448 (2^(6 + 2) = 256).
+constexpr float LAZY_MAX = 2.f;
+constexpr float WIDE_P_BIAS = 6.f;
+static_assert(WIDE_P_BIAS + LAZY_MAX <= 8.f, "P's largest value within e4m3's range");
 // Shared memory: the stages, Q (64 x 576 e4m3), P (128 x 64 e4m3), the per-head stats and the paged rows.
 constexpr int wide_smem_bytes() {
   return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED;
@@ -42,7 +48,8 @@ split_kernel64(const DecodeCall call) {
   float* pair_alpha = tile_max + 2 * H;                          // [head]
   float* sums = pair_alpha + H;                                  // [warpgroup][head]
   float* qscale = sums + 2 * H;
-  int* const rows_smem = reinterpret_cast<int*>(qscale + H);
+  int* const moved = reinterpret_cast<int*>(qscale + H);  // [pair parity]
+  int* const rows_smem = moved + 2;
   const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
   const int split = blockIdx.x;
@@ -103,11 +110,12 @@ split_kernel64(const DecodeCall call) {
     asm volatile("cp.async.wait_group 0;\n");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();  // pair j is visible to the tensor cores; every warp is done with pair j - 1
-    // S (64 heads x 64 rows) = Q K^T (tile 2j + wg): 18 k32 steps, both operands from shared memory; the next
-    // pair's copies are issued while they run.
+    // The next pair's copies, then S (64 heads x 64 rows) = Q K^T (tile 2j + wg): 18 k32 steps, both operands from
+    // shared memory.
     float s[H / 2];
-    issue_scores<H, false, true>(s, ks_addr + ((2 * j + wg) % WIDE_STAGES) * TILE, qdesc);
     load_pair(j + 1);
+    issue_scores<H, false, true>(s, ks_addr + ((2 * j + wg) % WIDE_STAGES) * TILE, qdesc);
+    if (tid == 0) moved[(j + 1) & 1] = 0;  // read last before this iteration's barrier, written after the next one
     // Threads 0..127 look up one row each of pair j + 2, stored once the scores are in (its slots, pair j's, were
     // last read by this pair's copies, issued above; read after the next barrier).
     const int ahead = 2 * (j + 2) + (tid >> 6);
@@ -142,13 +150,16 @@ split_kernel64(const DecodeCall call) {
     }
     if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
     __syncthreads();
-    const float mn0 = fmaxf(m0, fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]));
-    const float mn1 = fmaxf(m1, fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]));
+    const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
+    const float mn0 = pm0 > m0 + LAZY_MAX ? pm0 : m0, mn1 = pm1 > m1 + LAZY_MAX ? pm1 : m1;
     const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
     const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
     m0 = mn0, m1 = mn1;
-    if (wg == 0 && t4 == 0) pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
-    const float c0 = base0 - P_BIAS, c1 = base1 - P_BIAS;
+    if (wg == 0 && t4 == 0) {
+      pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
+      if (alpha0 != 1.f || alpha1 != 1.f) moved[j & 1] = 1;
+    }
+    const float c0 = base0 - WIDE_P_BIAS, c1 = base1 - WIDE_P_BIAS;
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // columns 16c .. 16c + 15: s[8c .. 8c + 7]
@@ -164,17 +175,19 @@ split_kernel64(const DecodeCall call) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();  // P and the pair's alphas are complete
 
-    // O^T's columns are heads: each thread rescales its 16 heads two at a time, where one of the pair's 8 heads in
-    // the warp moved (with 64 heads some head's max moves in most pairs; a given 8 far less often).
+    // O^T's columns are heads: where some head's max moved, each thread rescales its 16 heads two at a time, where
+    // one of the pair's 8 heads in the warp moved.
+    if (moved[j & 1]) {
 #pragma unroll
-    for (int e = 0; e < NE; e += 2) {
-      const float2 alpha = *reinterpret_cast<const float2*>(pair_alpha + heads[e]);
-      if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
-        const int a = (e >> 1) * 4;  // heads e and e + 1: accumulators a, a + 1 (row g) and a + 2, a + 3 (row g + 8)
+      for (int e = 0; e < NE; e += 2) {
+        const float2 alpha = *reinterpret_cast<const float2*>(pair_alpha + heads[e]);
+        if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
+          const int a = (e >> 1) * 4;  // heads e and e + 1: accumulators a, a + 1 (row g) and a + 2, a + 3 (row g + 8)
 #pragma unroll
-        for (int mb = 0; mb < 4; ++mb) {
-          acc[mb][a] *= alpha.x, acc[mb][a + 2] *= alpha.x;
-          acc[mb][a + 1] *= alpha.y, acc[mb][a + 3] *= alpha.y;
+          for (int mb = 0; mb < 4; ++mb) {
+            acc[mb][a] *= alpha.x, acc[mb][a + 2] *= alpha.x;
+            acc[mb][a + 1] *= alpha.y, acc[mb][a + 3] *= alpha.y;
+          }
         }
       }
     }
@@ -214,12 +227,12 @@ split_kernel64(const DecodeCall call) {
   const bool bad_page = PAGED && *paged_rows.bad;
   const bool ok = valid && !bad_page;
   const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
-  if (wg == 0 && t4 == 0) {  // l carries 2^8
+  if (wg == 0 && t4 == 0) {  // l carries 2^WIDE_P_BIAS
     const float l[2] = {sums[h0] + sums[H + h0], sums[h1] + sums[H + h1]}, m[2] = {m0, m1};
 #pragma unroll
     for (int k = 0; k < 2; ++k)
-      store_lse<H>(call, rows, part, h0 + 8 * k, l[k] > 0.f ? m[k] + __log2f(l[k]) - P_BIAS : -INFINITY, bad_page,
-                   ok);
+      store_lse<H>(call, rows, part, h0 + 8 * k, l[k] > 0.f ? m[k] + __log2f(l[k]) - WIDE_P_BIAS : -INFINITY,
+                   bad_page, ok);
   }
   // The output (or partial) through the free stages, as split_kernel stages it: 64 rows of 516 floats.
   constexpr int OUT_ROW = DV + 4;
