@@ -164,6 +164,16 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
   return y;
 }
 
+// 2^x (x <= 127) on the FMA pipe, within 1e-3 relative (-inf -> 2^-126): x rounded to n by the 1.5 x 2^23 trick
+// (r's low bits then hold n), 2^(x - n) by a cubic, n added to its exponent.
+__device__ __forceinline__ float ex2_fma(float x) {
+  const float xc = fmaxf(x, -126.f);
+  const float r = xc + 12582912.f;
+  const float f = xc - (r - 12582912.f);
+  const float q = fmaf(fmaf(fmaf(0.0555041086648216f, f, 0.2402264923172690f), f, 0.6931471805599453f), f, 1.f);
+  return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
+}
+
 __device__ __forceinline__ uint16_t to_e4m3x2(float lo, float hi) {
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 }

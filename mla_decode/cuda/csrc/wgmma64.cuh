@@ -32,6 +32,7 @@ static_assert(wide_smem_bytes() <= 227 * 1024, "a block's shared memory on Hoppe
 // by its copies at the top of the iteration, pair j + 2's written after the scores (pair j's slots, free since then).
 static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 
+
 template <bool PAGED>
 __global__ void __launch_bounds__(WIDE_THREADS, WIDE_CTAS_PER_SM)
 split_kernel64(const DecodeCall call) {
@@ -149,25 +150,41 @@ split_kernel64(const DecodeCall call) {
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
     }
     if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
+    // P before the exchange, against the reference this tile alone gives (the other tile rarely moves it; where it
+    // does, P is scaled down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's
+    // narrowest pipe.
+    const float g0 = mx0 > m0 + LAZY_MAX ? mx0 : m0, g1 = mx1 > m1 + LAZY_MAX ? mx1 : m1;
+    const float gb0 = g0 == -INFINITY ? 0.f : g0, gb1 = g1 == -INFINITY ? 0.f : g1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float x = s[8 * c + k] - ((k & 2 ? gb1 : gb0) - WIDE_P_BIAS);
+        s[8 * c + k] = c == 3 ? ex2_fma(x) : ex2(x);
+      }
+      sum0 += (s[8 * c] + s[8 * c + 1]) + (s[8 * c + 4] + s[8 * c + 5]);
+      sum1 += (s[8 * c + 2] + s[8 * c + 3]) + (s[8 * c + 6] + s[8 * c + 7]);
+    }
     __syncthreads();
     const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
     const float mn0 = pm0 > m0 + LAZY_MAX ? pm0 : m0, mn1 = pm1 > m1 + LAZY_MAX ? pm1 : m1;
     const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
+    if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
+      const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
+#pragma unroll
+      for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
+      sum0 *= f0, sum1 *= f1;
+    }
     const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
     m0 = mn0, m1 = mn1;
     if (wg == 0 && t4 == 0) {
       pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
       if (alpha0 != 1.f || alpha1 != 1.f) moved[j & 1] = 1;
     }
-    const float c0 = base0 - WIDE_P_BIAS, c1 = base1 - WIDE_P_BIAS;
-    float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {  // columns 16c .. 16c + 15: s[8c .. 8c + 7]
-      float p[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) p[k] = ex2(s[8 * c + k] - (k & 2 ? c1 : c0));
-      sum0 += (p[0] + p[1]) + (p[4] + p[5]);
-      sum1 += (p[2] + p[3]) + (p[6] + p[7]);
+    for (int c = 0; c < 4; ++c) {
+      const float* p = s + 8 * c;
       *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK) = to_e4m3x2(p[0], p[1]) | to_e4m3x2(p[4], p[5]) << 16;
       *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK + 8 * 16) = to_e4m3x2(p[2], p[3]) | to_e4m3x2(p[6], p[7]) << 16;
     }
