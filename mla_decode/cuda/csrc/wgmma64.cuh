@@ -15,9 +15,8 @@ constexpr int WIDE_CTAS_PER_SM = 1;             // 128 accumulators and 32 score
 // Each loop iteration takes a pair of 64-row tiles (warpgroup w scores tile 2j + w): 4 stages hold the pair being
 // read and the next one in flight.
 constexpr int WIDE_STAGES = 4;
-// Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum, Q's scale;
-// then two flags (by pair parity): whether any head's rescale is not 1.
-constexpr int WIDE_STATS = 6 * WIDE_ROWS + 2;
+// Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum, Q's scale.
+constexpr int WIDE_STATS = 6 * WIDE_ROWS;
 // The running max a pair's P is taken against moves only when the pair's max passes it by more than LAZY_MAX (log2
 // units): most pairs then rescale nothing. P = 2^(s - max + WIDE_P_BIAS) stays within e4m3's 448 (2^(6 + 2) = 256).
 constexpr float LAZY_MAX = 2.f;
@@ -49,8 +48,7 @@ split_kernel64(const DecodeCall call) {
   float* pair_alpha = tile_max + 2 * H;                          // [head]
   float* sums = pair_alpha + H;                                  // [warpgroup][head]
   float* qscale = sums + 2 * H;
-  int* const moved = reinterpret_cast<int*>(qscale + H);  // [pair parity]
-  int* const rows_smem = moved + 2;
+  int* const rows_smem = reinterpret_cast<int*>(qscale + H);
   const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
   const int split = blockIdx.x;
@@ -116,7 +114,6 @@ split_kernel64(const DecodeCall call) {
     float s[H / 2];
     load_pair(j + 1);
     issue_scores<H, false, true>(s, ks_addr + ((2 * j + wg) % WIDE_STAGES) * TILE, qdesc);
-    if (tid == 0) moved[(j + 1) & 1] = 0;  // read last before this iteration's barrier, written after the next one
     // Threads 0..127 look up one row each of pair j + 2, stored once the scores are in (its slots, pair j's, were
     // last read by this pair's copies, issued above; read after the next barrier).
     const int ahead = 2 * (j + 2) + (tid >> 6);
@@ -126,7 +123,7 @@ split_kernel64(const DecodeCall call) {
     if (PAGED && tid < 2 * BN) paged_rows.put(call, ahead, tid & (BN - 1), next_entry, lo, hi);
 
     // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
-    // meet through shared memory at one barrier.
+    // meet through shared memory at the barrier that completes P, and only where one moves a reference.
     const int in_tile = hi - lo - (2 * j + wg) * BN;  // columns < in_tile are rows before hi
     if (in_tile >= BN) {
 #pragma unroll
@@ -150,9 +147,8 @@ split_kernel64(const DecodeCall call) {
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
     }
     if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
-    // P before the exchange, against the reference this tile alone gives (the other tile rarely moves it; where it
-    // does, P is scaled down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's
-    // narrowest pipe.
+    // P against the reference this tile alone gives (the other tile rarely moves it; where it does, P is scaled
+    // down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's narrowest pipe.
     const float g0 = mx0 > m0 + LAZY_MAX ? mx0 : m0, g1 = mx1 > m1 + LAZY_MAX ? mx1 : m1;
     const float gb0 = g0 == -INFINITY ? 0.f : g0, gb1 = g1 == -INFINITY ? 0.f : g1;
     float sum0 = 0.f, sum1 = 0.f;
@@ -166,35 +162,41 @@ split_kernel64(const DecodeCall call) {
       sum0 += (s[8 * c] + s[8 * c + 1]) + (s[8 * c + 4] + s[8 * c + 5]);
       sum1 += (s[8 * c + 2] + s[8 * c + 3]) + (s[8 * c + 6] + s[8 * c + 7]);
     }
-    __syncthreads();
-    const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
-    const float mn0 = pm0 > m0 + LAZY_MAX ? pm0 : m0, mn1 = pm1 > m1 + LAZY_MAX ? pm1 : m1;
-    const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
-    if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
-      const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
-#pragma unroll
-      for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
-      sum0 *= f0, sum1 *= f1;
-    }
-    const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
-    m0 = mn0, m1 = mn1;
-    if (wg == 0 && t4 == 0) {
-      pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
-      if (alpha0 != 1.f || alpha1 != 1.f) moved[j & 1] = 1;
-    }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const float* p = s + 8 * c;
       *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK) = to_e4m3x2(p[0], p[1]) | to_e4m3x2(p[4], p[5]) << 16;
       *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK + 8 * 16) = to_e4m3x2(p[2], p[3]) | to_e4m3x2(p[6], p[7]) << 16;
     }
-    l0 = l0 * alpha0 + sum0, l1 = l1 * alpha1 + sum1;
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // P and the pair's alphas are complete
-
-    // O^T's columns are heads: where some head's max moved, each thread rescales its 16 heads two at a time, where
-    // one of the pair's 8 heads in the warp moved.
-    if (moved[j & 1]) {
+    // P and the tile maxima are complete. Where no head's reference moved in either tile (most pairs), P is right
+    // and nothing needs rescaling; otherwise the pair's reference is made from both tiles, P scaled down where this
+    // tile's guess was below it and stored again, and the accumulators rescaled.
+    if (__syncthreads_or(g0 != m0 || g1 != m1)) {
+      const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
+      const float mn0 = pm0 > m0 + LAZY_MAX ? pm0 : m0, mn1 = pm1 > m1 + LAZY_MAX ? pm1 : m1;
+      const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
+      if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
+        const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
+#pragma unroll
+        for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
+        sum0 *= f0, sum1 *= f1;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float* p = s + 8 * c;
+          *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK) = to_e4m3x2(p[0], p[1]) | to_e4m3x2(p[4], p[5]) << 16;
+          *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK + 8 * 16) =
+              to_e4m3x2(p[2], p[3]) | to_e4m3x2(p[6], p[7]) << 16;
+        }
+      }
+      const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
+      m0 = mn0, m1 = mn1;
+      l0 *= alpha0, l1 *= alpha1;
+      if (wg == 0 && t4 == 0) pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads();  // the pair's P and alphas are complete
+      // O^T's columns are heads: each thread rescales its 16 heads two at a time, where one of the pair's 8 heads
+      // in the warp moved.
 #pragma unroll
       for (int e = 0; e < NE; e += 2) {
         const float2 alpha = *reinterpret_cast<const float2*>(pair_alpha + heads[e]);
@@ -208,6 +210,7 @@ split_kernel64(const DecodeCall call) {
         }
       }
     }
+    l0 += sum0, l1 += sum1;
 
     // O^T (this warpgroup's 256 dims x 64 heads) += V^T (256 x 128) P^T: k steps 0, 1 from tile 2j, 2, 3 from tile
     // 2j + 1. A from registers (v_fragment), a k step (4 m-blocks) at a time, each group committed and the one
