@@ -3,6 +3,7 @@
     python3 bench/tune_cuda.py ab --variant now= --variant s4=STAGES_ALONE:4 --variant x=STAGES_SHARED:2@16 \
         --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40] [--page 64]
     python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock] [--page 64]
+    python3 bench/tune_cuda.py ab --source ... --serving serving_heads.yml [--rows 32x32k-h128-q1,...] [--iters 10]
 
 Shapes are task.yml's benchmarks (leaderboard.py's --shapes), with their seeds.
 
@@ -19,7 +20,10 @@ ab: every variant's output is checked with reference.check_implementation, then 
 variants interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
 --page N times the paged kernels instead: the library's plan run (mla_decode.plan(...).run(...), a plan per variant
 and shape) over the input's cache re-laid in shuffled pages of N rows, as leaderboard.py's paged rows are (a forced
-split count does not apply there); --in-order keeps the pages in the cache's order.
+split count does not apply there); --in-order keeps the pages in the cache's order. --serving SPEC times rows of a
+serving spec instead (serving.yml's layout; --rows picks them by name): the library's plan and run as
+bench/serving.py's cuda method makes them, whatever unit the plan picks, each checked against serving.py's float64
+truth (a forced split count does not apply there either).
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS, the `// TUNE: name` lines of the sources; prints,
 for the median of --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA
@@ -38,6 +42,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -47,7 +52,7 @@ import mla_decode  # noqa: E402
 import mla_decode.cuda as C  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
-from bench import leaderboard  # noqa: E402
+from bench import leaderboard, serving  # noqa: E402
 from utils import Timer, clear_l2_cache  # noqa: E402
 
 PLAN = C.cuda_plan
@@ -151,6 +156,26 @@ class Variant:
             return self.paged_plan.impl.num_splits
         (decision,) = self.dispatch.values()
         return decision.plan.impl.num_splits
+
+
+def run_ab_serving(args, variants: dict) -> None:
+    """ab over serving rows (args.serving): each variant's plan of the row (serving.py's cuda method), checked, then
+    timed the leaderboard's way, variants interleaved per row."""
+    device = torch.device("cuda")
+    timer, results = Timer(device), {name: [] for name in variants}
+    ctx = SimpleNamespace(device=device)  # all the cuda method's prepare reads of its context
+    for shape in args.serving:
+        case, cells = serving.Case(shape, device), []
+        for name, variant in variants.items():
+            variant.activate_checked()
+            prepared = serving._ours("cuda", args.format)(ctx, case)
+            verdict = prepared.check(prepared.fn())
+            us = statistics.median(timer.leaderboard(prepared.fn, args.iters))
+            results[name].append(us)
+            cells.append(f"{name} {us:8.1f}{'' if verdict.ok else ' FAIL'}")
+        print(f"{shape.name}: " + "  ".join(cells), flush=True)
+    print(f"geomean {args.format} serving rows: " + "  ".join(
+        f"{name} {math.prod(r) ** (1 / len(r)):.1f}" for name, r in results.items()), flush=True)
 
 
 def run_ab(args, variants: dict) -> None:
@@ -297,10 +322,16 @@ def main(argv: list[str] | None = None) -> None:
                         "this many rows")
     parser.add_argument("--in-order", action="store_true", help="with --page: the pages in the cache's order, not "
                         "shuffled (what the table's scattered pages cost)")
+    parser.add_argument("--serving", type=Path, help="ab: time rows of this serving spec (serving.yml's layout)")
+    parser.add_argument("--rows", help="with --serving: the rows' names, comma-separated (default: all)")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clock", action="store_true", help="timeline in %%clock64 cycles per CTA")
     args = parser.parse_args(argv)
     args.shapes = leaderboard.select_shapes(leaderboard.leaderboard_shapes(), args.shapes)
+    if args.serving:
+        if args.mode != "ab" or args.page:
+            raise SystemExit("--serving: ab only, and its rows bring their own pages (no --page)")
+        args.serving = serving.select(serving.load_shapes(args.serving), args.rows, "rows")
     if not torch.cuda.is_available():
         raise SystemExit("tune_cuda.py needs an NVIDIA GPU")
     os.environ.update(MLA_BACKEND="cuda", MLA_KV_FORMAT=args.format)
@@ -315,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
             name, _, path = text.partition("=")
             variants[name] = Variant(name, Path(path), None)
         if args.mode == "ab":
-            run_ab(args, variants)
+            (run_ab_serving if args.serving else run_ab)(args, variants)
         else:
             run_timeline(args, variants, workdir)
 

@@ -152,3 +152,25 @@ def test_gpu_both_modes_run(mode, tmp_path):
     assert "FAIL" not in out.stdout
     assert ("geomean fp8: now" if mode == "ab" else "4x1024 s2: 8 splits") in out.stdout
     assert ("  base " if mode == "ab" else "4x1024 base: ") in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["timeline", "--serving", "serving.yml"],
+                                  ["ab", "--serving", "serving.yml", "--page", "64"],
+                                  ["ab", "--serving", "serving.yml", "--rows", "1x1k-h16-q3"]])
+def test_serving_rows_are_for_ab_alone_and_named_as_the_spec_names_them(argv):
+    with pytest.raises(SystemExit, match="--serving|--rows"):
+        tune.main([*argv])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
+def test_gpu_ab_over_serving_rows(tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(C.CSRC, base)
+    args = [sys.executable, str(TUNE), "ab", "--serving", "serving_heads.yml", "--rows", "8x8k-h64-q1,1x8k-h128-q2",
+            "--iters", "3", "--source", f"base={base}"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=dict(os.environ, MLA_CUDA_CACHE=str(tmp_path / "cache")))
+    assert out.returncode == 0, out.stderr
+    assert "FAIL" not in out.stdout and "8x8k-h64-q1: now " in out.stdout and "  base " in out.stdout
+    assert "geomean fp8 serving rows: now" in out.stdout
