@@ -4,6 +4,7 @@
         --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40] [--page 64]
     python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock] [--page 64]
     python3 bench/tune_cuda.py ab --source ... --serving serving_heads.yml [--rows 32x32k-h128-q1,...] [--iters 10]
+    python3 bench/tune_cuda.py phases [--source ...] --serving serving_heads.yml [--rows ...] [--runs 5]
 
 Shapes are task.yml's benchmarks (leaderboard.py's --shapes), with their seeds.
 
@@ -30,6 +31,12 @@ for the median of --runs flushed launches, the min / median / max over CTAs of e
 entered (the timer ticks every ~0.26 µs on the H200). --clock records %clock64 instead: cycles after each CTA's own
 entry, exact per phase (clocks of different SMs are not comparable). Rows past a split's tiles stay empty; the
 handoff's marks exist only with more than one split. --page N stamps the paged plan run, as ab times it.
+
+phases: the 64-row kernel's pair loop (split_kernel64) on serving rows, its `// TUNE: pair-*` lines stamped: threads 0
+and 128 of every CTA add the %clock64 cycles since the previous stamp to that phase (the top barrier, the scores with
+the next pair's copies, the softmax, the value products) over all their pairs; prints each warpgroup's cycles per pair
+in each phase (summed over CTAs) for the median of --runs flushed calls, and that call's µs (the stamps slow the loop:
+read the shares). Rows whose plan takes other units run no 64-row CTA and say so.
 """
 
 import argparse
@@ -310,9 +317,95 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
                                    .rjust(width) for _, k in cols), flush=True)
 
 
+# phases: the stamps of the 64-row kernel's pair loop, in PHASES_IN: `// TUNE: pairs` before the loop (the sums start),
+# each of PHASE_MARKS in the loop (the cycles since the previous stamp go to that phase; the first also counts a pair)
+# and `// TUNE: pairs-done` after it (threads 0 and 128 write their warpgroup's sums).
+PHASE_MARKS = ("pair-top", "pair-scores", "pair-softmax", "pair-values")
+PHASES_IN = "wgmma64.cuh"
+PHASE_SLOTS = len(PHASE_MARKS) + 1  # the phases' cycles, then the pairs walked
+PHASE_CTAS = 16384  # the stamps' buffer: CTAs of a grid it holds (two warpgroups each)
+
+
+def add_phases(csrc: Path) -> None:
+    """Stamps the 64-row kernel's pair loop in the sources in `csrc` (a copy) with %clock64 phase sums and exports them
+    (mla_phases_get, mla_phases_clear). A ValueError names an anchor that is missing or repeated."""
+    path = csrc / PHASES_IN
+    text = path.read_text()
+    n = PHASE_SLOTS
+    cta = "(blockIdx.y * gridDim.x + blockIdx.x) * 2 + (threadIdx.x >> 7)"
+    stamps = {"pairs": f"unsigned long long ph_[{n}] = {{}};\nlong long pt_ = clock64();",
+              "pairs-done": f"if ((threadIdx.x & 127) == 0)\n  for (int k_ = 0; k_ < {n}; ++k_) "
+                            f"mla_phases[({cta}) * {n} + k_] = ph_[k_];"}
+    for k, name in enumerate(PHASE_MARKS):
+        count = f" ph_[{n - 1}] += 1;" if k == 0 else ""
+        stamps[name] = f"{{ const long long t_ = clock64(); ph_[{k}] += t_ - pt_; pt_ = t_;{count} }}"
+    if text.count("namespace mla {\n") != 1:
+        raise ValueError(f"{PHASES_IN}: expected one `namespace mla {{` to declare the phase sums at")
+    decl = f"__device__ unsigned long long mla_phases[{PHASE_CTAS} * 2 * {n}];\n"
+    text = text.replace("namespace mla {\n", "namespace mla {\n" + decl)
+    for name, stamp in stamps.items():
+        anchor = re.compile(rf"^( *)// TUNE: {re.escape(name)}\n", re.MULTILINE)
+        if len(anchor.findall(text)) != 1:
+            raise ValueError(f"phase mark {name!r}: expected one `// TUNE: {name}` line in {PHASES_IN}")
+        text = anchor.sub(lambda m, stamp=stamp: m.group(0) + "".join(m.group(1) + line + "\n"
+                                                                     for line in stamp.split("\n")), text)
+    path.write_text(text)
+    main_source = csrc / C.MAIN_SOURCE
+    main_source.write_text(main_source.read_text() + (
+        '\n#if MLA_WGMMA\nextern "C" int mla_phases_get(void* dst) {\n'
+        '  return static_cast<int>(cudaMemcpyFromSymbol(dst, mla::mla_phases, sizeof(mla::mla_phases)));\n}\n'
+        'extern "C" int mla_phases_clear() {\n  void* p = nullptr;\n'
+        '  const cudaError_t e = cudaGetSymbolAddress(&p, mla::mla_phases);\n'
+        '  return static_cast<int>(e != cudaSuccess ? e : cudaMemset(p, 0, sizeof(mla::mla_phases)));\n}\n#endif\n'))
+
+
+def run_phases(args, variants: dict, workdir: Path) -> None:
+    device = torch.device("cuda")
+    ctx = SimpleNamespace(device=device)
+    names = ("top", "scores", "softmax", "values")
+    for shape in args.serving:
+        case = serving.Case(shape, device)
+        for variant in variants.values():
+            csrc = copy_sources(variant.csrc, workdir / f"phases_{shape.name}_{variant.name}")
+            add_phases(csrc)
+            stamped = Variant(variant.name, csrc, None)
+            stamped.activate_checked()
+            prepared = serving._ours("cuda", args.format)(ctx, case)
+            prepared.fn()
+            lib = stamped.libs[(torch.cuda.get_device_capability(), False)]
+            runs = []
+            for _ in range(args.runs):
+                buf = (ctypes.c_ulonglong * (PHASE_CTAS * 2 * PHASE_SLOTS))()
+                if lib.mla_phases_clear():
+                    raise RuntimeError("mla_phases_clear failed")
+                torch.cuda.synchronize()
+                clear_l2_cache()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                prepared.fn()
+                end.record()
+                torch.cuda.synchronize()
+                if lib.mla_phases_get(ctypes.cast(buf, ctypes.c_void_p)):
+                    raise RuntimeError("mla_phases_get failed")
+                sums = torch.tensor(buf[:], dtype=torch.float64).view(PHASE_CTAS, 2, PHASE_SLOTS)
+                runs.append((start.elapsed_time(end) * 1e3, sums))
+            us, sums = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+            pairs = sums[:, :, -1].sum(dim=0)  # (2,): pairs walked, per warpgroup
+            ctas = int((sums[:, 0, -1] > 0).sum())
+            if not ctas:
+                print(f"{shape.name} {variant.name}: {us:.1f} us, no 64-row CTA ran (the plan took other units)")
+                continue
+            per_pair = sums[:, :, :-1].sum(dim=0) / pairs[:, None]
+            cells = "; ".join(f"warpgroup {w}: " + ", ".join(f"{name} {per_pair[w, k]:.0f}" for k, name in
+                                                              enumerate(names)) + f" = {per_pair[w].sum():.0f}"
+                              for w in range(2))
+            print(f"{shape.name} {variant.name}: {us:.1f} us (stamped), {ctas} CTAs, {pairs[0] / ctas:.1f} pairs "
+                  f"each; cycles per pair: {cells}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("ab", "timeline"))
+    parser.add_argument("mode", choices=("ab", "timeline", "phases"))
     parser.add_argument("--variant", action="append", default=[], help="NAME=[CONST:VALUE[;...]][@SPLITS]")
     parser.add_argument("--source", action="append", default=[], help="NAME=DIR of a copy of mla_decode/cuda/csrc")
     parser.add_argument("--shapes", help="BATCHxKV[,...] among task.yml's benchmarks (default: all 8)")
@@ -322,16 +415,18 @@ def main(argv: list[str] | None = None) -> None:
                         "this many rows")
     parser.add_argument("--in-order", action="store_true", help="with --page: the pages in the cache's order, not "
                         "shuffled (what the table's scattered pages cost)")
-    parser.add_argument("--serving", type=Path, help="ab: time rows of this serving spec (serving.yml's layout)")
+    parser.add_argument("--serving", type=Path, help="ab, phases: rows of this serving spec (serving.yml's layout)")
     parser.add_argument("--rows", help="with --serving: the rows' names, comma-separated (default: all)")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--clock", action="store_true", help="timeline in %%clock64 cycles per CTA")
     args = parser.parse_args(argv)
     args.shapes = leaderboard.select_shapes(leaderboard.leaderboard_shapes(), args.shapes)
     if args.serving:
-        if args.mode != "ab" or args.page:
-            raise SystemExit("--serving: ab only, and its rows bring their own pages (no --page)")
+        if args.mode == "timeline" or args.page:
+            raise SystemExit("--serving: ab or phases, and its rows bring their own pages (no --page)")
         args.serving = serving.select(serving.load_shapes(args.serving), args.rows, "rows")
+    elif args.mode == "phases":
+        raise SystemExit("phases: --serving SPEC (the 64-row kernel runs at 64 heads and more)")
     if not torch.cuda.is_available():
         raise SystemExit("tune_cuda.py needs an NVIDIA GPU")
     os.environ.update(MLA_BACKEND="cuda", MLA_KV_FORMAT=args.format)
@@ -347,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
             variants[name] = Variant(name, Path(path), None)
         if args.mode == "ab":
             (run_ab_serving if args.serving else run_ab)(args, variants)
+        elif args.mode == "phases":
+            run_phases(args, variants, workdir)
         else:
             run_timeline(args, variants, workdir)
 

@@ -156,10 +156,44 @@ def test_gpu_both_modes_run(mode, tmp_path):
 
 @pytest.mark.parametrize("argv", [["timeline", "--serving", "serving.yml"],
                                   ["ab", "--serving", "serving.yml", "--page", "64"],
-                                  ["ab", "--serving", "serving.yml", "--rows", "1x1k-h16-q3"]])
-def test_serving_rows_are_for_ab_alone_and_named_as_the_spec_names_them(argv):
+                                  ["ab", "--serving", "serving.yml", "--rows", "1x1k-h16-q3"],
+                                  ["phases"]])
+def test_serving_rows_are_for_ab_and_phases_and_named_as_the_spec_names_them(argv):
     with pytest.raises(SystemExit, match="--serving|--rows"):
         tune.main([*argv])
+
+
+def test_every_phase_mark_finds_its_place(csrc):
+    tune.add_phases(csrc)
+    kernel = (csrc / tune.PHASES_IN).read_text()
+    assert kernel.count("clock64()") == len(tune.PHASE_MARKS) + 1  # the marks and the loop's start
+    assert kernel.count(f"ph_[{tune.PHASE_SLOTS - 1}] += 1;") == 1  # a pair counted once
+    assert 'extern "C" int mla_phases_get' in (csrc / C.MAIN_SOURCE).read_text()
+    # only lines added, each after its anchor: the declaration, the sums' start (2), the marks, the write (2), export
+    added = [line for p in C.source_files(C.CSRC) for line in difflib.ndiff(
+        p.read_text().splitlines(), (csrc / p.name).read_text().splitlines()) if line.startswith(("+ ", "- "))]
+    assert not [line for line in added if line.startswith("- ")]
+    assert len(added) == 1 + 2 + len(tune.PHASE_MARKS) + 2 + 11
+
+
+@pytest.mark.parametrize("anchor", ["pairs", "pair-softmax", "pairs-done"])
+def test_a_kernel_edit_that_loses_a_phase_anchor_fails(csrc, anchor):
+    kernel = csrc / tune.PHASES_IN
+    text = kernel.read_text()
+    line = next(line for line in text.splitlines(keepends=True) if line.strip() == f"// TUNE: {anchor}")
+    kernel.write_text(text.replace(line, ""))
+    with pytest.raises(ValueError, match=f"phase mark '{anchor}': expected one `// TUNE: {anchor}` line"):
+        tune.add_phases(csrc)
+
+
+@needs_nvcc
+def test_the_phase_stamped_sources_build(csrc, monkeypatch, tmp_path):
+    monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path / "cache"))
+    tune.add_phases(csrc)
+    monkeypatch.setattr(C, "CSRC", csrc)
+    monkeypatch.setattr(C, "_LIBS", {})
+    lib = C.library((9, 0))
+    assert lib.mla_phases_get is not None and lib.mla_phases_clear is not None
 
 
 @pytest.mark.gpu
@@ -174,3 +208,14 @@ def test_gpu_ab_over_serving_rows(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "FAIL" not in out.stdout and "8x8k-h64-q1: now " in out.stdout and "  base " in out.stdout
     assert "geomean fp8 serving rows: now" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
+def test_gpu_phases_of_the_64_row_kernel(tmp_path):
+    args = [sys.executable, str(TUNE), "phases", "--serving", "serving_heads.yml", "--rows", "8x8k-h64-q1",
+            "--runs", "3"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=dict(os.environ, MLA_CUDA_CACHE=str(tmp_path / "cache")))
+    assert out.returncode == 0, out.stderr
+    assert "8x8k-h64-q1 now: " in out.stdout and "cycles per pair: warpgroup 0: top " in out.stdout

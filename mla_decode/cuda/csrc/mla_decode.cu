@@ -1,7 +1,8 @@
 // The cuda backend's kernel library: mla_decode.cuda builds it with nvcc at first use and calls it through ctypes.
 // common.cuh: the problem's constants, helpers and the rows of a split; merge.cuh: the splits' barrier and merge;
 // wgmma.cuh: the Hopper kernel (MLA_WGMMA, sm_90a), wgmma64.cuh its 64-row units; mma_sync.cuh: the kernel for sm_80
-// and later; here: the C ABI and the launcher. `// TUNE: name` lines mark bench/tune_cuda.py's timeline stamps.
+// and later; here: the C ABI and the launcher. `// TUNE: name` lines mark bench/tune_cuda.py's timeline and phase
+// stamps.
 //
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else mma.sync
 // in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.

@@ -105,10 +105,12 @@ split_kernel64(const DecodeCall call) {
 #pragma unroll
     for (int e = 0; e < H / 2; ++e) acc[mb][e] = 0.f;
 
+  // TUNE: pairs
   for (int j = 0; j < npairs; ++j) {
     asm volatile("cp.async.wait_group 0;\n");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();  // pair j is visible to the tensor cores; every warp is done with pair j - 1
+    // TUNE: pair-top
     // The next pair's copies, then S (64 heads x 64 rows) = Q K^T (tile 2j + wg): 18 k32 steps, both operands from
     // shared memory.
     float s[H / 2];
@@ -120,6 +122,7 @@ split_kernel64(const DecodeCall call) {
     const int next_entry = PAGED && tid < 2 * BN ? paged_rows.fetch(call, b, lo, hi, ahead, tid & (BN - 1)) : 0;
     wg_wait<0>();
     fence_acc<H / 2>(s);
+    // TUNE: pair-scores
     if (PAGED && tid < 2 * BN) paged_rows.put(call, ahead, tid & (BN - 1), next_entry, lo, hi);
 
     // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
@@ -211,6 +214,7 @@ split_kernel64(const DecodeCall call) {
       }
     }
     l0 += sum0, l1 += sum1;
+    // TUNE: pair-softmax
 
     // O^T (this warpgroup's 256 dims x 64 heads) += V^T (256 x 128) P^T: k steps 0, 1 from tile 2j, 2, 3 from tile
     // 2j + 1. A from registers (v_fragment), a k step (4 m-blocks) at a time, each group committed and the one
@@ -233,7 +237,9 @@ split_kernel64(const DecodeCall call) {
     wg_wait<0>();
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
+    // TUNE: pair-values
   }
+  // TUNE: pairs-done
   asm volatile("cp.async.wait_group 0;\n");
 
   // Sums: over the quad's columns, then the two warpgroups' tiles through shared memory.
