@@ -94,6 +94,15 @@ split_kernel64(const DecodeCall call) {
   // P's k order: the pair's tile 2j + w at k = 64 w + p_position(column). Columns 16c + 2 t4 + {0, 1} and
   // 16c + 8 + 2 t4 + {0, 1} land on k = 64 w + 16c + 4 t4 + {0..3}: one 4-byte store a head and 16 columns.
   uint8_t* const pdst = ps + 4 * wg * QCHUNK + h0 * 16 + 4 * t4;
+  // This thread's 32 values of P (the score layout: columns 16c .. 16c + 15 in p[8c .. 8c + 7]) into P as e4m3.
+  auto store_p = [&](const float* p32) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float* p = p32 + 8 * c;
+      *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK) = to_e4m3x2(p[0], p[1]) | to_e4m3x2(p[4], p[5]) << 16;
+      *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK + 8 * 16) = to_e4m3x2(p[2], p[3]) | to_e4m3x2(p[6], p[7]) << 16;
+    }
+  };
   // Warpgroup w's value dims 256w .. 256w + 255 are the tile's 128-byte-swizzled blocks 2w and 2w + 1.
   const uint32_t vbase = ks_addr + 2 * wg * SW128_BLOCK;
   const uint32_t voff[2] = {lane * 128u + ((warp ^ (lane & 7)) << 4), lane * 128u + (((4 + warp) ^ (lane & 7)) << 4)};
@@ -165,12 +174,7 @@ split_kernel64(const DecodeCall call) {
       sum0 += (s[8 * c] + s[8 * c + 1]) + (s[8 * c + 4] + s[8 * c + 5]);
       sum1 += (s[8 * c + 2] + s[8 * c + 3]) + (s[8 * c + 6] + s[8 * c + 7]);
     }
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float* p = s + 8 * c;
-      *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK) = to_e4m3x2(p[0], p[1]) | to_e4m3x2(p[4], p[5]) << 16;
-      *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK + 8 * 16) = to_e4m3x2(p[2], p[3]) | to_e4m3x2(p[6], p[7]) << 16;
-    }
+    store_p(s);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     // P and the tile maxima are complete. Where no head's reference moved in either tile (most pairs), P is right
     // and nothing needs rescaling; otherwise the pair's reference is made from both tiles, P scaled down where this
@@ -184,13 +188,7 @@ split_kernel64(const DecodeCall call) {
 #pragma unroll
         for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
         sum0 *= f0, sum1 *= f1;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const float* p = s + 8 * c;
-          *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK) = to_e4m3x2(p[0], p[1]) | to_e4m3x2(p[4], p[5]) << 16;
-          *reinterpret_cast<uint32_t*>(pdst + c * QCHUNK + 8 * 16) =
-              to_e4m3x2(p[2], p[3]) | to_e4m3x2(p[6], p[7]) << 16;
-        }
+        store_p(s);
       }
       const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
       m0 = mn0, m1 = mn1;
