@@ -22,6 +22,10 @@ constexpr int WIDE_STATS = 6 * WIDE_ROWS;
 constexpr float LAZY_MAX = 2.f;
 constexpr float WIDE_P_BIAS = 6.f;
 static_assert(WIDE_P_BIAS + LAZY_MAX <= 8.f, "P's largest value within e4m3's range");
+// The reference after a pair whose max is pair_max: the guess of a tile and the pair's own take the same rule.
+__device__ __forceinline__ float lazy_reference(float reference, float pair_max) {
+  return pair_max > reference + LAZY_MAX ? pair_max : reference;
+}
 // Shared memory: the stages, Q (64 x 576 e4m3), P (128 x 64 e4m3), the per-head stats and the paged rows.
 constexpr int wide_smem_bytes() {
   return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED;
@@ -161,7 +165,7 @@ split_kernel64(const DecodeCall call) {
     if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
     // P against the reference this tile alone gives (the other tile rarely moves it; where it does, P is scaled
     // down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's narrowest pipe.
-    const float g0 = mx0 > m0 + LAZY_MAX ? mx0 : m0, g1 = mx1 > m1 + LAZY_MAX ? mx1 : m1;
+    const float g0 = lazy_reference(m0, mx0), g1 = lazy_reference(m1, mx1);
     const float gb0 = g0 == -INFINITY ? 0.f : g0, gb1 = g1 == -INFINITY ? 0.f : g1;
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
@@ -181,7 +185,7 @@ split_kernel64(const DecodeCall call) {
     // tile's guess was below it and stored again, and the accumulators rescaled.
     if (__syncthreads_or(g0 != m0 || g1 != m1)) {
       const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
-      const float mn0 = pm0 > m0 + LAZY_MAX ? pm0 : m0, mn1 = pm1 > m1 + LAZY_MAX ? pm1 : m1;
+      const float mn0 = lazy_reference(m0, pm0), mn1 = lazy_reference(m1, pm1);
       const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
       if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
         const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
