@@ -580,12 +580,44 @@ def _invoke(call: Callable[[], object]) -> object:
     return call()
 
 
+def measured(ctx: Context, record, attempt: Callable[[], bool]):
+    """`record` (a Row, or serving.py's Result) after attempt(), which prepares, checks and times a method into it:
+    skipped with the reason where the method cannot run here, ERROR (its traceback printed) where it raises, else ok
+    or FAIL by attempt's verdict, with the median, mean and best of the times_us it filled."""
+    try:
+        ok = attempt()
+    except (Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
+        record.status, record.reason = "skipped", str(e) if isinstance(e, Unavailable) else first_line(e)
+        return record
+    except Exception as e:  # a method that raises is reported loudly (ERROR, exit status 1); the others still run
+        traceback.print_exc()
+        record.status, record.reason = "ERROR", first_line(e)
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return record
+    record.status = "ok" if ok else "FAIL"
+    record.median_us = statistics.median(record.times_us)
+    record.mean_us = statistics.fmean(record.times_us)
+    record.min_us = min(record.times_us)
+    return record
+
+
+def best_peers(records: list) -> dict[str, float]:
+    """Per shape, the median µs of the fastest peer that passed its check."""
+    best: dict[str, float] = {}
+    for r in records:
+        if r.kind == "peer" and r.status == "ok" and r.median_us < best.get(r.shape, math.inf):
+            best[r.shape] = r.median_us
+    return best
+
+
 def run_row(ctx: Context, method: Method, shape: Shape, data: tuple, expected: torch.Tensor) -> Row:
     kv_indptr = data[3]
     row = Row(shape=shape.name, batch=shape.batch, kv=shape.kv, method=method.name, kind=method.kind,
               kv_format=method.kv_format, kv_rows=int(kv_indptr[-1] - kv_indptr[0]))
     row.kv_bytes = row.kv_rows * BYTES_PER_ROW[method.kv_format]
-    try:
+
+    def attempt() -> bool:
         prepared = method.prepare(ctx, shape, data, expected)
         row.note, row.extra = prepared.note, prepared.extra
         with scoped_env(prepared.env):
@@ -601,28 +633,14 @@ def run_row(ctx: Context, method: Method, shape: Shape, data: tuple, expected: t
             if prepared.fresh is not None:
                 row.host_fresh_us = ctx.timer.host(_invoke, ctx.args.fresh_iters,
                                                    setup=fresh_calls(shape, prepared.fresh))
-    except (Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
-        row.status, row.reason = "skipped", str(e) if isinstance(e, Unavailable) else first_line(e)
-        return row
-    except Exception as e:  # a method that raises is reported loudly (ERROR, exit status 1); the others still run
-        traceback.print_exc()
-        row.status, row.reason = "ERROR", first_line(e)
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return row
-    row.status = "ok" if ok else "FAIL"
-    row.median_us = statistics.median(row.times_us)
-    row.mean_us = statistics.fmean(row.times_us)
-    row.min_us = min(row.times_us)
-    return row
+        return ok
+
+    return measured(ctx, row, attempt)
 
 
 def add_derived(rows: list[Row], ceiling_gbps: float) -> None:
     """GB/s, % of the ceiling, floor and the ratio to the best peer that passed its check on the same shape."""
-    best_peer = {}
-    for r in rows:
-        if r.kind == "peer" and r.status == "ok" and r.median_us < best_peer.get(r.shape, math.inf):
-            best_peer[r.shape] = r.median_us
+    best_peer = best_peers(rows)
     for r in rows:
         r.floor_us = r.kv_bytes / ceiling_gbps / 1e3
         if r.median_us is None:

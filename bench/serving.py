@@ -37,10 +37,8 @@ import importlib
 import json
 import math
 import shlex
-import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -513,7 +511,10 @@ def run_method(ctx: ServingContext, method: Method, case: Case) -> Result:
                     page=shape.page, method=method.name, kind=method.kind, kv_format=method.kv_format,
                     kv_rows=case.kv_rows, kv_bytes=case.kv_rows * leaderboard.BYTES_PER_ROW[method.kv_format],
                     flops=2 * shape.q_len * shape.heads * case.kv_rows * (QK_DIM + V_DIM))
-    try:
+    verdict = None
+
+    def attempt() -> bool:
+        nonlocal verdict
         prepared = method.prepare(ctx, case)
         result.note, result.extra = prepared.note, prepared.extra
         output = prepared.fn()
@@ -523,29 +524,17 @@ def run_method(ctx: ServingContext, method: Method, case: Case) -> Result:
         for _ in range(ctx.args.warmup):
             prepared.fn()
         result.times_us = ctx.timer.leaderboard(prepared.fn, ctx.args.iters)
-    except (leaderboard.Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
-        result.reason = str(e) if isinstance(e, leaderboard.Unavailable) else leaderboard.first_line(e)
-        return result
-    except Exception as e:  # reported loudly (ERROR, exit status 1); the other methods still run
-        traceback.print_exc()
-        result.status, result.reason = "ERROR", leaderboard.first_line(e)
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return result
-    result.status = "ok" if verdict.ok else "FAIL"
-    result.rel_l2, result.lse_err, result.check = verdict.rel_l2, verdict.lse_err, verdict.message
-    result.median_us = statistics.median(result.times_us)
-    result.mean_us = statistics.fmean(result.times_us)
-    result.min_us = min(result.times_us)
+        return verdict.ok
+
+    leaderboard.measured(ctx, result, attempt)
+    if result.status in ("ok", "FAIL"):
+        result.rel_l2, result.lse_err, result.check = verdict.rel_l2, verdict.lse_err, verdict.message
     return result
 
 
 def add_derived(results: list[Result], ceiling_gbps: float) -> None:
     """GB/s, % of the ceiling, TFLOPS and the ratio to the fastest peer that passed its check on the same row."""
-    best_peer: dict[str, float] = {}
-    for r in results:
-        if r.kind == "peer" and r.status == "ok" and r.median_us < best_peer.get(r.shape, math.inf):
-            best_peer[r.shape] = r.median_us
+    best_peer = leaderboard.best_peers(results)
     for r in results:
         if r.median_us is None:
             continue
