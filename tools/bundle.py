@@ -46,14 +46,19 @@ def _import_lines(tree: ast.Module) -> tuple[list[str], set[int]]:
     return external, lines
 
 
-def _defined_names(tree: ast.Module) -> set[str]:
+def _defined_names(body: list[ast.stmt]) -> set[str]:
+    """The names a module body defines at its top level, those inside its top-level if and try blocks (the kernels
+    defined where their compiler imports) included."""
     names = set()
-    for node in tree.body:
+    for node in body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try)):
+            names |= _defined_names(node.body + node.orelse + [s for h in getattr(node, "handlers", []) for s in h.body]
+                                    + getattr(node, "finalbody", []))
     return names
 
 
@@ -78,7 +83,7 @@ def bundle() -> str:
         path = PACKAGE / f"{name}.py"
         source = path.read_text()
         tree = ast.parse(source)
-        for defined in _defined_names(tree):
+        for defined in _defined_names(tree.body):
             if defined in owner:
                 raise SystemExit(f"bundle: {defined!r} is defined in both mla_decode/{owner[defined]}.py and "
                                  f"mla_decode/{name}.py")
