@@ -40,6 +40,7 @@ from .contract import (
     tl,
     triton,
 )
+from .triton_hopper import HOPPER_KERNEL_REASON, HOPPER_PLAN_SHAPE, _hopper_split_kernel
 
 TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
 # NVIDIA's fast FP8 plan: programs of 32 query rows (8 warps) where heads come in 32s and a program still walks
@@ -541,6 +542,9 @@ class TritonPlan(NamedTuple):
     # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
     # has the compile figures), so the plans keep 16 and a caller may choose more
     block_h: int = TRITON_BLOCK_H
+    # the split kernel for Hopper and the fast FP8 cache (triton_hopper.py: Gluon, the products as the cuda kernel
+    # takes them) in place of the portable one; 16 query rows, 4 warps, two tiles buffered
+    hopper: bool = False
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -564,7 +568,9 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
-    if block_h is None:
+    hopper = (HOPPER_KERNEL_REASON is None and target.arch == "sm_90" and kv_format == "fp8" and not precise
+              and block_h in (None, TRITON_BLOCK_H))
+    if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
             wide = triton_plan(batch, seq_len, target, kv_format, query_rows, num_heads, precise, WIDE_BLOCK_H)
@@ -572,6 +578,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
             tiles = -(-seq_len // (wide.block_n * wide.num_splits))
             if tiles >= WIDE_MIN_TILES or (wide.num_splits == 1 and programs > NVIDIA_PROGRAMS_PER_SM * target.num_sms):
                 return wide
+    block_h = block_h or TRITON_BLOCK_H
     block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
     max_splits = 32 if kv_format == "fp8" else 64
     per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
@@ -584,7 +591,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     stages = next((s for s in stage_choices if split_kernel_shared_bytes(block_n, s, kv_format) <= target.shared_bytes),
                   1)
     return TritonPlan(splits, block_n, num_warps, stages, scaled, chunked_pages=not amd,
-                      v_cast_first=kv_format == "fp8" and not precise and not amd, block_h=block_h)
+                      v_cast_first=kv_format == "fp8" and not precise and not amd, block_h=block_h, hopper=hopper)
 
 
 class TritonKey(NamedTuple):
@@ -611,11 +618,18 @@ class TritonKey(NamedTuple):
 def triton_key(problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None
                ) -> TritonKey:
     """The launch key of a problem on its device's target (or `target`), with triton_plan's plan (or `plan`: a
-    TritonPlan, or its first fields, the others as triton_plan chooses them for the problem)."""
+    TritonPlan, or its first fields, the others as triton_plan chooses them for the problem; first fields the Hopper
+    kernel cannot take (its tile rows, warps and query rows are fixed) run the portable kernel)."""
     target = target or triton_target(problem.device)
     chosen = triton_plan(problem.batch, problem.max_seqlen, target, problem.kv_format,
                          problem.q_len * problem.num_heads, problem.num_heads, problem.precision == "precise")
+    given = len(plan) if plan is not None else 0
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
+    if plan.hopper and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
+        if given == len(TritonPlan._fields):
+            raise ValueError(f"triton backend: the Hopper kernel (plan.hopper) takes (block_n, num_warps, block_h) "
+                             f"{HOPPER_PLAN_SHAPE}; got {(plan.block_n, plan.num_warps, plan.block_h)}")
+        plan = plan._replace(hopper=False)
     if plan.block_h < TRITON_BLOCK_H or plan.block_h & (plan.block_h - 1):
         raise ValueError(f"triton backend: the plan's block_h (query rows a program) must be a power of 2, at least "
                          f"{TRITON_BLOCK_H}; got {plan.block_h}")
@@ -647,13 +661,18 @@ class TritonDecode:
         fp8_max = (float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else
                    float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores else 0.0)
         dot_dtype = tl.float32 if interpreted else tl.bfloat16 if key.kv_format == "bf16" else tl.float16
-        split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
-                            KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,
-                            USE_ASM=nvidia, ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1,
-                            SCALED_SCORES=plan.scaled_scores, WRITE_LSE=key.write_lse,
-                            CHUNKED_PAGES=plan.chunked_pages, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
-                            CAUSAL=key.causal and key.q_len > 1, V_CAST_FIRST=plan.v_cast_first,
-                            BLOCK_H=plan.block_h)
+        if plan.hopper:
+            split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
+                                NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1)
+        else:
+            split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
+                                KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,
+                                USE_ASM=nvidia, ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1,
+                                SCALED_SCORES=plan.scaled_scores, WRITE_LSE=key.write_lse,
+                                CHUNKED_PAGES=plan.chunked_pages, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
+                                CAUSAL=key.causal and key.q_len > 1, V_CAST_FIRST=plan.v_cast_first,
+                                BLOCK_H=plan.block_h)
+        self.split_kernel = _hopper_split_kernel if plan.hopper else _mla_split_kernel
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
                               USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
         self.split_grid = (splits, query_groups(key.q_len, key.num_heads, plan.block_h), key.batch)
@@ -693,7 +712,7 @@ class TritonDecode:
         if self.key.kv_format == "mxfp4":  # the kernel reads the codes and the E8M0 scales as bytes
             kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
         lse = out if lse is None else lse  # not written: an unused pointer
-        split = _mla_split_kernel[self.split_grid](q, kv, scale, scale_stride, seqs, table, max_pages, kv_rows, out,
+        split = self.split_kernel[self.split_grid](q, kv, scale, scale_stride, seqs, table, max_pages, kv_rows, out,
                                                    lse, self.part_o, self.part_lse, self.qk_scale,
                                                    **self.split_meta)
         combine = None

@@ -13,6 +13,7 @@ import torch
 
 import reference as R
 import testkit.controls as NC
+from testkit.emulation import E4M3_P_RANDOM_BOUND, emulation_of
 from testkit.inputs import GRID_REL_L2_BOUND
 
 # (kernel, data) -> the bound on the worst sequence's error against the emulation. Measured on the H200
@@ -20,8 +21,15 @@ from testkit.inputs import GRID_REL_L2_BOUND
 # random: cuda wgmma fp8 8.0e-3 / 2.07e-2 (9.6e-3 at worst over test_cuda's shapes), cuda mxfp4 6.0e-3 / 2.03e-2;
 # triton fp8 fast 2.0e-3 / 1.30e-2; cuda mma.sync 2.3e-3 / 1.34e-2; triton fp8 precise 1.7e-3 / 1.32e-2; triton mxfp4
 # 1.7e-3 / 1.41e-2. grid: every kernel 1.7-2.4e-3 / 1.09e-2 or more.
-BOUNDS = {(kernel, "random"): 1.4e-2 if kernel in ("cuda wgmma fp8", "cuda mxfp4") else 6e-3 for kernel in NC.KERNELS}
-BOUNDS |= {(kernel, "grid"): GRID_REL_L2_BOUND for kernel in NC.KERNELS}
+# Kernels that round P to e4m3 (the cuda wgmma kernels; the triton backend's Hopper kernel, whose measurement on
+# random data was 3.6e-3 to 9.6e-3 against its emulation over the task shapes, H200 2026-12-03) take the looser bound.
+
+
+def bound_of(kernel: str, data_kind: str, data) -> float:
+    if data_kind == "grid":
+        return GRID_REL_L2_BOUND
+    return E4M3_P_RANDOM_BOUND if emulation_of(data, *NC.KERNELS[kernel])[0] == "+Q+P" else 6e-3
+
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                 reason="needs an NVIDIA GPU")
@@ -37,7 +45,7 @@ def batch(request):
 @pytest.mark.parametrize("kernel", sorted(NC.KERNELS))
 def test_the_kernel_meets_its_bound_and_every_planted_bug_fails_it(batch, kernel):
     (data_kind, _), data = batch
-    bound = BOUNDS[(kernel, data_kind)]
+    bound = bound_of(kernel, data_kind, data)
     backend, kv_format, _ = NC.KERNELS[kernel]
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")

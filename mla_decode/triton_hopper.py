@@ -1,0 +1,262 @@
+"""The triton backend's split kernel for Hopper (sm_90a) and the fast FP8 cache, written in Gluon (Triton's explicit-
+layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not give.
+
+Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
+the portable kernel does (same arguments, same partials for its combine kernel). Per 64-row tile, in shared memory
+as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128-byte swizzle; the rope dims
+[64][64 B], 64-byte swizzle), two tiles buffered through cp.async (2 x 36 KB + Q: two programs an SM):
+  S^T (64 x 16) = K Q^T   FP8 x FP8, both from shared memory, Q in E4M3 with one scale per query row;
+  O^T (512 x 16) += V^T P^T  FP8 x FP8: V^T from registers, loaded from the same tile by ldmatrix.trans on pairs of
+      bytes and split into the A fragments by byte permutes (no fp16 copy of V); P = 2^8 p in E4M3, in shared memory
+      with its rows in the order those fragments give the tile's rows (_k_order).
+Output row r of a 128-dim chunk of O^T is dim _dim_of(r): the fragments pair dims 2j and 2j + 1 in one thread.
+"""
+
+from .contract import LN2, QK_HEAD_DIM, V_HEAD_DIM, async_copy, gl, gluon, hopper, triton
+
+HOPPER_PLAN_SHAPE = (64, 4, 16)  # (tile rows, warps, query rows a program) its layouts are written for
+P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
+# The Triton release whose Gluon the kernel is written for (measured on the H200): Gluon is experimental and its API
+# changes between releases (3.9 renamed cp.async's load and the CTA barrier), so other releases take the portable one.
+GLUON_TRITON = "3.6."
+if gluon is None:
+    HOPPER_KERNEL_REASON = "this Triton has no Gluon (triton.experimental.gluon)"
+elif not triton.__version__.startswith(GLUON_TRITON):
+    HOPPER_KERNEL_REASON = (f"the Hopper kernel is written for Triton {GLUON_TRITON}x's Gluon (an experimental API); "
+                            f"this is Triton {triton.__version__}")
+else:
+    HOPPER_KERNEL_REASON = None  # why the plans cannot take the kernel here, or None
+_hopper_split_kernel = None
+
+if HOPPER_KERNEL_REASON is None:
+    _H_QK_DIM = gl.constexpr(QK_HEAD_DIM)
+    _H_V_DIM = gl.constexpr(V_HEAD_DIM)
+    _H_LN2 = gl.constexpr(LN2)
+    _P_SCALE = gl.constexpr(2.0 ** P_LOG2_BIAS)
+    _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
+
+    # wgmma's accumulator layout for 4 warps: S^T (64 x 16) and each O^T chunk (128 x 16)
+    _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
+    _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # V^T's register fragments (128 x 64 e4m3)
+    # A 128-dim block of the tile as int16 pairs of dims, transposed ([64 pairs][64 rows]), in the layout whose
+    # registers ldmatrix.trans fills: lane (g, t4) gets pairs j = g (+ 8 warp + 32 r4), rows 2 t4 + {0, 1}
+    # (+ 8 r1 + 16 r2 + 32 r3), r the register bits. Its bytes are the A fragments of _A_FP8 after _v_fragments.
+    _PAIRS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 64]))
+    _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    _SW128_PAIRS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
+    # cp.async's 16-byte pieces: a [64][128 B] block and the [64][64 B] rope block of a tile; Q's [16][128] blocks
+    _COPY128 = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+    _COPY64 = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+    _QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+    @gluon.jit
+    def _k_order(x):
+        """Rows of x (64, N) in the order the value product's k runs through the tile: k (bits k5..k0) holds tile
+        row (k5, k4, k1, k3, k2, k0), the order in which ldmatrix.trans and the byte permutes deliver a thread's
+        four tile rows of one A register (rows 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 of each 16)."""
+        n: gl.constexpr = x.shape[1]
+        return x.reshape([2, 2, 2, 2, 2, 2, n]).permute((0, 1, 3, 4, 2, 5, 6)).reshape([64, n])
+
+    @gluon.jit
+    def _dim_of(r):
+        """The dim (within its 128-dim block) of V^T / O^T row r of the value product."""
+        return ((r >> 3) & 1) | ((r & 7) << 1) | (r & ~15)
+
+    @gluon.jit
+    def _v_fragments(block):
+        """The A operand V^T (128 x 64 e4m3, rows in _dim_of order, k in _k_order) of a [64][128 B] tile block in
+        shared memory: ldmatrix.trans of the block as int16 pairs, then one byte permute per register (the even dims
+        of four tile rows from two registers, and the odd ones)."""
+        pairs = block._reinterpret(gl.int16, [64, 64], _SW128_PAIRS).permute((1, 0)).load(_PAIRS)
+        even, odd = gl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x6420; prmt.b32 $1, $2, $3, 0x7531;",
+                                              "=r,=r,r,r", [pairs], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        v = gl.join(even.to(gl.float8e4nv, bitcast=True), odd.to(gl.float8e4nv, bitcast=True))  # [pair, row, odd]
+        v = v.reshape([2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # pair bits j5..j0, row bits t5..t0, odd
+        # A row (r6..r0) = (j5, j4, j3, odd, j2, j1, j0): _dim_of; k (k5..k0) = (t5, t4, t2, t1, t3, t0): _k_order
+        v = v.permute((0, 1, 2, 12, 3, 4, 5, 6, 7, 9, 10, 8, 11)).reshape([128, 64])
+        return gl.convert_layout(v, _A_FP8, assert_trivial=True)
+
+    @gluon.jit
+    def _copy_tile(kv_ptr, kt, first, kr, base, offs128, ok128, offs64, ok64):
+        """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
+        blocks kt[first .. first + 3] (64, 128) and its rope block kr (64, 64)."""
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
+        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _H_QK_DIM + c128[None, :]
+        for c in gl.static_range(_NCHUNK):
+            async_copy.async_copy_global_to_shared(kt.index(first + c), src + c * 128, mask=ok128[:, None])
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
+        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _H_QK_DIM + _H_V_DIM + c64[None, :]
+        async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
+
+    @gluon.jit
+    def _hopper_tile_rows(table_row, n0, hi, num_pages, layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """Tile rows at positions n0 .. n0 + 63 in `layout`'s row slice: (cache row base, row offsets, rows to read,
+        1 where a page outside the cache was met). Ragged: positions are rows; paged: a table read per row."""
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        in_seq = n0 + r < hi
+        if PAGE_SIZE == 0:
+            return n0.to(gl.int64), r, in_seq, 0
+        else:
+            pos = n0 + r
+            page = gl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0)
+            page_ok = (page >= 0) & (page < num_pages)
+            rows = gl.where(page_ok, page, 0).to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+            return gl.to_tensor(0).to(gl.int64), rows, in_seq & page_ok, gl.max((in_seq & ~page_ok).to(gl.int32), 0)
+
+    @gluon.jit
+    def _issue_tile(kv_ptr, kt, first, kr, table_row, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
+        """_copy_tile for the tile at n0 (its rows looked up in each copy layout: a paged tile reads its table
+        entries twice, from L1); returns its bad-page flag."""
+        base, offs128, ok128, bad = _hopper_tile_rows(table_row, n0, hi, num_pages, _COPY128, PAGE_SIZE)
+        _, offs64, ok64, _ = _hopper_tile_rows(table_row, n0, hi, num_pages, _COPY64, PAGE_SIZE)
+        _copy_tile(kv_ptr, kt, first, kr, base, offs128, ok128, offs64, ok64)
+        return bad
+
+    @gluon.jit
+    def _hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
+                             PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
+                             NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr):
+        # the portable kernel's arguments (kscale_stride, MXFP4's, unused), so that TritonDecode launches either
+        split = gl.program_id(0)
+        group = gl.program_id(1)
+        b = gl.program_id(2)
+        ROWS: gl.constexpr = Q_LEN * NUM_HEADS
+        PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
+        if PAGE_SIZE == 0:
+            start = gl.load(seq_ptr + b)
+            end = gl.load(seq_ptr + b + 1)
+            valid = (start >= 0) & (end >= start) & (end <= kv_rows)
+            start = gl.where(valid, start, 0)
+            end = gl.where(valid, end, 0)
+            num_pages = kv_rows
+        else:
+            n = gl.load(seq_ptr + b)
+            valid = (n >= 0) & (n <= max_pages * PAGE_SIZE)
+            start = 0
+            end = gl.where(valid, n, 0)
+            num_pages = kv_rows // PAGE_SIZE
+        per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
+        lo = start + split * per_split
+        hi = gl.minimum(lo + per_split, end)
+        cols: gl.constexpr = gl.SliceLayout(0, _MMA)  # per query row: the accumulators' columns
+        qrow = group * 16 + gl.arange(0, 16, layout=cols)
+        row_in = qrow < ROWS
+        limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
+        if PARTIAL_ROWS:
+            limit = gl.where(row_in, limit, 0)
+        if CAUSAL:
+            hi = gl.minimum(hi, gl.max(limit, 0))
+        first_row = b.to(gl.int64) * ROWS + group * 16
+        table_row = table_ptr + b.to(gl.int64) * max_pages
+
+        # Q: E4M3 with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
+        qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
+        q_at = q_ptr + (first_row + qr)[:, None] * _H_QK_DIM
+        q_ok = (group * 16 + qr < ROWS)[:, None]
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
+        q_max = gl.max(gl.abs(gl.load(q_at + _H_V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
+        for c in gl.static_range(_NCHUNK):
+            q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
+            q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
+        q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)), gl.maximum(q_max, 1e-30))
+        qs = gl.allocate_shared_memory(gl.float8e4nv, [4, 16, 128], _SW128)
+        for c in gl.static_range(_NCHUNK):
+            q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
+            qs.index(c).store(gl.minimum(gl.maximum(q_c, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
+        q_pe = gl.load(q_at + _H_V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
+        qr_s = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], _SW64,
+                                         gl.minimum(gl.maximum(q_pe, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
+        kv_scale = gl.load(kscale_ptr)
+        s_scale = kv_scale * qk_scale / gl.convert_layout(q_scale, cols)  # scores in log2 units
+
+        kt = gl.allocate_shared_memory(gl.float8e4nv, [2 * 4, 64, 128], _SW128)  # tile t: blocks 4t .. 4t + 3
+        kr = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], _SW64)
+        ps = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], _SW64)  # P (query rows x k), _k_order
+        m_i = gl.full([16], float("-inf"), gl.float32, cols)
+        l_i = gl.zeros([16], gl.float32, cols)
+        bad = gl.to_tensor(0)
+        acc0 = gl.zeros([128, 16], gl.float32, _MMA)
+        acc1 = gl.zeros([128, 16], gl.float32, _MMA)
+        acc2 = gl.zeros([128, 16], gl.float32, _MMA)
+        acc3 = gl.zeros([128, 16], gl.float32, _MMA)
+        n_tiles = gl.cdiv(hi - lo, 64)
+        for t in gl.static_range(2):  # the first two tiles (a group committed for each, empty or not)
+            if t < n_tiles:
+                bad = bad | _issue_tile(kv_ptr, kt, 4 * t, kr.index(t), table_row, lo + 64 * t, hi,
+                                        num_pages, PAGE_SIZE)
+            async_copy.commit_group()
+        tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, _MMA))
+        for i in range(n_tiles):
+            buf = i % 2
+            n0 = lo + 64 * i
+            async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
+            hopper.fence_async_shared()
+            gl.thread_barrier()
+            s = gl.zeros([64, 16], gl.float32, _MMA)
+            s = hopper.warpgroup_mma(kt.index(4 * buf), qs.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+            for c in gl.static_range(1, _NCHUNK):
+                s = hopper.warpgroup_mma(kt.index(4 * buf + c), qs.index(c).permute((1, 0)), s, is_async=True)
+            s = hopper.warpgroup_mma(kr.index(buf), qr_s.permute((1, 0)), s, is_async=True)
+            s = hopper.warpgroup_mma_wait(0, deps=[s])
+            pos = n0 + tile_rows
+            seen = (pos < hi)[:, None]
+            if CAUSAL:
+                seen = seen & (pos[:, None] < limit[None, :])
+            s = gl.where(seen, s * s_scale[None, :], float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing keeps p = 0
+            alpha = gl.exp2(m_i - m_base)
+            p = gl.exp2(s - m_base[None, :])
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            p8 = (p * _P_SCALE).to(gl.float8e4nv)
+            ps.store(_k_order(p8).permute((1, 0)))
+            hopper.fence_async_shared()
+            gl.thread_barrier()
+            pt = ps.permute((1, 0))
+            a0 = _v_fragments(kt.index(4 * buf))
+            acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
+            a1 = _v_fragments(kt.index(4 * buf + 1))
+            acc1 = hopper.warpgroup_mma(a1, pt, acc1 * alpha[None, :], is_async=True)
+            a2 = _v_fragments(kt.index(4 * buf + 2))
+            acc2 = hopper.warpgroup_mma(a2, pt, acc2 * alpha[None, :], is_async=True)
+            a3 = _v_fragments(kt.index(4 * buf + 3))
+            acc3 = hopper.warpgroup_mma(a3, pt, acc3 * alpha[None, :], is_async=True)
+            acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+            gl.thread_barrier()  # every warp is done with the tile's buffer and P
+            if i + 2 < n_tiles:
+                bad = bad | _issue_tile(kv_ptr, kt, 4 * buf, kr.index(buf), table_row, n0 + 128, hi, num_pages,
+                                        PAGE_SIZE)
+            async_copy.commit_group()
+        async_copy.wait_group(0)
+
+        inv = gl.where(l_i > 0, kv_scale / (_P_SCALE * l_i), 0.0)  # an empty sequence or split: zeros
+        lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
+        h = gl.arange(0, 16, layout=cols)
+        at = h[None, :] * _H_V_DIM + _dim_of(r)[:, None]
+        mask = row_in[None, :] if PARTIAL_ROWS else None
+        if NUM_SPLITS == 1:
+            ok = valid & (bad == 0)
+            dst = out_ptr + first_row * _H_V_DIM + at
+            gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+            gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+            gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+            gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+            if WRITE_LSE:
+                at_lse = lse_ptr + b * ROWS + (qrow % NUM_HEADS) * Q_LEN + qrow // NUM_HEADS
+                gl.store(at_lse, gl.where(ok, lse2 * _H_LN2, float("nan")), mask=row_in if PARTIAL_ROWS else None)
+        else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache)
+            part = b * NUM_SPLITS + split
+            dst = part_o_ptr + (part * ROWS + group * 16) * _H_V_DIM + at
+            gl.store(dst, acc0 * inv[None, :], mask=mask)
+            gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
+            gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
+            gl.store(dst + 384, acc3 * inv[None, :], mask=mask)
+            gl.store(part_lse_ptr + part * ROWS + qrow, gl.where(bad == 0, lse2, float("nan")),
+                     mask=row_in if PARTIAL_ROWS else None)
