@@ -1,0 +1,106 @@
+"""The triton backend's Hopper kernel (mla_decode/triton_hopper.py, Gluon) compiled for sm_90a on this CPU with the
+Triton it is written for, and its figures gated: what an H200 would run, checked without one.
+
+    python tools/hopper_check.py --triton .amd-triton/3.6.0 [--file submission.py]
+
+`--triton` is a folder holding Triton 3.6 (make amd-check installs the runner's there; its NVIDIA backend brings
+ptxas and cuobjdump). The kernel of `--file` (the leaderboard file, which inlines the package) is compiled with the
+constexprs its plans launch it with (ragged and paged, splits or none, MTP and head counts, with and without the LSE),
+its pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
+  - no local memory (spills), registers within 255;
+  - shared memory for two programs an SM (the plan's splits assume two);
+  - the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA;
+  - V^T through ldmatrix.trans and byte permutes: no FP8 -> fp16 unpacks (which an fp16 copy of V would need).
+"""
+
+import argparse
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# (page size (0: ragged), splits, q_len, heads, LSE written)
+CASES = ((0, 16, 1, 16, False), (0, 1, 1, 16, False), (64, 4, 1, 16, True), (1, 8, 2, 32, True),
+         (16, 1, 4, 16, True), (0, 2, 3, 8, True), (64, 1, 1, 128, True))
+SHARED_PER_PROGRAM = (228 * 1024) // 2 - 1024  # two programs an SM, 1 KB reserved each
+SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "kscale_stride": "i32", "seq_ptr": "*i32",
+             "table_ptr": "*i32", "max_pages": "i32", "kv_rows": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+
+
+def compile_case(module, triton, case) -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    page, splits, q_len, heads, lse = case
+    constexprs = dict(NUM_SPLITS=splits, PAGE_SIZE=page, FP8_MAX=448.0, WRITE_LSE=lse, NUM_HEADS=heads, Q_LEN=q_len,
+                      CAUSAL=q_len > 1)
+    signature = dict(SIGNATURE, **{name: "constexpr" for name in constexprs})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(SIGNATURE.values()) if kind.startswith("*")}
+    source = GluonASTSource(module._hopper_split_kernel, signature, constexprs, aligned)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage, sass = (subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True, check=True).stdout
+                       for flag in ("--dump-resource-usage", "-sass"))
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0]
+                              for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass))
+    return {"case": case, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": kernel.metadata.shared,
+            "qgmma": sum(n for op, n in ops.items() if op.startswith("QGMMA")),
+            "hgmma": sum(n for op, n in ops.items() if op.startswith("HGMMA")),
+            "ldsm_t": ops.get("LDSM.16.MT88.4", 0), "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0)}
+
+
+def gates(k: dict) -> list[str]:
+    failed = []
+    if k["local"]:
+        failed.append(f"{k['local']} B of local memory (spills)")
+    if k["registers"] > 255:
+        failed.append(f"{k['registers']} registers")
+    if k["shared"] > SHARED_PER_PROGRAM:
+        failed.append(f"{k['shared']} B of shared memory: more than two programs an SM leave each")
+    if k["qgmma"] < 34 or k["hgmma"]:
+        failed.append(f"products: {k['qgmma']} FP8 and {k['hgmma']} fp16 wgmma (want >= 34 FP8, no fp16)")
+    if k["ldsm_t"] < 16 or k["fp8_unpacks"]:
+        failed.append(f"V^T: {k['ldsm_t']} ldmatrix.trans, {k['fp8_unpacks']} FP8 -> fp16 unpacks (want >= 16, 0)")
+    return failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--triton", type=Path, required=True, help="a folder holding Triton 3.6")
+    ap.add_argument("--file", type=Path, default=ROOT / "submission.py")
+    args = ap.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)  # the compiler, not the interpreter (tests run under it)
+    sys.path.insert(0, str(args.triton.resolve()))
+    import triton
+
+    spec = importlib.util.spec_from_file_location("submission_under_check", args.file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.HOPPER_KERNEL_REASON is not None:
+        print(f"hopper check: {module.HOPPER_KERNEL_REASON}", file=sys.stderr)
+        return 1
+    print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse) | registers | local | shared | "
+          "QGMMA | HGMMA | LDSM.T | FP8 unpacks")
+    failures = 0
+    for case in CASES:
+        k = compile_case(module, triton, case)
+        failed = gates(k)
+        failures += bool(failed)
+        print(f"{case} | {k['registers']} | {k['local']} | {k['shared']} | {k['qgmma']} | {k['hgmma']} | "
+              f"{k['ldsm_t']} | {k['fp8_unpacks']}" + (f"  FAILED: {'; '.join(failed)}" if failed else ""))
+    print(f"hopper check: {len(CASES) - failures} of {len(CASES)} kernels pass")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
