@@ -20,6 +20,8 @@ Q and the score product by format (docs/design-notes.md has the measurements beh
   bf16:        bf16 Q against the bf16 tile, fp32 sums.
 V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is; fast FP8 on NVIDIA cast before the transpose).
 Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
+On Hopper with Triton 3.6 the fast FP8 plans launch triton_hopper.py's Gluon kernel in this one's place
+(TritonPlan.hopper), with the same arguments and combine.
 """
 
 import functools

@@ -242,6 +242,31 @@ def test_plan_splits_fill_the_sms(monkeypatch):
         S.triton_key(fast, h200, S.TritonPlan(2, 64, 8, 3, hopper=True))
 
 
+def test_the_hopper_kernel_takes_what_its_launch_passes():
+    """TritonDecode passes the split kernel's constexprs by position after the other arguments: for a Hopper plan
+    they are the Gluon kernel's, in its order, and the other arguments are the portable kernel's (read from the
+    source: the kernel is defined only with the Triton it is written for)."""
+    import ast
+    import inspect
+
+    from mla_decode import triton_backend as S
+    from mla_decode import triton_hopper
+
+    def parameters(name):
+        tree = ast.parse(inspect.getsource(triton_hopper if name.startswith("_hopper") else S))
+        (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+        return [a.arg for a in fn.args.args]
+
+    problem = mla_decode.api.make_problem(4, torch.float8_e4m3fn, "cpu", layout="ragged", max_seqlen=8192)
+    h200 = S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
+    plan = S.triton_plan(4, 8192, h200, "fp8")._replace(hopper=True)
+    decode = S.TritonDecode(problem, h200, plan)
+    hopper, portable = parameters("_hopper_split_kernel"), parameters("_mla_split_kernel")
+    runtime = len(hopper) - len(decode.split_consts)
+    assert hopper[runtime:] == list(decode.split_meta)[:len(decode.split_consts)]
+    assert hopper[:runtime] == [p for p in portable if not p.isupper()]
+
+
 def test_amd_plans_fit_the_lds_and_fill_the_cus():
     """gfx950 (MI355X, 256 CUs, 2 programs a CU, 160 KB LDS) keeps 3 stages for FP8; gfx942 (MI300X, 304 CUs, 1 a
     CU, 64 KiB) takes 2, whose modelled LDS fits; MXFP4 takes the scaled scores at 1 stage on gfx950, 2 stages of
