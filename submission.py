@@ -1096,6 +1096,20 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
+def hopper_unusable_reason(target: TritonTarget, kv_format: str, precise: bool,
+                           kv_dtype: torch.dtype = torch.float8_e4m3fn) -> str | None:
+    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format, mode and cache dtype on `target`,
+    or None: it takes the fast e4m3fn FP8 cache on sm_90, with the Triton it is written for."""
+    if HOPPER_KERNEL_REASON is not None:
+        return HOPPER_KERNEL_REASON
+    if target.arch != "sm_90":
+        return f"the Hopper kernel is compiled for sm_90; the target is {target.arch}"
+    if kv_format != "fp8" or precise or kv_dtype != torch.float8_e4m3fn:
+        return (f"the Hopper kernel takes the fast float8_e4m3fn cache; got {kv_format} ({kv_dtype}), "
+                f"{'precise' if precise else 'fast'}")
+    return None
+
+
 def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, query_rows: int = TRITON_BLOCK_H,
                 num_heads: int = TRITON_BLOCK_H, precise: bool = False, block_h: int | None = None) -> TritonPlan:
     """The launch plan for `batch` sequences of up to `seq_len` rows and `query_rows` (q_len x num_heads) query rows
@@ -1108,8 +1122,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
-    hopper = (HOPPER_KERNEL_REASON is None and target.arch == "sm_90" and kv_format == "fp8" and not precise
-              and block_h in (None, TRITON_BLOCK_H))
+    hopper = hopper_unusable_reason(target, kv_format, precise) is None and block_h in (None, TRITON_BLOCK_H)
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -1159,17 +1172,22 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
                ) -> TritonKey:
     """The launch key of a problem on its device's target (or `target`), with triton_plan's plan (or `plan`: a
     TritonPlan, or its first fields, the others as triton_plan chooses them for the problem; first fields the Hopper
-    kernel cannot take (its tile rows, warps and query rows are fixed) run the portable kernel)."""
+    kernel cannot take (its tile rows, warps and query rows are fixed) run the portable kernel; a whole plan that asks
+    for it where it cannot serve is refused)."""
     target = target or triton_target(problem.device)
     chosen = triton_plan(problem.batch, problem.max_seqlen, target, problem.kv_format,
                          problem.q_len * problem.num_heads, problem.num_heads, problem.precision == "precise")
     given = len(plan) if plan is not None else 0
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
-    if plan.hopper and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
-        if given == len(TritonPlan._fields):
-            raise ValueError(f"triton backend: the Hopper kernel (plan.hopper) takes (block_n, num_warps, block_h) "
-                             f"{HOPPER_PLAN_SHAPE}; got {(plan.block_n, plan.num_warps, plan.block_h)}")
-        plan = plan._replace(hopper=False)
+    if plan.hopper:
+        reason = hopper_unusable_reason(target, problem.kv_format, problem.precision == "precise", problem.kv_dtype)
+        if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
+            reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
+                      f"{(plan.block_n, plan.num_warps, plan.block_h)}")
+        if reason is not None and given == len(TritonPlan._fields):
+            raise ValueError(f"triton backend: the plan asks for the Hopper kernel (plan.hopper), but {reason}")
+        if reason is not None:
+            plan = plan._replace(hopper=False)
     if plan.block_h < TRITON_BLOCK_H or plan.block_h & (plan.block_h - 1):
         raise ValueError(f"triton backend: the plan's block_h (query rows a program) must be a power of 2, at least "
                          f"{TRITON_BLOCK_H}; got {plan.block_h}")

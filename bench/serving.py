@@ -322,7 +322,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
         try:
             if block_h is not None:
                 options = {"plan": triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
-                                               shape.heads, block_h=block_h)}
+                                               shape.heads, block_h=block_h)._replace(hopper=False)}  # portable
             decode = mla_decode.plan(shape.batch, shape.page, case.block_table.shape[1], kv.dtype, ctx.device,
                                      num_heads=shape.heads, q_len=shape.q_len, causal=shape.causal, backend=backend,
                                      precision=precision, max_seqlen=max(case.lens),
@@ -443,10 +443,10 @@ METHODS = (
     Method("triton-fp8-precise", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, precise",
            _ours("triton", "fp8", "precise")),
     Method("triton-mxfp4", "ours", "mxfp4", "mla_decode plan, backend triton, MXFP4 cache", _ours("triton", "mxfp4")),
-    Method("triton-fp8-rows16", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, 16 query rows a program "
-           "(block_h), 4 warps", _ours("triton", "fp8", block_h=16)),
-    Method("triton-fp8-rows32", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, 32 query rows a program "
-           "(block_h), 8 warps", _ours("triton", "fp8", block_h=32)),
+    Method("triton-fp8-rows16", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the portable kernel with "
+           "16 query rows a program (block_h), 4 warps", _ours("triton", "fp8", block_h=16)),
+    Method("triton-fp8-rows32", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the portable kernel with "
+           "32 query rows a program (block_h), 8 warps", _ours("triton", "fp8", block_h=32)),
     Method("cuda-fp8-rows16", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, 16 query rows a CTA "
            "(unit_rows)", _ours("cuda", "fp8", unit_rows=16)),
     Method("cuda-fp8-rows32", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, 32 query rows a CTA "

@@ -240,9 +240,17 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     assert not S.triton_key(fast, h200, (2, 64, 4, 3, False, True, True, 32)).plan.hopper
     with pytest.raises(ValueError, match="Hopper kernel"):
         S.triton_key(fast, h200, S.TritonPlan(2, 64, 8, 3, hopper=True))
+    # ... or for a call it cannot serve: another format, mode, cache dtype or GPU
+    for other, target in ((problem, h200), (fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200),
+                          (fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16), h200),
+                          (fast._replace(kv_dtype=torch.float8_e4m3fnuz), h200),
+                          (fast, h200._replace(arch="sm_100")), (fast, S.INTERPRETER_TARGET)):
+        with pytest.raises(ValueError, match="Hopper kernel"):
+            S.triton_key(other, target, S.TritonPlan(2, 64, 4, 3, hopper=True))
+        assert not S.triton_key(other, target, (2, 64, 4, 3)).plan.hopper
 
 
-def test_the_hopper_kernel_takes_what_its_launch_passes():
+def test_the_hopper_kernel_takes_what_its_launch_passes(monkeypatch):
     """TritonDecode passes the split kernel's constexprs by position after the other arguments: for a Hopper plan
     they are the Gluon kernel's, in its order, and the other arguments are the portable kernel's (read from the
     source: the kernel is defined only with the Triton it is written for)."""
@@ -257,9 +265,11 @@ def test_the_hopper_kernel_takes_what_its_launch_passes():
         (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
         return [a.arg for a in fn.args.args]
 
+    monkeypatch.setattr(S, "HOPPER_KERNEL_REASON", None)  # a plan as on the H200's Triton
     problem = mla_decode.api.make_problem(4, torch.float8_e4m3fn, "cpu", layout="ragged", max_seqlen=8192)
     h200 = S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
-    plan = S.triton_plan(4, 8192, h200, "fp8")._replace(hopper=True)
+    plan = S.triton_plan(4, 8192, h200, "fp8")
+    assert plan.hopper
     decode = S.TritonDecode(problem, h200, plan)
     hopper, portable = parameters("_hopper_split_kernel"), parameters("_mla_split_kernel")
     runtime = len(hopper) - len(decode.split_consts)
