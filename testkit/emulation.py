@@ -54,35 +54,43 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _e4m3_p_attention(logits: torch.Tensor, values: torch.Tensor, tiling: Tiling) -> torch.Tensor:
-    """One sequence's attention with P rounded as the wgmma kernel rounds it: logits (16, n) float64 in log2 units,
-    values (n, 512) float64 -> (16, 512) float64."""
-    n, tile = logits.shape[1], tiling.block_n
+def e4m3_p_attention(logits: torch.Tensor, values: torch.Tensor, tiling: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows' attention over one sequence with P rounded as the wgmma kernels round it: logits (rows, n) float64
+    in log2 units, -inf where a row does not see a position (causal), values (n, 512) float64 -> (out (rows, 512),
+    log2-sum-exp (rows,)) float64. A row that has seen nothing yet keeps p = 0 (the kernels' guard), one that sees
+    nothing gets zeros and -inf."""
+    rows, n = logits.shape
+    tile = tiling.block_n
     per_split = _ceil_div(_ceil_div(n, tiling.num_splits), tile) * tile
     tiles_per_split = per_split // tile
     splits = _ceil_div(_ceil_div(n, tile), tiles_per_split)  # those with rows
-    padded = torch.full((NUM_HEADS, splits * per_split), -math.inf, dtype=logits.dtype, device=logits.device)
+    padded = torch.full((rows, splits * per_split), -math.inf, dtype=logits.dtype, device=logits.device)
     padded[:, :n] = logits
-    tile_max = padded.view(NUM_HEADS, splits, tiles_per_split, tile).amax(dim=-1)
-    running = tile_max.cummax(dim=-1).values  # (16, splits, tiles_per_split): the maximum after each tile
-    split_max = running[..., -1:]
-    row_running = running.repeat_interleave(tile, dim=-1).view(NUM_HEADS, -1)[:, :n]
-    row_split_max = split_max.expand(-1, -1, per_split).reshape(NUM_HEADS, -1)[:, :n]
-    stored = _round_e4m3(torch.exp2(logits - row_running + P_LOG2_BIAS))
-    weights = stored * torch.exp2(row_running - row_split_max)  # the rescales of later tiles
-    unrounded = torch.exp2(logits - row_split_max + P_LOG2_BIAS)
+    tile_max = padded.view(rows, splits, tiles_per_split, tile).amax(dim=-1)
+    running = tile_max.cummax(dim=-1).values  # (rows, splits, tiles_per_split): the maximum after each tile
+    base = torch.where(running == -math.inf, 0.0, running)  # what P is taken against
+    split_base = base[..., -1:]
+    row_base = base.repeat_interleave(tile, dim=-1).view(rows, -1)[:, :n]
+    row_split_base = split_base.expand(-1, -1, per_split).reshape(rows, -1)[:, :n]
+    stored = _round_e4m3(torch.exp2(logits - row_base + P_LOG2_BIAS))
+    weights = stored * torch.exp2(row_base - row_split_base)  # the rescales of later tiles
+    unrounded = torch.exp2(logits - row_split_base + P_LOG2_BIAS)
     partials, lses = [], []
     for split in range(splits):
-        rows = slice(split * per_split, min((split + 1) * per_split, n))
-        row_sum = unrounded[:, rows].sum(dim=-1, keepdim=True)
-        partials.append(weights[:, rows] @ values[rows] / row_sum)
-        lses.append(split_max[:, split] + torch.log2(row_sum) - P_LOG2_BIAS)
+        cols = slice(split * per_split, min((split + 1) * per_split, n))
+        row_sum = unrounded[:, cols].sum(dim=-1, keepdim=True)
+        seen = row_sum > 0
+        partials.append(torch.where(seen, weights[:, cols] @ values[cols] / row_sum.clamp(min=1e-300), 0.0))
+        lses.append(torch.where(seen, split_base[:, split] + torch.log2(row_sum) - P_LOG2_BIAS, -math.inf))
     if tiling.num_splits == 1:
-        return partials[0]
-    lse = torch.stack(lses)  # (splits, 16, 1)
-    merge = torch.exp2(lse - lse.amax(dim=0))
+        return partials[0], lses[0][:, 0]
+    lse = torch.stack(lses)  # (splits, rows, 1)
+    top = lse.amax(dim=0)
+    merge = torch.exp2(lse - torch.where(top == -math.inf, 0.0, top))
     partial = torch.stack(partials).to(tiling.partial_dtype).double()
-    return (merge * partial).sum(dim=0) / merge.sum(dim=0)
+    total = merge.sum(dim=0)
+    out = (merge * partial).sum(dim=0) / torch.where(total > 0, total, 1.0)
+    return out, torch.where(total > 0, top + torch.log2(total), -math.inf)[:, 0]
 
 
 @torch.no_grad()
@@ -110,7 +118,7 @@ def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8",
             continue
         scores = qd[b] @ keys[lo:hi].T * config["sm_scale"]  # (16, n)
         if emulation == "+Q+P":
-            out[b] = _e4m3_p_attention(scores * math.log2(math.e), keys[lo:hi, :V_HEAD_DIM], tiling or Tiling())
+            out[b] = e4m3_p_attention(scores * math.log2(math.e), keys[lo:hi, :V_HEAD_DIM], tiling or Tiling())[0]
         else:
             out[b] = torch.softmax(scores, dim=-1) @ keys[lo:hi, :V_HEAD_DIM]
     return out

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from reference import dequantize_mxfp4, quantize_fp8, quantize_mxfp4, worst_row_relative_l2
+from testkit.emulation import Tiling, e4m3_p_attention
 
 QK_DIM, V_DIM = 576, 512
 FP8_NAN_BYTE = 0x7F  # e4m3fn and e4m3fnuz: NaN
@@ -94,11 +95,12 @@ def owned_rows(case: PagedCase, b: int) -> torch.Tensor:
     return (pages[:, None] * page + torch.arange(page)).flatten()[:n]
 
 
-def paged_reference(case: PagedCase, softmax_scale: float | None = None, q: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_reference(case: PagedCase, softmax_scale: float | None = None, q: torch.Tensor | None = None,
+                    tiling: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention over the exactly dequantized rows each sequence owns -> (out (batch, q_len, heads, 512),
     lse (batch, heads, q_len), natural log). q: the queries as the kernel under test rounds them (float, the case's
-    shape; default the case's bf16 q, exactly)."""
+    shape; default the case's bf16 q, exactly). tiling: P rounded as a kernel with that walk rounds it
+    (testkit.emulation.e4m3_p_attention; the splits cut each sequence's own rows), else exact."""
     scale = 1.0 / math.sqrt(QK_DIM) if softmax_scale is None else softmax_scale
     qd = (case.q if q is None else q).double().cpu()
     keys = case.keys.cpu()
@@ -111,6 +113,12 @@ def paged_reference(case: PagedCase, softmax_scale: float | None = None, q: torc
         for t in range(q_len):
             seen = n - q_len + 1 + t if case.causal else n
             if seen <= 0:
+                continue
+            if tiling is not None:  # the walk cuts the sequence's rows; the token's unseen ones are -inf
+                logits = torch.full((heads, n), -math.inf, dtype=torch.float64)
+                logits[:, :seen] = qd[b, t] @ k[:seen].T * (scale * math.log2(math.e))
+                out[b, t], lse2 = e4m3_p_attention(logits, k[:, :V_DIM], tiling)
+                lse[b, :, t] = lse2 * math.log(2.0)
                 continue
             scores = qd[b, t] @ k[:seen].T * scale  # (heads, seen)
             out[b, t] = torch.softmax(scores, dim=-1) @ k[:seen, :V_DIM]

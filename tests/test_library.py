@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mla_decode
-from testkit.emulation import round_q_per_head
+from testkit.emulation import E4M3_P_RANDOM_BOUND, Tiling, round_q_per_head
 from testkit.paged import errors, make_paged_case, owned_rows, paged_reference
 
 # The worst query token's output against the float64 truth: the bf16 output's rounding alone is ~1.7e-3 (the
@@ -504,6 +504,37 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
         bad_out, bad_lse = mla_decode.mla_decode_with_kvcache(*case.args(), **bug, **settings)
         bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
         assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bug, bad_out_error, bad_lse_error)
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("q_len,num_heads", SERVING_SHAPES)
+def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, page_size):
+    """Where the triton plan takes the Hopper kernel (P = 2^8 p in e4m3): MTP, 8-128 heads and pages held to the
+    float64 truth with P rounded as its walk rounds it (paged_reference with the plan's splits), within the bound the
+    "+Q+P" emulation holds the leaderboard shapes to, LSE within the FP8 scores' bound; the tokens not causal, or a 1%
+    softmax scale error, fail it."""
+    case = make_paged_case("fp8", page_size, SERVING_LENS, seed=q_len * num_heads + page_size, q_len=q_len,
+                           num_heads=num_heads, device="cuda")
+    settings = dict(backend="triton", max_seqlen=max(SERVING_LENS))
+    decode = mla_decode.plan(len(SERVING_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
+                             num_heads=num_heads, q_len=q_len, causal=case.causal, kv_scale_dtype=case.kv_scale.dtype,
+                             **settings)
+    plan = decode.impl.key.plan
+    if not plan.hopper:
+        pytest.skip("the triton plan takes the portable kernel on this GPU or Triton")
+    out, lse = decode.run(*case.args())
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "triton", "fast"),
+                                       tiling=Tiling(plan.num_splits, plan.block_n, torch.float32))
+    lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")][1]
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < E4M3_P_RANDOM_BOUND and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    planted = [dict(causal=case.causal, softmax_scale=1.01 / math.sqrt(576))] + ([dict(causal=False)] if q_len > 1
+                                                                                  else [])
+    for bug in planted:
+        bad_out, _ = mla_decode.mla_decode_with_kvcache(*case.args(), **bug, **settings)
+        assert errors(bad_out, None, ref_out, ref_lse)[0] > E4M3_P_RANDOM_BOUND, bug
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import reference as R
-from testkit.emulation import P_LOG2_BIAS, Tiling, _round_e4m3, kernel_emulation, round_q_per_head
+from testkit.emulation import P_LOG2_BIAS, Tiling, _round_e4m3, e4m3_p_attention, kernel_emulation, round_q_per_head
 from testkit.inputs import GRID_Q_TERMS, GRID_REL_L2_BOUND, generate_grid_input
 
 
@@ -88,3 +88,29 @@ def test_the_e4m3_p_emulation_is_the_wgmma_kernels_walk(num_splits):
     emulated = kernel_emulation(data, "+Q+P", "fp8", tiling)
     assert torch.allclose(emulated, walk_like_the_wgmma_kernel(data, tiling), rtol=1e-12, atol=1e-12)
     assert R.worst_row_relative_l2(emulated, kernel_emulation(data, "+Q")) > 5e-3
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_paged_reference_rounds_p_as_a_walk_would(num_splits):
+    """paged_reference with a tiling (the kernels that round P to e4m3, on MTP and other head counts): its LSE is the
+    exact one (the row sums are not rounded), its output is not (P's rounding alone: ~2e-2 of the worst token, what
+    the wgmma kernels measure against the exact truth);
+    a causal token's result depends on its own rows only where the walk is one split (tiles from the sequence's
+    start), and a token that sees nothing gets zeros and -inf."""
+    from testkit.paged import make_paged_case, owned_rows, paged_reference
+
+    case = make_paged_case("fp8", 16, [700, 2, 130, 65], seed=num_splits, q_len=3, num_heads=24)
+    exact_out, exact_lse = paged_reference(case)
+    out, lse = paged_reference(case, tiling=Tiling(num_splits, 64, torch.float32))
+    finite = exact_lse > -math.inf
+    assert torch.equal(finite, lse > -math.inf) and not finite[1, :, 0].any()  # 2 rows: token 0 of 3 sees none
+    assert torch.allclose(lse[finite], exact_lse[finite], rtol=0, atol=1e-9)
+    assert (out[1, 0] == 0).all()
+    error = R.worst_row_relative_l2(out.flatten(0, 1), exact_out.flatten(0, 1))
+    assert 5e-3 < error < 4e-2
+    if num_splits == 1:  # a token's unseen rows change nothing: the same as its own rows alone
+        keys = case.keys[:, :512].double()
+        rows = owned_rows(case, 0)
+        logits = case.q[0, 0].double() @ case.keys[rows][:698].double().T * (576 ** -0.5 * math.log2(math.e))
+        alone, _ = e4m3_p_attention(logits, keys[rows][:698], Tiling(1, 64, torch.float32))
+        assert torch.allclose(out[0, 0], alone, rtol=1e-12, atol=1e-12)
