@@ -288,6 +288,46 @@ class TorchDecode:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# mla_decode/triton_common.py
+# What the triton backend's two split kernels (the portable one, triton_backend.py; the Hopper one,
+# triton_hopper.py) read alike: the problem's row widths as constexprs, a sequence's positions and validity, and where
+# a query row's LSE goes. The combine kernel reads them too.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+_QK_DIM = _V_DIM = _LN2 = _sequence = _lse_at = None  # without Triton: no kernels to share them
+
+if triton is not None:
+    # a jit function reads only constexpr globals
+    _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
+    _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
+    _LN2 = tl.constexpr(LN2)
+
+    @triton.jit
+    def _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE: tl.constexpr):
+        """(start, end, valid) of sequence b's positions. PAGE_SIZE 0 (ragged): seq_ptr is kv_indptr, and the
+        positions kv_indptr[b]:kv_indptr[b+1] are the cache's rows; else seq_ptr is cache_seqlens, the positions are
+        0:cache_seqlens[b] and the rows come through the page table. An invalid range or length reads nothing and
+        its outputs become NaN."""
+        if PAGE_SIZE == 0:
+            start = tl.load(seq_ptr + b)
+            end = tl.load(seq_ptr + b + 1)
+            valid = (start >= 0) & (end >= start) & (end <= kv_rows)
+            return tl.where(valid, start, 0), tl.where(valid, end, 0), valid
+        else:
+            n = tl.load(seq_ptr + b)
+            valid = (n >= 0) & (n <= max_pages * PAGE_SIZE)
+            return 0, tl.where(valid, n, 0), valid
+
+    @triton.jit
+    def _lse_at(lse_ptr, b, r, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
+        """Where query row r (token r // NUM_HEADS, head r % NUM_HEADS) of sequence b has its LSE: lse is
+        (batch, num_heads, q_len)."""
+        return lse_ptr + b * (Q_LEN * NUM_HEADS) + (r % NUM_HEADS) * Q_LEN + r // NUM_HEADS
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/triton_hopper.py
 # The triton backend's split kernel for Hopper (sm_90a) and the fast FP8 cache, written in Gluon (Triton's explicit-
 # layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not give.
@@ -319,9 +359,6 @@ else:
 _hopper_split_kernel = None
 
 if HOPPER_KERNEL_REASON is None:
-    _H_QK_DIM = gl.constexpr(QK_HEAD_DIM)
-    _H_V_DIM = gl.constexpr(V_HEAD_DIM)
-    _H_LN2 = gl.constexpr(LN2)
     _P_SCALE = gl.constexpr(2.0 ** P_LOG2_BIAS)
     _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
 
@@ -374,11 +411,11 @@ if HOPPER_KERNEL_REASON is None:
         """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
         blocks kt[first .. first + 3] (64, 128) and its rope block kr (64, 64)."""
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
-        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _H_QK_DIM + c128[None, :]
+        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _QK_DIM + c128[None, :]
         for c in gl.static_range(_NCHUNK):
             async_copy.async_copy_global_to_shared(kt.index(first + c), src + c * 128, mask=ok128[:, None])
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
-        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _H_QK_DIM + _H_V_DIM + c64[None, :]
+        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _QK_DIM + _V_DIM + c64[None, :]
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
 
     @gluon.jit
@@ -416,19 +453,8 @@ if HOPPER_KERNEL_REASON is None:
         b = gl.program_id(2)
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
-        if PAGE_SIZE == 0:
-            start = gl.load(seq_ptr + b)
-            end = gl.load(seq_ptr + b + 1)
-            valid = (start >= 0) & (end >= start) & (end <= kv_rows)
-            start = gl.where(valid, start, 0)
-            end = gl.where(valid, end, 0)
-            num_pages = kv_rows
-        else:
-            n = gl.load(seq_ptr + b)
-            valid = (n >= 0) & (n <= max_pages * PAGE_SIZE)
-            start = 0
-            end = gl.where(valid, n, 0)
-            num_pages = kv_rows // PAGE_SIZE
+        start, end, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
+        num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
         lo = start + split * per_split
         hi = gl.minimum(lo + per_split, end)
@@ -445,11 +471,11 @@ if HOPPER_KERNEL_REASON is None:
 
         # Q: E4M3 with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
         qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
-        q_at = q_ptr + (first_row + qr)[:, None] * _H_QK_DIM
+        q_at = q_ptr + (first_row + qr)[:, None] * _QK_DIM
         q_ok = (group * 16 + qr < ROWS)[:, None]
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
-        q_max = gl.max(gl.abs(gl.load(q_at + _H_V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
+        q_max = gl.max(gl.abs(gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
             q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
@@ -458,7 +484,7 @@ if HOPPER_KERNEL_REASON is None:
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
             qs.index(c).store(gl.minimum(gl.maximum(q_c, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
-        q_pe = gl.load(q_at + _H_V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
+        q_pe = gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
         qr_s = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], _SW64,
                                          gl.minimum(gl.maximum(q_pe, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
         kv_scale = gl.load(kscale_ptr)
@@ -529,21 +555,21 @@ if HOPPER_KERNEL_REASON is None:
         lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
         h = gl.arange(0, 16, layout=cols)
-        at = h[None, :] * _H_V_DIM + _dim_of(r)[:, None]
+        at = h[None, :] * _V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         if NUM_SPLITS == 1:
             ok = valid & (bad == 0)
-            dst = out_ptr + first_row * _H_V_DIM + at
+            dst = out_ptr + first_row * _V_DIM + at
             gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             if WRITE_LSE:
-                at_lse = lse_ptr + b * ROWS + (qrow % NUM_HEADS) * Q_LEN + qrow // NUM_HEADS
-                gl.store(at_lse, gl.where(ok, lse2 * _H_LN2, float("nan")), mask=row_in if PARTIAL_ROWS else None)
+                gl.store(_lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * _LN2, float("nan")),
+                         mask=row_in if PARTIAL_ROWS else None)
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache)
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * 16) * _H_V_DIM + at
+            dst = part_o_ptr + (part * ROWS + group * 16) * _V_DIM + at
             gl.store(dst, acc0 * inv[None, :], mask=mask)
             gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
             gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
@@ -662,13 +688,11 @@ def triton_unusable_reason(problem: Problem) -> str | None:
 
 
 if triton is not None:
-    # The problem's sizes as the kernels see them (a jit function reads only constexpr globals).
-    _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
-    _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
+    # The problem's sizes as the kernels see them (a jit function reads only constexpr globals); the row widths and
+    # LN2 are triton_common's.
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
     _FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
     _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
-    _LN2 = tl.constexpr(LN2)
     _PAGE_CHUNK = tl.constexpr(PAGE_CHUNK_TILES)
 
     @triton.jit
@@ -712,22 +736,6 @@ if triton is not None:
         """E2M1 codes (uint8, 0..15) -> value * 2^-6 in fp16, the PTX recipe in plain Triton ops."""
         bits = ((codes & 7) << 2) | ((codes & 8) << 4)
         return bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-    @triton.jit
-    def _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE: tl.constexpr):
-        """(start, end, valid) of sequence b's positions. PAGE_SIZE 0 (ragged): seq_ptr is kv_indptr, and the
-        positions kv_indptr[b]:kv_indptr[b+1] are the cache's rows; else seq_ptr is cache_seqlens, the positions are
-        0:cache_seqlens[b] and the rows come through the page table. An invalid range or length reads nothing and
-        its outputs become NaN."""
-        if PAGE_SIZE == 0:
-            start = tl.load(seq_ptr + b)
-            end = tl.load(seq_ptr + b + 1)
-            valid = (start >= 0) & (end >= start) & (end <= kv_rows)
-            return tl.where(valid, start, 0), tl.where(valid, end, 0), valid
-        else:
-            n = tl.load(seq_ptr + b)
-            valid = (n >= 0) & (n <= max_pages * PAGE_SIZE)
-            return 0, tl.where(valid, n, 0), valid
 
     @triton.jit
     def _tile_rows(table_row, n0, hi, num_pages, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
@@ -816,12 +824,6 @@ if triton is not None:
             return tl.load(at, mask=row_in, other=0.0)
         else:
             return tl.load(at)
-
-    @triton.jit
-    def _lse_at(lse_ptr, b, r, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
-        """Where query row r (token r // NUM_HEADS, head r % NUM_HEADS) of sequence b has its LSE: lse is
-        (batch, num_heads, q_len)."""
-        return lse_ptr + b * (Q_LEN * NUM_HEADS) + (r % NUM_HEADS) * Q_LEN + r // NUM_HEADS
 
     @triton.jit
     def _q_cols(q_grp, q_scale, row_in, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import torch
 
 from .contract import (
-    LN2,
     MXFP4_BLOCK,
     MXFP4_ROW_BYTES,
     QK_HEAD_DIM,
@@ -42,6 +41,7 @@ from .contract import (
     tl,
     triton,
 )
+from .triton_common import _LN2, _QK_DIM, _V_DIM, _lse_at, _sequence
 from .triton_hopper import HOPPER_KERNEL_REASON, HOPPER_PLAN_SHAPE, _hopper_split_kernel
 
 TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
@@ -124,13 +124,11 @@ def triton_unusable_reason(problem: Problem) -> str | None:
 
 
 if triton is not None:
-    # The problem's sizes as the kernels see them (a jit function reads only constexpr globals).
-    _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
-    _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
+    # The problem's sizes as the kernels see them (a jit function reads only constexpr globals); the row widths and
+    # LN2 are triton_common's.
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
     _FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
     _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
-    _LN2 = tl.constexpr(LN2)
     _PAGE_CHUNK = tl.constexpr(PAGE_CHUNK_TILES)
 
     @triton.jit
@@ -174,22 +172,6 @@ if triton is not None:
         """E2M1 codes (uint8, 0..15) -> value * 2^-6 in fp16, the PTX recipe in plain Triton ops."""
         bits = ((codes & 7) << 2) | ((codes & 8) << 4)
         return bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-    @triton.jit
-    def _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE: tl.constexpr):
-        """(start, end, valid) of sequence b's positions. PAGE_SIZE 0 (ragged): seq_ptr is kv_indptr, and the
-        positions kv_indptr[b]:kv_indptr[b+1] are the cache's rows; else seq_ptr is cache_seqlens, the positions are
-        0:cache_seqlens[b] and the rows come through the page table. An invalid range or length reads nothing and
-        its outputs become NaN."""
-        if PAGE_SIZE == 0:
-            start = tl.load(seq_ptr + b)
-            end = tl.load(seq_ptr + b + 1)
-            valid = (start >= 0) & (end >= start) & (end <= kv_rows)
-            return tl.where(valid, start, 0), tl.where(valid, end, 0), valid
-        else:
-            n = tl.load(seq_ptr + b)
-            valid = (n >= 0) & (n <= max_pages * PAGE_SIZE)
-            return 0, tl.where(valid, n, 0), valid
 
     @triton.jit
     def _tile_rows(table_row, n0, hi, num_pages, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
@@ -278,12 +260,6 @@ if triton is not None:
             return tl.load(at, mask=row_in, other=0.0)
         else:
             return tl.load(at)
-
-    @triton.jit
-    def _lse_at(lse_ptr, b, r, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
-        """Where query row r (token r // NUM_HEADS, head r % NUM_HEADS) of sequence b has its LSE: lse is
-        (batch, num_heads, q_len)."""
-        return lse_ptr + b * (Q_LEN * NUM_HEADS) + (r % NUM_HEADS) * Q_LEN + r // NUM_HEADS
 
     @triton.jit
     def _q_cols(q_grp, q_scale, row_in, COL0: tl.constexpr, WIDTH: tl.constexpr, Q_DTYPE: tl.constexpr,

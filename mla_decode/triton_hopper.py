@@ -12,7 +12,8 @@ as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128
 Output row r of a 128-dim chunk of O^T is dim _dim_of(r): the fragments pair dims 2j and 2j + 1 in one thread.
 """
 
-from .contract import LN2, QK_HEAD_DIM, V_HEAD_DIM, async_copy, gl, gluon, hopper, triton
+from .contract import V_HEAD_DIM, async_copy, gl, gluon, hopper, triton
+from .triton_common import _LN2, _QK_DIM, _V_DIM, _lse_at, _sequence
 
 HOPPER_PLAN_SHAPE = (64, 4, 16)  # (tile rows, warps, query rows a program) its layouts are written for
 P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
@@ -29,9 +30,6 @@ else:
 _hopper_split_kernel = None
 
 if HOPPER_KERNEL_REASON is None:
-    _H_QK_DIM = gl.constexpr(QK_HEAD_DIM)
-    _H_V_DIM = gl.constexpr(V_HEAD_DIM)
-    _H_LN2 = gl.constexpr(LN2)
     _P_SCALE = gl.constexpr(2.0 ** P_LOG2_BIAS)
     _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
 
@@ -84,11 +82,11 @@ if HOPPER_KERNEL_REASON is None:
         """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
         blocks kt[first .. first + 3] (64, 128) and its rope block kr (64, 64)."""
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
-        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _H_QK_DIM + c128[None, :]
+        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _QK_DIM + c128[None, :]
         for c in gl.static_range(_NCHUNK):
             async_copy.async_copy_global_to_shared(kt.index(first + c), src + c * 128, mask=ok128[:, None])
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
-        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _H_QK_DIM + _H_V_DIM + c64[None, :]
+        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _QK_DIM + _V_DIM + c64[None, :]
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
 
     @gluon.jit
@@ -126,19 +124,8 @@ if HOPPER_KERNEL_REASON is None:
         b = gl.program_id(2)
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
-        if PAGE_SIZE == 0:
-            start = gl.load(seq_ptr + b)
-            end = gl.load(seq_ptr + b + 1)
-            valid = (start >= 0) & (end >= start) & (end <= kv_rows)
-            start = gl.where(valid, start, 0)
-            end = gl.where(valid, end, 0)
-            num_pages = kv_rows
-        else:
-            n = gl.load(seq_ptr + b)
-            valid = (n >= 0) & (n <= max_pages * PAGE_SIZE)
-            start = 0
-            end = gl.where(valid, n, 0)
-            num_pages = kv_rows // PAGE_SIZE
+        start, end, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
+        num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
         lo = start + split * per_split
         hi = gl.minimum(lo + per_split, end)
@@ -155,11 +142,11 @@ if HOPPER_KERNEL_REASON is None:
 
         # Q: E4M3 with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
         qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
-        q_at = q_ptr + (first_row + qr)[:, None] * _H_QK_DIM
+        q_at = q_ptr + (first_row + qr)[:, None] * _QK_DIM
         q_ok = (group * 16 + qr < ROWS)[:, None]
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
-        q_max = gl.max(gl.abs(gl.load(q_at + _H_V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
+        q_max = gl.max(gl.abs(gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
             q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
@@ -168,7 +155,7 @@ if HOPPER_KERNEL_REASON is None:
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
             qs.index(c).store(gl.minimum(gl.maximum(q_c, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
-        q_pe = gl.load(q_at + _H_V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
+        q_pe = gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
         qr_s = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], _SW64,
                                          gl.minimum(gl.maximum(q_pe, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
         kv_scale = gl.load(kscale_ptr)
@@ -239,21 +226,21 @@ if HOPPER_KERNEL_REASON is None:
         lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
         h = gl.arange(0, 16, layout=cols)
-        at = h[None, :] * _H_V_DIM + _dim_of(r)[:, None]
+        at = h[None, :] * _V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         if NUM_SPLITS == 1:
             ok = valid & (bad == 0)
-            dst = out_ptr + first_row * _H_V_DIM + at
+            dst = out_ptr + first_row * _V_DIM + at
             gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             if WRITE_LSE:
-                at_lse = lse_ptr + b * ROWS + (qrow % NUM_HEADS) * Q_LEN + qrow // NUM_HEADS
-                gl.store(at_lse, gl.where(ok, lse2 * _H_LN2, float("nan")), mask=row_in if PARTIAL_ROWS else None)
+                gl.store(_lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * _LN2, float("nan")),
+                         mask=row_in if PARTIAL_ROWS else None)
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache)
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * 16) * _H_V_DIM + at
+            dst = part_o_ptr + (part * ROWS + group * 16) * _V_DIM + at
             gl.store(dst, acc0 * inv[None, :], mask=mask)
             gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
             gl.store(dst + 256, acc2 * inv[None, :], mask=mask)

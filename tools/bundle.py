@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mla_decode"
 TARGET = ROOT / "submission.py"
 # The portable modules, each after the modules it imports.
-MODULES = ("contract", "torch_backend", "triton_hopper", "triton_backend", "aiter_backend", "select", "api",
-           "leaderboard")
+MODULES = ("contract", "torch_backend", "triton_common", "triton_hopper", "triton_backend", "aiter_backend", "select",
+           "api", "leaderboard")
 HEADER = '''#!POPCORN leaderboard amd-mixed-mla
 #!POPCORN gpu MI355X
 """MLA decode for the amd-mixed-mla leaderboard: custom_kernel(data) over the competition tuple (its contract is in
