@@ -329,7 +329,7 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/triton_hopper.py
-# The triton backend's split kernel for Hopper (sm_90a) and the fast FP8 cache, written in Gluon (Triton's explicit-
+# The triton backend's split kernel for Hopper (sm_90a) and the FP8 cache, written in Gluon (Triton's explicit-
 # layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not give.
 #
 # Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
@@ -341,6 +341,10 @@ if triton is not None:
 #       bytes and split into the A fragments by byte permutes (no fp16 copy of V); P = 2^8 p in E4M3, in shared memory
 #       with its rows in the order those fragments give the tile's rows (_k_order).
 # Output row r of a 128-dim chunk of O^T is dim _dim_of(r): the fragments pair dims 2j and 2j + 1 in one thread.
+# The precise mode (PRECISE) rounds nothing beyond the cache, as the portable kernel's: fp16 products, Q scaled by a
+# power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as above) converted to fp16 in the registers they
+# lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q and P are stored
+# in that order too.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -365,6 +369,9 @@ if HOPPER_KERNEL_REASON is None:
     # wgmma's accumulator layout for 4 warps: S^T (64 x 16) and each O^T chunk (128 x 16)
     _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
     _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # V^T's register fragments (128 x 64 e4m3)
+    # the precise kernel's: fp16 products (k 16 an instruction; the accumulators lie as _MMA's) and their A fragments
+    _MMA16 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+    _A_F16 = gl.constexpr(gl.DotOperandLayout(0, _MMA16, 2))
     # A 128-dim block of the tile as int16 pairs of dims, transposed ([64 pairs][64 rows]), in the layout whose
     # registers ldmatrix.trans fills: lane (g, t4) gets pairs j = g (+ 8 warp + 32 r4), rows 2 t4 + {0, 1}
     # (+ 8 r1 + 16 r2 + 32 r3), r the register bits. Its bytes are the A fragments of _A_FP8 after _v_fragments.
@@ -372,7 +379,7 @@ if HOPPER_KERNEL_REASON is None:
         reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 64]))
     _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    _SW128_PAIRS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
     # cp.async's 16-byte pieces: a [64][128 B] block and the [64][64 B] rope block of a tile; Q's [16][128] blocks
     _COPY128 = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
@@ -397,7 +404,7 @@ if HOPPER_KERNEL_REASON is None:
         """The A operand V^T (128 x 64 e4m3, rows in _dim_of order, k in _k_order) of a [64][128 B] tile block in
         shared memory: ldmatrix.trans of the block as int16 pairs, then one byte permute per register (the even dims
         of four tile rows from two registers, and the odd ones)."""
-        pairs = block._reinterpret(gl.int16, [64, 64], _SW128_PAIRS).permute((1, 0)).load(_PAIRS)
+        pairs = block._reinterpret(gl.int16, [64, 64], _SW128_16).permute((1, 0)).load(_PAIRS)
         even, odd = gl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x6420; prmt.b32 $1, $2, $3, 0x7531;",
                                               "=r,=r,r,r", [pairs], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
         v = gl.join(even.to(gl.float8e4nv, bitcast=True), odd.to(gl.float8e4nv, bitcast=True))  # [pair, row, odd]
@@ -405,6 +412,27 @@ if HOPPER_KERNEL_REASON is None:
         # A row (r6..r0) = (j5, j4, j3, odd, j2, j1, j0): _dim_of; k (k5..k0) = (t5, t4, t2, t1, t3, t0): _k_order
         v = v.permute((0, 1, 2, 12, 3, 4, 5, 6, 7, 9, 10, 8, 11)).reshape([128, 64])
         return gl.convert_layout(v, _A_FP8, assert_trivial=True)
+
+    @gluon.jit
+    def _f16_k(x):
+        """x (M, K) with its k reordered as a thread's registers hold it in the fp16 A fragments after the FP8 ones:
+        in each 16, k' (bits k'3..k'0) holds k (k1, k3, k2, k0)."""
+        m: gl.constexpr = x.shape[0]
+        k: gl.constexpr = x.shape[1]
+        return x.reshape([m, k // 16, 2, 2, 2, 2]).permute((0, 1, 4, 2, 3, 5)).reshape([m, k])
+
+    @gluon.jit
+    def _f16_fragments(a8):
+        """The fp16 A operand (exact) of an E4M3 one in _A_FP8, its k in _f16_k order: converted where it lies."""
+        return gl.convert_layout(_f16_k(a8.to(gl.float16)), _A_F16, assert_trivial=True)
+
+    @gluon.jit
+    def _q_operand(q, PRECISE: gl.constexpr, FP8_MAX: gl.constexpr):
+        """Scaled Q rows (16, K) as the score product's B takes them: fp16 in _f16_k order, or E4M3."""
+        if PRECISE:
+            return _f16_k(q.to(gl.float16))
+        else:
+            return gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
 
     @gluon.jit
     def _copy_tile(kv_ptr, kt, first, kr, base, offs128, ok128, offs64, ok64):
@@ -446,7 +474,8 @@ if HOPPER_KERNEL_REASON is None:
     def _hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
                              PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
-                             NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr):
+                             NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+                             PRECISE: gl.constexpr):
         # the portable kernel's arguments (kscale_stride, MXFP4's, unused), so that TritonDecode launches either
         split = gl.program_id(0)
         group = gl.program_id(1)
@@ -458,7 +487,8 @@ if HOPPER_KERNEL_REASON is None:
         per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
         lo = start + split * per_split
         hi = gl.minimum(lo + per_split, end)
-        cols: gl.constexpr = gl.SliceLayout(0, _MMA)  # per query row: the accumulators' columns
+        MMA: gl.constexpr = _MMA16 if PRECISE else _MMA
+        cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
         qrow = group * 16 + gl.arange(0, 16, layout=cols)
         row_in = qrow < ROWS
         limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
@@ -469,7 +499,7 @@ if HOPPER_KERNEL_REASON is None:
         first_row = b.to(gl.int64) * ROWS + group * 16
         table_row = table_ptr + b.to(gl.int64) * max_pages
 
-        # Q: E4M3 with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
+        # Q with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
         qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
         q_at = q_ptr + (first_row + qr)[:, None] * _QK_DIM
         q_ok = (group * 16 + qr < ROWS)[:, None]
@@ -479,45 +509,63 @@ if HOPPER_KERNEL_REASON is None:
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
             q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
-        q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)), gl.maximum(q_max, 1e-30))
-        qs = gl.allocate_shared_memory(gl.float8e4nv, [4, 16, 128], _SW128)
+        if PRECISE:  # fp16, scaled by a power of two (exact) so that its largest |q| lies in [2^14, 2^15)
+            q_scale = gl.exp2(14.0 - gl.floor(gl.log2(gl.maximum(q_max, 1e-30))))
+        else:  # E4M3; the IEEE quotient, as the portable kernel takes it
+            q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)),
+                                gl.maximum(q_max, 1e-30))
+        OP_DTYPE: gl.constexpr = gl.float16 if PRECISE else gl.float8e4nv  # the products' operands
+        qs = gl.allocate_shared_memory(OP_DTYPE, [4, 16, 128], _SW128_16 if PRECISE else _SW128)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
-            qs.index(c).store(gl.minimum(gl.maximum(q_c, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
+            qs.index(c).store(_q_operand(q_c, PRECISE, FP8_MAX))
         q_pe = gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
-        qr_s = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], _SW64,
-                                         gl.minimum(gl.maximum(q_pe, -FP8_MAX), FP8_MAX).to(gl.float8e4nv))
+        qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64,
+                                         _q_operand(q_pe, PRECISE, FP8_MAX))
         kv_scale = gl.load(kscale_ptr)
         s_scale = kv_scale * qk_scale / gl.convert_layout(q_scale, cols)  # scores in log2 units
 
         kt = gl.allocate_shared_memory(gl.float8e4nv, [2 * 4, 64, 128], _SW128)  # tile t: blocks 4t .. 4t + 3
         kr = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], _SW64)
-        ps = gl.allocate_shared_memory(gl.float8e4nv, [16, 64], _SW64)  # P (query rows x k), _k_order
+        ps = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64)  # P (rows x k), _k_order
+        p_scale: gl.constexpr = 1.0 if PRECISE else _P_SCALE
         m_i = gl.full([16], float("-inf"), gl.float32, cols)
         l_i = gl.zeros([16], gl.float32, cols)
         bad = gl.to_tensor(0)
-        acc0 = gl.zeros([128, 16], gl.float32, _MMA)
-        acc1 = gl.zeros([128, 16], gl.float32, _MMA)
-        acc2 = gl.zeros([128, 16], gl.float32, _MMA)
-        acc3 = gl.zeros([128, 16], gl.float32, _MMA)
+        acc0 = gl.zeros([128, 16], gl.float32, MMA)
+        acc1 = gl.zeros([128, 16], gl.float32, MMA)
+        acc2 = gl.zeros([128, 16], gl.float32, MMA)
+        acc3 = gl.zeros([128, 16], gl.float32, MMA)
         n_tiles = gl.cdiv(hi - lo, 64)
         for t in gl.static_range(2):  # the first two tiles (a group committed for each, empty or not)
             if t < n_tiles:
                 bad = bad | _issue_tile(kv_ptr, kt, 4 * t, kr.index(t), table_row, lo + 64 * t, hi,
                                         num_pages, PAGE_SIZE)
             async_copy.commit_group()
-        tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, _MMA))
+        tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         for i in range(n_tiles):
             buf = i % 2
             n0 = lo + 64 * i
             async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
             hopper.fence_async_shared()
             gl.thread_barrier()
-            s = gl.zeros([64, 16], gl.float32, _MMA)
-            s = hopper.warpgroup_mma(kt.index(4 * buf), qs.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
-            for c in gl.static_range(1, _NCHUNK):
-                s = hopper.warpgroup_mma(kt.index(4 * buf + c), qs.index(c).permute((1, 0)), s, is_async=True)
-            s = hopper.warpgroup_mma(kr.index(buf), qr_s.permute((1, 0)), s, is_async=True)
+            s = gl.zeros([64, 16], gl.float32, MMA)
+            if PRECISE:  # K as fp16 A fragments, a block converted while the last one's product runs
+                a = _f16_fragments(kt.index(4 * buf).load(_A_FP8))
+                for c in gl.static_range(1, _NCHUNK):
+                    s = hopper.warpgroup_mma(a, qs.index(c - 1).permute((1, 0)), s, use_acc=c > 1, is_async=True)
+                    a = _f16_fragments(kt.index(4 * buf + c).load(_A_FP8))
+                    s = hopper.warpgroup_mma_wait(0, deps=[s])
+                s = hopper.warpgroup_mma(a, qs.index(_NCHUNK - 1).permute((1, 0)), s, is_async=True)
+                a_pe = _f16_fragments(kr.index(buf).load(_A_FP8))
+                s = hopper.warpgroup_mma_wait(0, deps=[s])
+                s = hopper.warpgroup_mma(a_pe, qr_s.permute((1, 0)), s, is_async=True)
+            else:
+                s = hopper.warpgroup_mma(kt.index(4 * buf), qs.index(0).permute((1, 0)), s, use_acc=False,
+                                         is_async=True)
+                for c in gl.static_range(1, _NCHUNK):
+                    s = hopper.warpgroup_mma(kt.index(4 * buf + c), qs.index(c).permute((1, 0)), s, is_async=True)
+                s = hopper.warpgroup_mma(kr.index(buf), qr_s.permute((1, 0)), s, is_async=True)
             s = hopper.warpgroup_mma_wait(0, deps=[s])
             pos = n0 + tile_rows
             seen = (pos < hi)[:, None]
@@ -530,19 +578,34 @@ if HOPPER_KERNEL_REASON is None:
             p = gl.exp2(s - m_base[None, :])
             l_i = l_i * alpha + gl.sum(p, 0)
             m_i = m_new
-            p8 = (p * _P_SCALE).to(gl.float8e4nv)
-            ps.store(_k_order(p8).permute((1, 0)))
+            if PRECISE:
+                ps.store(_f16_k(_k_order(p.to(gl.float16)).permute((1, 0))))
+            else:
+                ps.store(_k_order((p * p_scale).to(gl.float8e4nv)).permute((1, 0)))
             hopper.fence_async_shared()
             gl.thread_barrier()
             pt = ps.permute((1, 0))
-            a0 = _v_fragments(kt.index(4 * buf))
-            acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
-            a1 = _v_fragments(kt.index(4 * buf + 1))
-            acc1 = hopper.warpgroup_mma(a1, pt, acc1 * alpha[None, :], is_async=True)
-            a2 = _v_fragments(kt.index(4 * buf + 2))
-            acc2 = hopper.warpgroup_mma(a2, pt, acc2 * alpha[None, :], is_async=True)
-            a3 = _v_fragments(kt.index(4 * buf + 3))
-            acc3 = hopper.warpgroup_mma(a3, pt, acc3 * alpha[None, :], is_async=True)
+            if PRECISE:  # V^T's fp16 fragments, a block converted while the last one's product runs
+                a = _f16_fragments(_v_fragments(kt.index(4 * buf)))
+                acc0 = hopper.warpgroup_mma(a, pt, acc0 * alpha[None, :], is_async=True)
+                a = _f16_fragments(_v_fragments(kt.index(4 * buf + 1)))
+                acc0 = hopper.warpgroup_mma_wait(0, deps=[acc0])
+                acc1 = hopper.warpgroup_mma(a, pt, acc1 * alpha[None, :], is_async=True)
+                a = _f16_fragments(_v_fragments(kt.index(4 * buf + 2)))
+                acc1 = hopper.warpgroup_mma_wait(0, deps=[acc1])
+                acc2 = hopper.warpgroup_mma(a, pt, acc2 * alpha[None, :], is_async=True)
+                a = _f16_fragments(_v_fragments(kt.index(4 * buf + 3)))
+                acc2 = hopper.warpgroup_mma_wait(0, deps=[acc2])
+                acc3 = hopper.warpgroup_mma(a, pt, acc3 * alpha[None, :], is_async=True)
+            else:
+                a0 = _v_fragments(kt.index(4 * buf))
+                acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
+                a1 = _v_fragments(kt.index(4 * buf + 1))
+                acc1 = hopper.warpgroup_mma(a1, pt, acc1 * alpha[None, :], is_async=True)
+                a2 = _v_fragments(kt.index(4 * buf + 2))
+                acc2 = hopper.warpgroup_mma(a2, pt, acc2 * alpha[None, :], is_async=True)
+                a3 = _v_fragments(kt.index(4 * buf + 3))
+                acc3 = hopper.warpgroup_mma(a3, pt, acc3 * alpha[None, :], is_async=True)
             acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
             gl.thread_barrier()  # every warp is done with the tile's buffer and P
             if i + 2 < n_tiles:
@@ -551,9 +614,9 @@ if HOPPER_KERNEL_REASON is None:
             async_copy.commit_group()
         async_copy.wait_group(0)
 
-        inv = gl.where(l_i > 0, kv_scale / (_P_SCALE * l_i), 0.0)  # an empty sequence or split: zeros
+        inv = gl.where(l_i > 0, kv_scale / (p_scale * l_i), 0.0)  # an empty sequence or split: zeros
         lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
-        r = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
         h = gl.arange(0, 16, layout=cols)
         at = h[None, :] * _V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
@@ -603,8 +666,8 @@ if HOPPER_KERNEL_REASON is None:
 #   bf16:        bf16 Q against the bf16 tile, fp32 sums.
 # V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is; fast FP8 on NVIDIA cast before the transpose).
 # Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
-# On Hopper with Triton 3.6 the fast FP8 plans launch triton_hopper.py's Gluon kernel in this one's place
-# (TritonPlan.hopper), with the same arguments and combine.
+# On Hopper with Triton 3.6 the FP8 plans (fast and precise) launch triton_hopper.py's Gluon kernel in this one's
+# place (TritonPlan.hopper), with the same arguments and combine.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -1084,8 +1147,8 @@ class TritonPlan(NamedTuple):
     # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
     # has the compile figures), so the plans keep 16 and a caller may choose more
     block_h: int = TRITON_BLOCK_H
-    # the split kernel for Hopper and the fast FP8 cache (triton_hopper.py: Gluon, the products as the cuda kernel
-    # takes them) in place of the portable one; 16 query rows, 4 warps, two tiles buffered
+    # the split kernel for Hopper and the FP8 cache, fast or precise (triton_hopper.py: Gluon, the products as the cuda
+    # kernel takes them) in place of the portable one; 16 query rows, 4 warps, two tiles buffered
     hopper: bool = False
 
 
@@ -1098,17 +1161,16 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-def hopper_unusable_reason(target: TritonTarget, kv_format: str, precise: bool,
-                           kv_dtype: torch.dtype = torch.float8_e4m3fn) -> str | None:
-    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format, mode and cache dtype on `target`,
-    or None: it takes the fast e4m3fn FP8 cache on sm_90, with the Triton it is written for."""
+def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype = torch.float8_e4m3fn
+                           ) -> str | None:
+    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format and cache dtype on `target`,
+    or None: it takes the e4m3fn FP8 cache (fast or precise) on sm_90, with the Triton it is written for."""
     if HOPPER_KERNEL_REASON is not None:
         return HOPPER_KERNEL_REASON
     if target.arch != "sm_90":
         return f"the Hopper kernel is compiled for sm_90; the target is {target.arch}"
-    if kv_format != "fp8" or precise or kv_dtype != torch.float8_e4m3fn:
-        return (f"the Hopper kernel takes the fast float8_e4m3fn cache; got {kv_format} ({kv_dtype}), "
-                f"{'precise' if precise else 'fast'}")
+    if kv_format != "fp8" or kv_dtype != torch.float8_e4m3fn:
+        return f"the Hopper kernel takes the float8_e4m3fn cache; got {kv_format} ({kv_dtype})"
     return None
 
 
@@ -1124,7 +1186,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
-    hopper = hopper_unusable_reason(target, kv_format, precise) is None and block_h in (None, TRITON_BLOCK_H)
+    hopper = hopper_unusable_reason(target, kv_format) is None and block_h in (None, TRITON_BLOCK_H)
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -1182,7 +1244,7 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     given = len(plan) if plan is not None else 0
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
-        reason = hopper_unusable_reason(target, problem.kv_format, problem.precision == "precise", problem.kv_dtype)
+        reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype)
         if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
             reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
@@ -1223,7 +1285,8 @@ class TritonDecode:
         dot_dtype = tl.float32 if interpreted else tl.bfloat16 if key.kv_format == "bf16" else tl.float16
         if plan.hopper:
             split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
-                                NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1)
+                                NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1,
+                                PRECISE=key.precise)
         else:
             split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
                                 KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,

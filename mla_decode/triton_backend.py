@@ -20,8 +20,8 @@ Q and the score product by format (docs/design-notes.md has the measurements beh
   bf16:        bf16 Q against the bf16 tile, fp32 sums.
 V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is; fast FP8 on NVIDIA cast before the transpose).
 Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
-On Hopper with Triton 3.6 the fast FP8 plans launch triton_hopper.py's Gluon kernel in this one's place
-(TritonPlan.hopper), with the same arguments and combine.
+On Hopper with Triton 3.6 the FP8 plans (fast and precise) launch triton_hopper.py's Gluon kernel in this one's
+place (TritonPlan.hopper), with the same arguments and combine.
 """
 
 import functools
@@ -520,8 +520,8 @@ class TritonPlan(NamedTuple):
     # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
     # has the compile figures), so the plans keep 16 and a caller may choose more
     block_h: int = TRITON_BLOCK_H
-    # the split kernel for Hopper and the fast FP8 cache (triton_hopper.py: Gluon, the products as the cuda kernel
-    # takes them) in place of the portable one; 16 query rows, 4 warps, two tiles buffered
+    # the split kernel for Hopper and the FP8 cache, fast or precise (triton_hopper.py: Gluon, the products as the cuda
+    # kernel takes them) in place of the portable one; 16 query rows, 4 warps, two tiles buffered
     hopper: bool = False
 
 
@@ -534,17 +534,16 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-def hopper_unusable_reason(target: TritonTarget, kv_format: str, precise: bool,
-                           kv_dtype: torch.dtype = torch.float8_e4m3fn) -> str | None:
-    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format, mode and cache dtype on `target`,
-    or None: it takes the fast e4m3fn FP8 cache on sm_90, with the Triton it is written for."""
+def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype = torch.float8_e4m3fn
+                           ) -> str | None:
+    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format and cache dtype on `target`,
+    or None: it takes the e4m3fn FP8 cache (fast or precise) on sm_90, with the Triton it is written for."""
     if HOPPER_KERNEL_REASON is not None:
         return HOPPER_KERNEL_REASON
     if target.arch != "sm_90":
         return f"the Hopper kernel is compiled for sm_90; the target is {target.arch}"
-    if kv_format != "fp8" or precise or kv_dtype != torch.float8_e4m3fn:
-        return (f"the Hopper kernel takes the fast float8_e4m3fn cache; got {kv_format} ({kv_dtype}), "
-                f"{'precise' if precise else 'fast'}")
+    if kv_format != "fp8" or kv_dtype != torch.float8_e4m3fn:
+        return f"the Hopper kernel takes the float8_e4m3fn cache; got {kv_format} ({kv_dtype})"
     return None
 
 
@@ -560,7 +559,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
-    hopper = hopper_unusable_reason(target, kv_format, precise) is None and block_h in (None, TRITON_BLOCK_H)
+    hopper = hopper_unusable_reason(target, kv_format) is None and block_h in (None, TRITON_BLOCK_H)
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -618,7 +617,7 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     given = len(plan) if plan is not None else 0
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
-        reason = hopper_unusable_reason(target, problem.kv_format, problem.precision == "precise", problem.kv_dtype)
+        reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype)
         if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
             reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
@@ -659,7 +658,8 @@ class TritonDecode:
         dot_dtype = tl.float32 if interpreted else tl.bfloat16 if key.kv_format == "bf16" else tl.float16
         if plan.hopper:
             split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
-                                NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1)
+                                NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1,
+                                PRECISE=key.precise)
         else:
             split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
                                 KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,

@@ -5,12 +5,14 @@ Triton it is written for, and its figures gated: what an H200 would run, checked
 
 `--triton` is a folder holding Triton 3.6 (make amd-check installs the runner's there; its NVIDIA backend brings
 ptxas and cuobjdump). The kernel of `--file` (the leaderboard file, which inlines the package) is compiled with the
-constexprs its plans launch it with (ragged and paged, splits or none, MTP and head counts, with and without the LSE),
-its pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
+constexprs its plans launch it with (ragged and paged, splits or none, MTP and head counts, with and without the LSE,
+fast and precise), its pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
   - no local memory (spills), registers within 255;
   - shared memory for two programs an SM (the plan's splits assume two);
-  - the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA;
-  - V^T through ldmatrix.trans and byte permutes: no FP8 -> fp16 unpacks (which an fp16 copy of V would need).
+  - fast: the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA; precise: on fp16 wgmma (36 +
+    32 HGMMA), no FP8 one;
+  - V^T through ldmatrix.trans and byte permutes; fast: no FP8 -> fp16 unpacks (which an fp16 copy of V would
+    need); precise: each tile byte unpacked once for each product (K's 576 and V's 512 columns: 272 unpacks of two).
 """
 
 import argparse
@@ -24,9 +26,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# (page size (0: ragged), splits, q_len, heads, LSE written)
-CASES = ((0, 16, 1, 16, False), (0, 1, 1, 16, False), (64, 4, 1, 16, True), (1, 8, 2, 32, True),
-         (16, 1, 4, 16, True), (0, 2, 3, 8, True), (64, 1, 1, 128, True))
+# (page size (0: ragged), splits, q_len, heads, LSE written, precise)
+CASES = ((0, 16, 1, 16, False, False), (0, 1, 1, 16, False, False), (64, 4, 1, 16, True, False),
+         (1, 8, 2, 32, True, False), (16, 1, 4, 16, True, False), (0, 2, 3, 8, True, False),
+         (64, 1, 1, 128, True, False), (0, 16, 1, 16, False, True), (64, 1, 1, 16, True, True),
+         (1, 8, 2, 32, True, True))
+PRODUCTS = {False: (34, 0, 0), True: (0, 68, 272)}  # precise: QGMMA, HGMMA and FP8 unpacks a tile
 SHARED_PER_PROGRAM = (228 * 1024) // 2 - 1024  # two programs an SM, 1 KB reserved each
 SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "kscale_stride": "i32", "seq_ptr": "*i32",
              "table_ptr": "*i32", "max_pages": "i32", "kv_rows": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
@@ -37,9 +42,9 @@ def compile_case(module, triton, case) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    page, splits, q_len, heads, lse = case
+    page, splits, q_len, heads, lse, precise = case
     constexprs = dict(NUM_SPLITS=splits, PAGE_SIZE=page, FP8_MAX=448.0, WRITE_LSE=lse, NUM_HEADS=heads, Q_LEN=q_len,
-                      CAUSAL=q_len > 1)
+                      CAUSAL=q_len > 1, PRECISE=precise)
     signature = dict(SIGNATURE, **{name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(SIGNATURE.values()) if kind.startswith("*")}
     source = GluonASTSource(module._hopper_split_kernel, signature, constexprs, aligned)
@@ -67,10 +72,12 @@ def gates(k: dict) -> list[str]:
         failed.append(f"{k['registers']} registers")
     if k["shared"] > SHARED_PER_PROGRAM:
         failed.append(f"{k['shared']} B of shared memory: more than two programs an SM leave each")
-    if k["qgmma"] < 34 or k["hgmma"]:
-        failed.append(f"products: {k['qgmma']} FP8 and {k['hgmma']} fp16 wgmma (want >= 34 FP8, no fp16)")
-    if k["ldsm_t"] < 16 or k["fp8_unpacks"]:
-        failed.append(f"V^T: {k['ldsm_t']} ldmatrix.trans, {k['fp8_unpacks']} FP8 -> fp16 unpacks (want >= 16, 0)")
+    qgmma, hgmma, unpacks = PRODUCTS[k["case"][5]]
+    if (k["qgmma"], k["hgmma"]) != (qgmma, hgmma):
+        failed.append(f"products: {k['qgmma']} FP8 and {k['hgmma']} fp16 wgmma (want {qgmma} and {hgmma})")
+    if k["ldsm_t"] < 16 or k["fp8_unpacks"] != unpacks:
+        failed.append(f"V^T: {k['ldsm_t']} ldmatrix.trans, {k['fp8_unpacks']} FP8 -> fp16 unpacks (want >= 16, "
+                      f"{unpacks})")
     return failed
 
 
@@ -89,8 +96,8 @@ def main() -> int:
     if module.HOPPER_KERNEL_REASON is not None:
         print(f"hopper check: {module.HOPPER_KERNEL_REASON}", file=sys.stderr)
         return 1
-    print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse) | registers | local | shared | "
-          "QGMMA | HGMMA | LDSM.T | FP8 unpacks")
+    print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, precise) | registers | local | "
+          "shared | QGMMA | HGMMA | LDSM.T | FP8 unpacks")
     failures = 0
     for case in CASES:
         k = compile_case(module, triton, case)
