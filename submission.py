@@ -447,26 +447,36 @@ if HOPPER_KERNEL_REASON is None:
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
 
     @gluon.jit
-    def _hopper_tile_rows(table_row, n0, hi, num_pages, layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
-        """Tile rows at positions n0 .. n0 + 63 in `layout`'s row slice: (cache row base, row offsets, rows to read,
-        1 where a page outside the cache was met). Ragged: positions are rows; paged: a table read per row."""
+    def _tile_entries(table_row, n0, hi, layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """The block table's entries of the tile at positions n0 .. n0 + 63 in `layout`'s row slice (paged; positions
+        past hi read nothing; ragged: the positions, unused). Read apart from _hopper_tile_rows, so that their
+        latency can pass under other work."""
+        pos = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        if PAGE_SIZE == 0:
+            return pos
+        else:
+            return gl.load(table_row + pos // PAGE_SIZE, mask=pos < hi, other=0)
+
+    @gluon.jit
+    def _hopper_tile_rows(entries, n0, hi, num_pages, layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """The tile at n0's rows in `layout`'s row slice: (cache row base, row offsets, rows to read, 1 where a page
+        outside the cache was met). Ragged: positions are rows; paged: from its table `entries`."""
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        in_seq = n0 + r < hi
+        pos = n0 + r
+        in_seq = pos < hi
         if PAGE_SIZE == 0:
             return n0.to(gl.int64), r, in_seq, 0
         else:
-            pos = n0 + r
-            page = gl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0)
-            page_ok = (page >= 0) & (page < num_pages)
-            rows = gl.where(page_ok, page, 0).to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+            page_ok = (entries >= 0) & (entries < num_pages)
+            rows = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
             return gl.to_tensor(0).to(gl.int64), rows, in_seq & page_ok, gl.max((in_seq & ~page_ok).to(gl.int32), 0)
 
     @gluon.jit
-    def _issue_tile(kv_ptr, kt, first, kr, table_row, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
-        """_copy_tile for the tile at n0 (its rows looked up in each copy layout: a paged tile reads its table
-        entries twice, from L1); returns its bad-page flag."""
-        base, offs128, ok128, bad = _hopper_tile_rows(table_row, n0, hi, num_pages, _COPY128, PAGE_SIZE)
-        _, offs64, ok64, _ = _hopper_tile_rows(table_row, n0, hi, num_pages, _COPY64, PAGE_SIZE)
+    def _issue_tile(kv_ptr, kt, first, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
+        """_copy_tile for the tile at n0, its table entries read in each copy layout (_tile_entries: twice, the
+        second from L1); returns its bad-page flag."""
+        base, offs128, ok128, bad = _hopper_tile_rows(entries128, n0, hi, num_pages, _COPY128, PAGE_SIZE)
+        _, offs64, ok64, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _COPY64, PAGE_SIZE)
         _copy_tile(kv_ptr, kt, first, kr, base, offs128, ok128, offs64, ok64)
         return bad
 
@@ -539,13 +549,19 @@ if HOPPER_KERNEL_REASON is None:
         n_tiles = gl.cdiv(hi - lo, 64)
         for t in gl.static_range(2):  # the first two tiles (a group committed for each, empty or not)
             if t < n_tiles:
-                bad = bad | _issue_tile(kv_ptr, kt, 4 * t, kr.index(t), table_row, lo + 64 * t, hi,
-                                        num_pages, PAGE_SIZE)
+                n0 = lo + 64 * t
+                bad = bad | _issue_tile(kv_ptr, kt, 4 * t, kr.index(t),
+                                        _tile_entries(table_row, n0, hi, _COPY128, PAGE_SIZE),
+                                        _tile_entries(table_row, n0, hi, _COPY64, PAGE_SIZE), n0, hi, num_pages,
+                                        PAGE_SIZE)
             async_copy.commit_group()
         tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         for i in range(n_tiles):
             buf = i % 2
             n0 = lo + 64 * i
+            # tile i + 2's table entries (none past hi), read before this tile's products rather than behind them
+            next128 = _tile_entries(table_row, n0 + 128, hi, _COPY128, PAGE_SIZE)
+            next64 = _tile_entries(table_row, n0 + 128, hi, _COPY64, PAGE_SIZE)
             async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
             hopper.fence_async_shared()
             gl.thread_barrier()
@@ -609,8 +625,8 @@ if HOPPER_KERNEL_REASON is None:
             acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
             gl.thread_barrier()  # every warp is done with the tile's buffer and P
             if i + 2 < n_tiles:
-                bad = bad | _issue_tile(kv_ptr, kt, 4 * buf, kr.index(buf), table_row, n0 + 128, hi, num_pages,
-                                        PAGE_SIZE)
+                bad = bad | _issue_tile(kv_ptr, kt, 4 * buf, kr.index(buf), next128, next64, n0 + 128, hi,
+                                        num_pages, PAGE_SIZE)
             async_copy.commit_group()
         async_copy.wait_group(0)
 
