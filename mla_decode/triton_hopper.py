@@ -4,7 +4,8 @@ layout dialect): the products as the cuda backend's wgmma kernel takes them, whi
 Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
 the portable kernel does (same arguments, same partials for its combine kernel). Per 64-row tile, in shared memory
 as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128-byte swizzle; the rope dims
-[64][64 B], 64-byte swizzle), two tiles buffered through cp.async (2 x 36 KB + Q: two programs an SM):
+[64][64 B], 64-byte swizzle), two tiles buffered through cp.async (2 x 36 KB + Q, 9 KB in E4M3 or 18 in fp16: two
+programs an SM):
   S^T (64 x 16) = K Q^T   FP8 x FP8, both from shared memory, Q in E4M3 with one scale per query row;
   O^T (512 x 16) += V^T P^T  FP8 x FP8: V^T from registers, loaded from the same tile by ldmatrix.trans on pairs of
       bytes and split into the A fragments by byte permutes (no fp16 copy of V); P = 2^8 p in E4M3, in shared memory
@@ -13,7 +14,7 @@ Output row r of a 128-dim chunk of O^T is dim _dim_of(r): the fragments pair dim
 The precise mode (PRECISE) rounds nothing beyond the cache, as the portable kernel's: fp16 products, Q scaled by a
 power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as above) converted to fp16 in the registers they
 lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q and P are stored
-in that order too.
+in that order too. A paged tile's table entries are read a tile ahead of its copies (_tile_entries).
 """
 
 from .contract import V_HEAD_DIM, async_copy, gl, gluon, hopper, triton
@@ -39,7 +40,7 @@ if HOPPER_KERNEL_REASON is None:
 
     # wgmma's accumulator layout for 4 warps: S^T (64 x 16) and each O^T chunk (128 x 16)
     _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
-    _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # V^T's register fragments (128 x 64 e4m3)
+    _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # e4m3 A fragments: V^T's (128 x 64); precise: K's too
     # the precise kernel's: fp16 products (k 16 an instruction; the accumulators lie as _MMA's) and their A fragments
     _MMA16 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
     _A_F16 = gl.constexpr(gl.DotOperandLayout(0, _MMA16, 2))
@@ -237,23 +238,26 @@ if HOPPER_KERNEL_REASON is None:
             hopper.fence_async_shared()
             gl.thread_barrier()
             s = gl.zeros([64, 16], gl.float32, MMA)
-            if PRECISE:  # K as fp16 A fragments, a block converted while the last one's product runs
+            if PRECISE:  # K as fp16 A fragments, a block converted while the last one's product runs (the waits
+                # name the fragments the product reads: they stay live until it is done)
                 a = _f16_fragments(kt.index(4 * buf).load(_A_FP8))
                 for c in gl.static_range(1, _NCHUNK):
                     s = hopper.warpgroup_mma(a, qs.index(c - 1).permute((1, 0)), s, use_acc=c > 1, is_async=True)
-                    a = _f16_fragments(kt.index(4 * buf + c).load(_A_FP8))
-                    s = hopper.warpgroup_mma_wait(0, deps=[s])
+                    a_next = _f16_fragments(kt.index(4 * buf + c).load(_A_FP8))
+                    s, a = hopper.warpgroup_mma_wait(0, deps=[s, a])
+                    a = a_next
                 s = hopper.warpgroup_mma(a, qs.index(_NCHUNK - 1).permute((1, 0)), s, is_async=True)
                 a_pe = _f16_fragments(kr.index(buf).load(_A_FP8))
-                s = hopper.warpgroup_mma_wait(0, deps=[s])
+                s, a = hopper.warpgroup_mma_wait(0, deps=[s, a])
                 s = hopper.warpgroup_mma(a_pe, qr_s.permute((1, 0)), s, is_async=True)
+                s, a_pe = hopper.warpgroup_mma_wait(0, deps=[s, a_pe])
             else:
                 s = hopper.warpgroup_mma(kt.index(4 * buf), qs.index(0).permute((1, 0)), s, use_acc=False,
                                          is_async=True)
                 for c in gl.static_range(1, _NCHUNK):
                     s = hopper.warpgroup_mma(kt.index(4 * buf + c), qs.index(c).permute((1, 0)), s, is_async=True)
                 s = hopper.warpgroup_mma(kr.index(buf), qr_s.permute((1, 0)), s, is_async=True)
-            s = hopper.warpgroup_mma_wait(0, deps=[s])
+                s = hopper.warpgroup_mma_wait(0, deps=[s])
             pos = n0 + tile_rows
             seen = (pos < hi)[:, None]
             if CAUSAL:
@@ -273,18 +277,19 @@ if HOPPER_KERNEL_REASON is None:
             gl.thread_barrier()
             pt = ps.permute((1, 0))
             if PRECISE:  # V^T's fp16 fragments, a block converted while the last one's product runs
-                a = _f16_fragments(_v_fragments(kt.index(4 * buf)))
-                acc0 = hopper.warpgroup_mma(a, pt, acc0 * alpha[None, :], is_async=True)
-                a = _f16_fragments(_v_fragments(kt.index(4 * buf + 1)))
-                acc0 = hopper.warpgroup_mma_wait(0, deps=[acc0])
-                acc1 = hopper.warpgroup_mma(a, pt, acc1 * alpha[None, :], is_async=True)
-                a = _f16_fragments(_v_fragments(kt.index(4 * buf + 2)))
-                acc1 = hopper.warpgroup_mma_wait(0, deps=[acc1])
-                acc2 = hopper.warpgroup_mma(a, pt, acc2 * alpha[None, :], is_async=True)
-                a = _f16_fragments(_v_fragments(kt.index(4 * buf + 3)))
-                acc2 = hopper.warpgroup_mma_wait(0, deps=[acc2])
-                acc3 = hopper.warpgroup_mma(a, pt, acc3 * alpha[None, :], is_async=True)
-            else:
+                a0 = _f16_fragments(_v_fragments(kt.index(4 * buf)))
+                acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
+                a1 = _f16_fragments(_v_fragments(kt.index(4 * buf + 1)))
+                acc0, a0 = hopper.warpgroup_mma_wait(0, deps=[acc0, a0])
+                acc1 = hopper.warpgroup_mma(a1, pt, acc1 * alpha[None, :], is_async=True)
+                a2 = _f16_fragments(_v_fragments(kt.index(4 * buf + 2)))
+                acc1, a1 = hopper.warpgroup_mma_wait(0, deps=[acc1, a1])
+                acc2 = hopper.warpgroup_mma(a2, pt, acc2 * alpha[None, :], is_async=True)
+                a3 = _f16_fragments(_v_fragments(kt.index(4 * buf + 3)))
+                acc2, a2 = hopper.warpgroup_mma_wait(0, deps=[acc2, a2])
+                acc3 = hopper.warpgroup_mma(a3, pt, acc3 * alpha[None, :], is_async=True)
+                acc0, acc1, acc2, acc3, a3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3, a3])
+            else:  # (Triton 3.6's wait takes no 8-bit operands: the FP8 fragments are not named)
                 a0 = _v_fragments(kt.index(4 * buf))
                 acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
                 a1 = _v_fragments(kt.index(4 * buf + 1))
@@ -293,7 +298,7 @@ if HOPPER_KERNEL_REASON is None:
                 acc2 = hopper.warpgroup_mma(a2, pt, acc2 * alpha[None, :], is_async=True)
                 a3 = _v_fragments(kt.index(4 * buf + 3))
                 acc3 = hopper.warpgroup_mma(a3, pt, acc3 * alpha[None, :], is_async=True)
-            acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+                acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
             gl.thread_barrier()  # every warp is done with the tile's buffer and P
             if i + 2 < n_tiles:
                 bad = bad | _issue_tile(kv_ptr, kt, 4 * buf, kr.index(buf), next128, next64, n0 + 128, hi,

@@ -12,14 +12,15 @@ from tools import hopper_check as H
 ROOT = Path(__file__).resolve().parent.parent
 TRITON_36 = ROOT / ".amd-triton" / "3.6.0"
 GOOD = {False: {"case": (0, 1, 1, 16, False, False), "registers": 199, "local": 0, "shared": 84224, "qgmma": 34,
-               "hgmma": 0, "ldsm_t": 16, "fp8_unpacks": 0},
+               "hgmma": 0, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0},
         True: {"case": (0, 1, 1, 16, False, True), "registers": 210, "local": 0, "shared": 94464, "qgmma": 0,
-               "hgmma": 68, "ldsm_t": 16, "fp8_unpacks": 272}}
+               "hgmma": 68, "ldsm_t": 16, "ldsm": 18, "fp8_unpacks": 272}}
 
 
 @pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
 @pytest.mark.parametrize("planted", [dict(local=64), dict(registers=256), dict(shared=3 * 36864 + 10240),
-                                     dict(qgmma=18), dict(hgmma=32), dict(ldsm_t=0), dict(fp8_unpacks=128)],
+                                     dict(qgmma=18), dict(hgmma=32), dict(ldsm_t=0), dict(fp8_unpacks=128),
+                                     dict(ldsm=9)],
                          ids=lambda d: next(iter(d)))
 def test_each_gate_fails_on_a_planted_figure(planted, precise):
     assert H.gates(GOOD[precise]) == []

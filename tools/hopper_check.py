@@ -12,7 +12,8 @@ fast and precise), its pointers 16-byte aligned as the launch path specializes t
   - fast: the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA; precise: on fp16 wgmma (36 +
     32 HGMMA), no FP8 one;
   - V^T through ldmatrix.trans and byte permutes; fast: no FP8 -> fp16 unpacks (which an fp16 copy of V would
-    need); precise: each tile byte unpacked once for each product (K's 576 and V's 512 columns: 272 unpacks of two).
+    need); precise: each tile byte unpacked once for each product (K's 576 and V's 512 columns: 272 unpacks of two),
+    K's fragments by ldmatrix.
 """
 
 import argparse
@@ -30,8 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = ((0, 16, 1, 16, False, False), (0, 1, 1, 16, False, False), (64, 4, 1, 16, True, False),
          (1, 8, 2, 32, True, False), (16, 1, 4, 16, True, False), (0, 2, 3, 8, True, False),
          (64, 1, 1, 128, True, False), (0, 16, 1, 16, False, True), (64, 1, 1, 16, True, True),
-         (1, 8, 2, 32, True, True))
-PRODUCTS = {False: (34, 0, 0), True: (0, 68, 272)}  # precise: QGMMA, HGMMA and FP8 unpacks a tile
+         (1, 8, 2, 32, True, True), (0, 2, 3, 8, True, True), (64, 1, 1, 128, True, True))
+# fast / precise: QGMMA, HGMMA, FP8 unpacks and ldmatrix (K's fragments: 576 B x 64 rows in 16-byte pieces) a tile
+PRODUCTS = {False: (34, 0, 0, 0), True: (0, 68, 272, 18)}
 SHARED_PER_PROGRAM = (228 * 1024) // 2 - 1024  # two programs an SM, 1 KB reserved each
 SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "kscale_stride": "i32", "seq_ptr": "*i32",
              "table_ptr": "*i32", "max_pages": "i32", "kv_rows": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
@@ -61,7 +63,8 @@ def compile_case(module, triton, case) -> dict:
             "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": kernel.metadata.shared,
             "qgmma": sum(n for op, n in ops.items() if op.startswith("QGMMA")),
             "hgmma": sum(n for op, n in ops.items() if op.startswith("HGMMA")),
-            "ldsm_t": ops.get("LDSM.16.MT88.4", 0), "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0)}
+            "ldsm_t": ops.get("LDSM.16.MT88.4", 0), "ldsm": ops.get("LDSM.16.M88.4", 0),
+            "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0)}
 
 
 def gates(k: dict) -> list[str]:
@@ -72,12 +75,14 @@ def gates(k: dict) -> list[str]:
         failed.append(f"{k['registers']} registers")
     if k["shared"] > SHARED_PER_PROGRAM:
         failed.append(f"{k['shared']} B of shared memory: more than two programs an SM leave each")
-    qgmma, hgmma, unpacks = PRODUCTS[k["case"][5]]
+    qgmma, hgmma, unpacks, ldsm = PRODUCTS[k["case"][5]]
     if (k["qgmma"], k["hgmma"]) != (qgmma, hgmma):
         failed.append(f"products: {k['qgmma']} FP8 and {k['hgmma']} fp16 wgmma (want {qgmma} and {hgmma})")
     if k["ldsm_t"] < 16 or k["fp8_unpacks"] != unpacks:
         failed.append(f"V^T: {k['ldsm_t']} ldmatrix.trans, {k['fp8_unpacks']} FP8 -> fp16 unpacks (want >= 16, "
                       f"{unpacks})")
+    if k["ldsm"] < ldsm or (ldsm == 0 and k["ldsm"]):  # fast: the score product reads K from shared memory
+        failed.append(f"K's fragments: {k['ldsm']} ldmatrix (want {f'>= {ldsm}' if ldsm else 0})")
     return failed
 
 
@@ -97,14 +102,15 @@ def main() -> int:
         print(f"hopper check: {module.HOPPER_KERNEL_REASON}", file=sys.stderr)
         return 1
     print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, precise) | registers | local | "
-          "shared | QGMMA | HGMMA | LDSM.T | FP8 unpacks")
+          "shared | QGMMA | HGMMA | LDSM.T | LDSM | FP8 unpacks")
     failures = 0
     for case in CASES:
         k = compile_case(module, triton, case)
         failed = gates(k)
         failures += bool(failed)
         print(f"{case} | {k['registers']} | {k['local']} | {k['shared']} | {k['qgmma']} | {k['hgmma']} | "
-              f"{k['ldsm_t']} | {k['fp8_unpacks']}" + (f"  FAILED: {'; '.join(failed)}" if failed else ""))
+              f"{k['ldsm_t']} | {k['ldsm']} | {k['fp8_unpacks']}"
+              + (f"  FAILED: {'; '.join(failed)}" if failed else ""))
     print(f"hopper check: {len(CASES) - failures} of {len(CASES)} kernels pass")
     return 1 if failures else 0
 
