@@ -290,17 +290,20 @@ class TorchDecode:
 # ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/triton_common.py
 # What the triton backend's two split kernels (the portable one, triton_backend.py; the Hopper one,
-# triton_hopper.py) read alike: the problem's row widths as constexprs, a sequence's positions and validity, and where
-# a query row's LSE goes. The combine kernel reads them too.
+# triton_hopper.py) read alike: the row widths and MXFP4's block as constexprs, a sequence's positions and validity,
+# and where a query row's LSE goes. The combine kernel reads them too.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-_QK_DIM = _V_DIM = _LN2 = _sequence = _lse_at = None  # without Triton: no kernels to share them
+# without Triton: no kernels to share them
+_QK_DIM = _V_DIM = _FP4_ROW_BYTES = _MX_BLOCK = _LN2 = _sequence = _lse_at = None
 
 if triton is not None:
     # a jit function reads only constexpr globals
     _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
     _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
+    _FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
+    _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
     _LN2 = tl.constexpr(LN2)
 
     @triton.jit
@@ -329,23 +332,26 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/triton_hopper.py
-# The triton backend's split kernel for Hopper (sm_90a) and the FP8 cache, written in Gluon (Triton's explicit-
-# layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not give.
+# The triton backend's split kernel for Hopper (sm_90a) and the FP8 and MXFP4 caches, written in Gluon (Triton's
+# explicit-layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not
+# give.
 #
 # Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
 # the portable kernel does (same arguments, same partials for its combine kernel). Per 64-row tile, in shared memory
 # as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128-byte swizzle; the rope dims
-# [64][64 B], 64-byte swizzle), two tiles buffered through cp.async (2 x 36 KB + Q, 9 KB in E4M3 or 18 in fp16: two
-# programs an SM):
+# [64][64 B], 64-byte swizzle), two tiles buffered (2 x 36 KB + Q, 9 KB in E4M3 or 18 in fp16: two programs an SM):
 #   S^T (64 x 16) = K Q^T   FP8 x FP8, both from shared memory, Q in E4M3 with one scale per query row;
 #   O^T (512 x 16) += V^T P^T  FP8 x FP8: V^T from registers, loaded from the same tile by ldmatrix.trans on pairs of
 #       bytes and split into the A fragments by byte permutes (no fp16 copy of V); P = 2^8 p in E4M3, in shared memory
 #       with its rows in the order those fragments give the tile's rows (_k_order).
 # Output row r of a 128-dim chunk of O^T is dim _dim_of(r): the fragments pair dims 2j and 2j + 1 in one thread.
-# The precise mode (PRECISE) rounds nothing beyond the cache, as the portable kernel's: fp16 products, Q scaled by a
-# power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as above) converted to fp16 in the registers they
-# lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q and P are stored
-# in that order too. A paged tile's table entries are read a tile ahead of its copies (_tile_entries).
+# FP8 tiles come by cp.async. MXFP4 tiles come to registers a tile ahead (codes and E8M0 scales) and are expanded once
+# into the buffer as E5M2 (an E2M1 value times its block scale, exactly), while the last tile's score product runs;
+# the products then take E5M2 tiles as they take E4M3 ones.
+# The precise mode (PRECISE, FP8 only) rounds nothing beyond the cache, as the portable kernel's: fp16 products, Q
+# scaled by a power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as above) converted to fp16 in the
+# registers they lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q
+# and P are stored in that order too. A paged tile's table entries are read a tile ahead of its reads (_tile_entries).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -386,6 +392,32 @@ if HOPPER_KERNEL_REASON is None:
     _COPY128 = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
     _COPY64 = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
     _QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+    # MXFP4: a tile's codes as words, by 16-byte pieces (one 32-value block, one E8M0 scale): the value dims
+    # [64][16][4 words] and the rope dims [64][2][4 words]; their scales and rows in the slices
+    _CODES512 = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0]))
+    _CODES64 = gl.constexpr(gl.BlockedLayout([1, 1, 4], [16, 2, 1], [4, 1, 1], [2, 1, 0]))
+    _SCALES512 = gl.constexpr(gl.SliceLayout(2, _CODES512))
+    _SCALES64 = gl.constexpr(gl.SliceLayout(2, _CODES64))
+    _SW128_32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    _SW64_32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2))
+    # E2M1 codes -> E5M2 bytes by table (_e5m2_tables: the magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times the block's
+    # scale), a code word (8 values) at a time: the magnitudes picked by byte permutes on the codes' low 3 bits, the
+    # signs (bit 3 of each nibble) spread to bit 7 of each byte by permutes in sign-replicate mode. Out: the words of
+    # values 0..3 and 4..7.
+    _E2M1_TO_E5M2 = gl.constexpr("""{
+    .reg .b32 m, t, s0, s1;
+    and.b32 m, $2, 0x77777777;
+    shl.b32 t, $2, 4;
+    prmt.b32 s0, t, $2, 0xD9C8;
+    prmt.b32 s1, t, $2, 0xFBEA;
+    prmt.b32 $0, $3, $4, m;
+    shr.b32 m, m, 16;
+    prmt.b32 $1, $3, $4, m;
+    and.b32 s0, s0, 0x80808080;
+    and.b32 s1, s1, 0x80808080;
+    or.b32 $0, $0, s0;
+    or.b32 $1, $1, s1;
+    }""")
 
     @gluon.jit
     def _k_order(x):
@@ -402,13 +434,13 @@ if HOPPER_KERNEL_REASON is None:
 
     @gluon.jit
     def _v_fragments(block):
-        """The A operand V^T (128 x 64 e4m3, rows in _dim_of order, k in _k_order) of a [64][128 B] tile block in
-        shared memory: ldmatrix.trans of the block as int16 pairs, then one byte permute per register (the even dims
-        of four tile rows from two registers, and the odd ones)."""
+        """The A operand V^T (128 x 64 in the tile's FP8 type, rows in _dim_of order, k in _k_order) of a [64][128 B]
+        tile block in shared memory: ldmatrix.trans of the block as int16 pairs, then one byte permute per register
+        (the even dims of four tile rows from two registers, and the odd ones)."""
         pairs = block._reinterpret(gl.int16, [64, 64], _SW128_16).permute((1, 0)).load(_PAIRS)
         even, odd = gl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x6420; prmt.b32 $1, $2, $3, 0x7531;",
                                               "=r,=r,r,r", [pairs], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
-        v = gl.join(even.to(gl.float8e4nv, bitcast=True), odd.to(gl.float8e4nv, bitcast=True))  # [pair, row, odd]
+        v = gl.join(even.to(block.dtype, bitcast=True), odd.to(block.dtype, bitcast=True))  # [pair, row, odd]
         v = v.reshape([2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # pair bits j5..j0, row bits t5..t0, odd
         # A row (r6..r0) = (j5, j4, j3, odd, j2, j1, j0): _dim_of; k (k5..k0) = (t5, t4, t2, t1, t3, t0): _k_order
         v = v.permute((0, 1, 2, 12, 3, 4, 5, 6, 7, 9, 10, 8, 11)).reshape([128, 64])
@@ -436,13 +468,72 @@ if HOPPER_KERNEL_REASON is None:
             return gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
 
     @gluon.jit
-    def _copy_tile(kv_ptr, kt, first, kr, base, offs128, ok128, offs64, ok64):
+    def _e5m2_tables(e8m0):
+        """The E5M2 bytes of the 8 E2M1 magnitudes times 2^(e8m0 - 127), as two prmt table words (int32): exact for
+        block scales 2^-13 .. 2^13; smaller ones flush the block to 0, larger give inf (0 stays 0), the E8M0 NaN
+        (255) gives NaN."""
+        k = e8m0 - 127
+        step = gl.minimum(gl.maximum(k, -13), 13) * 4  # k in E5M2's exponent field (bits 2..6)
+        lo = 0x3E3C3800 + step * 0x01010100  # codes 0..3 (byte 0, the zero, unmoved)
+        hi = 0x46444240 + step * 0x01010101  # codes 4..7
+        lo = gl.where(k < -13, 0, gl.where(k > 13, 0x7C7C7C00, lo))
+        hi = gl.where(k < -13, 0, gl.where(k > 13, 0x7C7C7C7C, hi))
+        nan = e8m0 == 255
+        return gl.where(nan, 0x7F7F7F7F, lo), gl.where(nan, 0x7F7F7F7F, hi)
+
+    @gluon.jit
+    def _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, col0: gl.constexpr, NB: gl.constexpr,
+                 layout: gl.constexpr):
+        """NB 32-value blocks from dim col0 of the MXFP4 rows base + offs (in layout's row slice; rows not ok read
+        as zeros): their codes (64, NB, 4) int32 and E8M0 scales (64, NB) int32."""
+        blk = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        rows = base + offs.to(gl.int64)
+        at = (rows * (_FP4_ROW_BYTES // 4) + col0 // 8)[:, None] + blk[None, :] * 4
+        codes = gl.load(kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + at[:, :, None] + word[None, None, :],
+                        mask=ok[:, None, None], other=0)
+        scales = gl.load(kscale_ptr + (rows * kscale_stride + col0 // _MX_BLOCK)[:, None] + blk[None, :],
+                         mask=ok[:, None], other=127)
+        return codes, scales.to(gl.int32)
+
+    @gluon.jit
+    def _mx_expand(codes, scales):
+        """codes (64, NB, 4) with their scales (64, NB) as E5M2: (64, NB, 8) int32 words, in the dims' order."""
+        lo, hi = _e5m2_tables(scales)
+        lo, _ = gl.broadcast(lo[:, :, None], codes)
+        hi, _ = gl.broadcast(hi[:, :, None], codes)
+        first, last = gl.inline_asm_elementwise(_E2M1_TO_E5M2, "=r,=r,r,r,r", [codes, lo, hi],
+                                                dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        return gl.join(first, last).reshape([64, codes.shape[1], 8])
+
+    @gluon.jit
+    def _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride, entries512, entries64, n0, hi, num_pages,
+                      PAGE_SIZE: gl.constexpr):
+        """The MXFP4 tile at n0 in registers, from its table entries (_tile_entries in _SCALES512's and _SCALES64's
+        row slices): the codes and scales (_mx_load) of its value dims and of its rope dims, and its bad-page
+        flag."""
+        base, offs, ok, bad = _hopper_tile_rows(entries512, n0, hi, num_pages, _SCALES512, PAGE_SIZE)
+        c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512)
+        base, offs, ok, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _SCALES64, PAGE_SIZE)
+        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, _V_DIM, 2, _CODES64)
+        return (c, s, cr, sr), bad
+
+    @gluon.jit
+    def _mx_expand_tile(tile, blocks, rope):
+        """A tile of _mx_load_tile as E5M2 into its buffers: the four 128-dim blocks, stacked (4 x 64, 128), in one
+        store (one barrier), the rope dims (64, 64)."""
+        v = _mx_expand(tile[0], tile[1]).reshape([64, 4, 32]).permute((1, 0, 2)).reshape([4 * 64, 32])
+        blocks._reinterpret(gl.int32, [4 * 64, 32], _SW128_32).store(v)
+        rope._reinterpret(gl.int32, [64, 16], _SW64_32).store(_mx_expand(tile[2], tile[3]).reshape([64, 16]))
+
+    @gluon.jit
+    def _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64):
         """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
-        blocks kt[first .. first + 3] (64, 128) and its rope block kr (64, 64)."""
+        blocks, stacked (4 x 64, 128), and its rope block kr (64, 64)."""
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
         src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _QK_DIM + c128[None, :]
         for c in gl.static_range(_NCHUNK):
-            async_copy.async_copy_global_to_shared(kt.index(first + c), src + c * 128, mask=ok128[:, None])
+            async_copy.async_copy_global_to_shared(blocks.slice(64 * c, 64), src + c * 128, mask=ok128[:, None])
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
         src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _QK_DIM + _V_DIM + c64[None, :]
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
@@ -473,12 +564,12 @@ if HOPPER_KERNEL_REASON is None:
             return gl.to_tensor(0).to(gl.int64), rows, in_seq & page_ok, gl.max((in_seq & ~page_ok).to(gl.int32), 0)
 
     @gluon.jit
-    def _issue_tile(kv_ptr, kt, first, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
+    def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
         """_copy_tile for the tile at n0, its table entries read in each copy layout (_tile_entries: twice, the
         second from L1); returns its bad-page flag."""
         base, offs128, ok128, bad = _hopper_tile_rows(entries128, n0, hi, num_pages, _COPY128, PAGE_SIZE)
         _, offs64, ok64, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _COPY64, PAGE_SIZE)
-        _copy_tile(kv_ptr, kt, first, kr, base, offs128, ok128, offs64, ok64)
+        _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64)
         return bad
 
     @gluon.jit
@@ -486,8 +577,9 @@ if HOPPER_KERNEL_REASON is None:
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
                              PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
                              NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                             PRECISE: gl.constexpr):
-        # the portable kernel's arguments (kscale_stride, MXFP4's, unused), so that TritonDecode launches either
+                             PRECISE: gl.constexpr, MXFP4: gl.constexpr):
+        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused)
+        gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
         split = gl.program_id(0)
         group = gl.program_id(1)
         b = gl.program_id(2)
@@ -533,11 +625,15 @@ if HOPPER_KERNEL_REASON is None:
         q_pe = gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
         qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64,
                                          _q_operand(q_pe, PRECISE, FP8_MAX))
-        kv_scale = gl.load(kscale_ptr)
+        if MXFP4:
+            kv_scale = 1.0  # the block scales are in the tile
+        else:
+            kv_scale = gl.load(kscale_ptr)
         s_scale = kv_scale * qk_scale / gl.convert_layout(q_scale, cols)  # scores in log2 units
 
-        kt = gl.allocate_shared_memory(gl.float8e4nv, [2 * 4, 64, 128], _SW128)  # tile t: blocks 4t .. 4t + 3
-        kr = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], _SW64)
+        TILE_DTYPE: gl.constexpr = gl.float8e5 if MXFP4 else gl.float8e4nv  # MXFP4: expanded, exactly, to E5M2
+        kt = gl.allocate_shared_memory(TILE_DTYPE, [2, 4 * 64, 128], _SW128)  # a tile's 128-dim blocks, stacked
+        kr = gl.allocate_shared_memory(TILE_DTYPE, [2, 64, 64], _SW64)
         ps = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64)  # P (rows x k), _k_order
         p_scale: gl.constexpr = 1.0 if PRECISE else _P_SCALE
         m_i = gl.full([16], float("-inf"), gl.float32, cols)
@@ -548,31 +644,47 @@ if HOPPER_KERNEL_REASON is None:
         acc2 = gl.zeros([128, 16], gl.float32, MMA)
         acc3 = gl.zeros([128, 16], gl.float32, MMA)
         n_tiles = gl.cdiv(hi - lo, 64)
-        for t in gl.static_range(2):  # the first two tiles (a group committed for each, empty or not)
-            if t < n_tiles:
-                n0 = lo + 64 * t
-                bad = bad | _issue_tile(kv_ptr, kt, 4 * t, kr.index(t),
-                                        _tile_entries(table_row, n0, hi, _COPY128, PAGE_SIZE),
-                                        _tile_entries(table_row, n0, hi, _COPY64, PAGE_SIZE), n0, hi, num_pages,
-                                        PAGE_SIZE)
-            async_copy.commit_group()
+        if MXFP4:  # tiles 0 and 1 requested, tile 0 expanded
+            first, bad = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride,
+                                       _tile_entries(table_row, lo, hi, _SCALES512, PAGE_SIZE),
+                                       _tile_entries(table_row, lo, hi, _SCALES64, PAGE_SIZE), lo, hi, num_pages,
+                                       PAGE_SIZE)
+            codes, bad1 = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride,
+                                        _tile_entries(table_row, lo + 64, hi, _SCALES512, PAGE_SIZE),
+                                        _tile_entries(table_row, lo + 64, hi, _SCALES64, PAGE_SIZE), lo + 64, hi,
+                                        num_pages, PAGE_SIZE)
+            bad = bad | bad1
+            _mx_expand_tile(first, kt.index(0), kr.index(0))
+            hopper.fence_async_shared()
+            gl.thread_barrier()
+        else:
+            for t in gl.static_range(2):  # the first two tiles (a group committed for each, empty or not)
+                if t < n_tiles:
+                    n0 = lo + 64 * t
+                    bad = bad | _issue_tile(kv_ptr, kt.index(t), kr.index(t),
+                                            _tile_entries(table_row, n0, hi, _COPY128, PAGE_SIZE),
+                                            _tile_entries(table_row, n0, hi, _COPY64, PAGE_SIZE), n0, hi, num_pages,
+                                            PAGE_SIZE)
+                async_copy.commit_group()
         tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         for i in range(n_tiles):
             buf = i % 2
+            tile = kt.index(buf)
             n0 = lo + 64 * i
             # tile i + 2's table entries (none past hi), read before this tile's products rather than behind them
-            next128 = _tile_entries(table_row, n0 + 128, hi, _COPY128, PAGE_SIZE)
-            next64 = _tile_entries(table_row, n0 + 128, hi, _COPY64, PAGE_SIZE)
-            async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
-            hopper.fence_async_shared()
-            gl.thread_barrier()
+            next128 = _tile_entries(table_row, n0 + 128, hi, _SCALES512 if MXFP4 else _COPY128, PAGE_SIZE)
+            next64 = _tile_entries(table_row, n0 + 128, hi, _SCALES64 if MXFP4 else _COPY64, PAGE_SIZE)
+            if not MXFP4:
+                async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
+                hopper.fence_async_shared()
+                gl.thread_barrier()
             s = gl.zeros([64, 16], gl.float32, MMA)
             if PRECISE:  # K as fp16 A fragments, a block converted while the last one's product runs (the waits
                 # name the fragments the product reads: they stay live until it is done)
-                a = _f16_fragments(kt.index(4 * buf).load(_A_FP8))
+                a = _f16_fragments(tile.slice(0, 64).load(_A_FP8))
                 for c in gl.static_range(1, _NCHUNK):
                     s = hopper.warpgroup_mma(a, qs.index(c - 1).permute((1, 0)), s, use_acc=c > 1, is_async=True)
-                    a_next = _f16_fragments(kt.index(4 * buf + c).load(_A_FP8))
+                    a_next = _f16_fragments(tile.slice(64 * c, 64).load(_A_FP8))
                     s, a = hopper.warpgroup_mma_wait(0, deps=[s, a])
                     a = a_next
                 s = hopper.warpgroup_mma(a, qs.index(_NCHUNK - 1).permute((1, 0)), s, is_async=True)
@@ -581,11 +693,16 @@ if HOPPER_KERNEL_REASON is None:
                 s = hopper.warpgroup_mma(a_pe, qr_s.permute((1, 0)), s, is_async=True)
                 s, a_pe = hopper.warpgroup_mma_wait(0, deps=[s, a_pe])
             else:
-                s = hopper.warpgroup_mma(kt.index(4 * buf), qs.index(0).permute((1, 0)), s, use_acc=False,
+                s = hopper.warpgroup_mma(tile.slice(0, 64), qs.index(0).permute((1, 0)), s, use_acc=False,
                                          is_async=True)
                 for c in gl.static_range(1, _NCHUNK):
-                    s = hopper.warpgroup_mma(kt.index(4 * buf + c), qs.index(c).permute((1, 0)), s, is_async=True)
+                    s = hopper.warpgroup_mma(tile.slice(64 * c, 64), qs.index(c).permute((1, 0)), s, is_async=True)
                 s = hopper.warpgroup_mma(kr.index(buf), qr_s.permute((1, 0)), s, is_async=True)
+                if MXFP4:  # the next tile expanded while the products run, and the one after it requested
+                    _mx_expand_tile(codes, kt.index(1 - buf), kr.index(1 - buf))
+                    codes, bad1 = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride, next128, next64, n0 + 128, hi,
+                                                num_pages, PAGE_SIZE)
+                    bad = bad | bad1
                 s = hopper.warpgroup_mma_wait(0, deps=[s])
             pos = n0 + tile_rows
             seen = (pos < hi)[:, None]
@@ -606,34 +723,36 @@ if HOPPER_KERNEL_REASON is None:
             gl.thread_barrier()
             pt = ps.permute((1, 0))
             if PRECISE:  # V^T's fp16 fragments, a block converted while the last one's product runs
-                a0 = _f16_fragments(_v_fragments(kt.index(4 * buf)))
+                a0 = _f16_fragments(_v_fragments(tile.slice(0, 64)))
                 acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
-                a1 = _f16_fragments(_v_fragments(kt.index(4 * buf + 1)))
+                a1 = _f16_fragments(_v_fragments(tile.slice(64 * 1, 64)))
                 acc0, a0 = hopper.warpgroup_mma_wait(0, deps=[acc0, a0])
                 acc1 = hopper.warpgroup_mma(a1, pt, acc1 * alpha[None, :], is_async=True)
-                a2 = _f16_fragments(_v_fragments(kt.index(4 * buf + 2)))
+                a2 = _f16_fragments(_v_fragments(tile.slice(64 * 2, 64)))
                 acc1, a1 = hopper.warpgroup_mma_wait(0, deps=[acc1, a1])
                 acc2 = hopper.warpgroup_mma(a2, pt, acc2 * alpha[None, :], is_async=True)
-                a3 = _f16_fragments(_v_fragments(kt.index(4 * buf + 3)))
+                a3 = _f16_fragments(_v_fragments(tile.slice(64 * 3, 64)))
                 acc2, a2 = hopper.warpgroup_mma_wait(0, deps=[acc2, a2])
                 acc3 = hopper.warpgroup_mma(a3, pt, acc3 * alpha[None, :], is_async=True)
                 acc0, acc1, acc2, acc3, a3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3, a3])
             else:  # (Triton 3.6's wait takes no 8-bit operands: the FP8 fragments are not named)
-                a0 = _v_fragments(kt.index(4 * buf))
+                a0 = _v_fragments(tile.slice(0, 64))
                 acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
-                a1 = _v_fragments(kt.index(4 * buf + 1))
+                a1 = _v_fragments(tile.slice(64 * 1, 64))
                 acc1 = hopper.warpgroup_mma(a1, pt, acc1 * alpha[None, :], is_async=True)
-                a2 = _v_fragments(kt.index(4 * buf + 2))
+                a2 = _v_fragments(tile.slice(64 * 2, 64))
                 acc2 = hopper.warpgroup_mma(a2, pt, acc2 * alpha[None, :], is_async=True)
-                a3 = _v_fragments(kt.index(4 * buf + 3))
+                a3 = _v_fragments(tile.slice(64 * 3, 64))
                 acc3 = hopper.warpgroup_mma(a3, pt, acc3 * alpha[None, :], is_async=True)
                 acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
             gl.thread_barrier()  # every warp is done with the tile's buffer and P
-            if i + 2 < n_tiles:
-                bad = bad | _issue_tile(kv_ptr, kt, 4 * buf, kr.index(buf), next128, next64, n0 + 128, hi,
-                                        num_pages, PAGE_SIZE)
-            async_copy.commit_group()
-        async_copy.wait_group(0)
+            if not MXFP4:
+                if i + 2 < n_tiles:
+                    bad = bad | _issue_tile(kv_ptr, tile, kr.index(buf), next128, next64, n0 + 128, hi,
+                                            num_pages, PAGE_SIZE)
+                async_copy.commit_group()
+        if not MXFP4:
+            async_copy.wait_group(0)
 
         inv = gl.where(l_i > 0, kv_scale / (p_scale * l_i), 0.0)  # an empty sequence or split: zeros
         lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
@@ -775,8 +894,6 @@ if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals); the row widths and
     # LN2 are triton_common's.
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
-    _FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
-    _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
     _PAGE_CHUNK = tl.constexpr(PAGE_CHUNK_TILES)
 
     @triton.jit
@@ -1168,8 +1285,9 @@ class TritonPlan(NamedTuple):
     # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
     # has the compile figures), so the plans keep 16 and a caller may choose more
     block_h: int = TRITON_BLOCK_H
-    # the split kernel for Hopper and the FP8 cache, fast or precise (triton_hopper.py: Gluon, the products as the cuda
-    # kernel takes them) in place of the portable one; 16 query rows, 4 warps, two tiles buffered
+    # the split kernel for Hopper (triton_hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
+    # portable one, for the FP8 cache (fast or precise) and the MXFP4 one (fast); 16 query rows, 4 warps, two tiles
+    # buffered
     hopper: bool = False
 
 
@@ -1182,16 +1300,25 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype = torch.float8_e4m3fn
-                           ) -> str | None:
-    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format and cache dtype on `target`,
-    or None: it takes the e4m3fn FP8 cache (fast or precise) on sm_90, with the Triton it is written for."""
+# The formats the plans send to the Hopper kernel where it can serve them. MXFP4 compiles within tools/hopper_check.py's
+# gates but has not yet run on a GPU (docs/2026-12-03-triton-hopper.md, section 13): a caller asks for it with a whole
+# TritonPlan whose hopper is True.
+HOPPER_PLANNED_FORMATS = ("fp8",)
+
+
+def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype | None = None,
+                           precise: bool = False) -> str | None:
+    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format, cache dtype (None: the format's
+    usual one) and precision on `target`, or None: it takes the e4m3fn FP8 cache (fast or precise) and the MXFP4
+    cache (fast) on sm_90, with the Triton it is written for."""
     if HOPPER_KERNEL_REASON is not None:
         return HOPPER_KERNEL_REASON
     if target.arch != "sm_90":
         return f"the Hopper kernel is compiled for sm_90; the target is {target.arch}"
-    if kv_format != "fp8" or kv_dtype != torch.float8_e4m3fn:
-        return f"the Hopper kernel takes the float8_e4m3fn cache; got {kv_format} ({kv_dtype})"
+    if kv_format == "mxfp4" and precise:
+        return "the Hopper kernel takes the MXFP4 cache for its fast (E4M3 Q and P) products only; this call is precise"
+    if not (kv_format == "mxfp4" or (kv_format == "fp8" and kv_dtype in (None, torch.float8_e4m3fn))):
+        return f"the Hopper kernel takes the float8_e4m3fn and the MXFP4 caches; got {kv_format} ({kv_dtype})"
     return None
 
 
@@ -1207,7 +1334,8 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
-    hopper = hopper_unusable_reason(target, kv_format) is None and block_h in (None, TRITON_BLOCK_H)
+    hopper = (kv_format in HOPPER_PLANNED_FORMATS and hopper_unusable_reason(target, kv_format, precise=precise) is None
+              and block_h in (None, TRITON_BLOCK_H))
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -1265,7 +1393,7 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     given = len(plan) if plan is not None else 0
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
-        reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype)
+        reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype, problem.precision == "precise")
         if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
             reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
@@ -1302,12 +1430,12 @@ class TritonDecode:
         self.workspace = (self.part_o.data_ptr(), self.part_lse.data_ptr())
         # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none otherwise
         fp8_max = (float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else
-                   float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores else 0.0)
+                   float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores or plan.hopper else 0.0)
         dot_dtype = tl.float32 if interpreted else tl.bfloat16 if key.kv_format == "bf16" else tl.float16
         if plan.hopper:
             split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
                                 NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1,
-                                PRECISE=key.precise)
+                                PRECISE=key.precise, MXFP4=key.kv_format == "mxfp4")
         else:
             split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
                                 KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,

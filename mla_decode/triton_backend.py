@@ -41,7 +41,7 @@ from .contract import (
     tl,
     triton,
 )
-from .triton_common import _LN2, _QK_DIM, _V_DIM, _lse_at, _sequence
+from .triton_common import _FP4_ROW_BYTES, _LN2, _MX_BLOCK, _QK_DIM, _V_DIM, _lse_at, _sequence
 from .triton_hopper import HOPPER_KERNEL_REASON, HOPPER_PLAN_SHAPE, _hopper_split_kernel
 
 TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
@@ -127,8 +127,6 @@ if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals); the row widths and
     # LN2 are triton_common's.
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
-    _FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
-    _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
     _PAGE_CHUNK = tl.constexpr(PAGE_CHUNK_TILES)
 
     @triton.jit
@@ -520,8 +518,9 @@ class TritonPlan(NamedTuple):
     # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
     # has the compile figures), so the plans keep 16 and a caller may choose more
     block_h: int = TRITON_BLOCK_H
-    # the split kernel for Hopper and the FP8 cache, fast or precise (triton_hopper.py: Gluon, the products as the cuda
-    # kernel takes them) in place of the portable one; 16 query rows, 4 warps, two tiles buffered
+    # the split kernel for Hopper (triton_hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
+    # portable one, for the FP8 cache (fast or precise) and the MXFP4 one (fast); 16 query rows, 4 warps, two tiles
+    # buffered
     hopper: bool = False
 
 
@@ -534,16 +533,25 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype = torch.float8_e4m3fn
-                           ) -> str | None:
-    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format and cache dtype on `target`,
-    or None: it takes the e4m3fn FP8 cache (fast or precise) on sm_90, with the Triton it is written for."""
+# The formats the plans send to the Hopper kernel where it can serve them. MXFP4 compiles within tools/hopper_check.py's
+# gates but has not yet run on a GPU (docs/2026-12-03-triton-hopper.md, section 13): a caller asks for it with a whole
+# TritonPlan whose hopper is True.
+HOPPER_PLANNED_FORMATS = ("fp8",)
+
+
+def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype | None = None,
+                           precise: bool = False) -> str | None:
+    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format, cache dtype (None: the format's
+    usual one) and precision on `target`, or None: it takes the e4m3fn FP8 cache (fast or precise) and the MXFP4
+    cache (fast) on sm_90, with the Triton it is written for."""
     if HOPPER_KERNEL_REASON is not None:
         return HOPPER_KERNEL_REASON
     if target.arch != "sm_90":
         return f"the Hopper kernel is compiled for sm_90; the target is {target.arch}"
-    if kv_format != "fp8" or kv_dtype != torch.float8_e4m3fn:
-        return f"the Hopper kernel takes the float8_e4m3fn cache; got {kv_format} ({kv_dtype})"
+    if kv_format == "mxfp4" and precise:
+        return "the Hopper kernel takes the MXFP4 cache for its fast (E4M3 Q and P) products only; this call is precise"
+    if not (kv_format == "mxfp4" or (kv_format == "fp8" and kv_dtype in (None, torch.float8_e4m3fn))):
+        return f"the Hopper kernel takes the float8_e4m3fn and the MXFP4 caches; got {kv_format} ({kv_dtype})"
     return None
 
 
@@ -559,7 +567,8 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
-    hopper = hopper_unusable_reason(target, kv_format) is None and block_h in (None, TRITON_BLOCK_H)
+    hopper = (kv_format in HOPPER_PLANNED_FORMATS and hopper_unusable_reason(target, kv_format, precise=precise) is None
+              and block_h in (None, TRITON_BLOCK_H))
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -617,7 +626,7 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     given = len(plan) if plan is not None else 0
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
-        reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype)
+        reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype, problem.precision == "precise")
         if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
             reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
@@ -654,12 +663,12 @@ class TritonDecode:
         self.workspace = (self.part_o.data_ptr(), self.part_lse.data_ptr())
         # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none otherwise
         fp8_max = (float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else
-                   float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores else 0.0)
+                   float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores or plan.hopper else 0.0)
         dot_dtype = tl.float32 if interpreted else tl.bfloat16 if key.kv_format == "bf16" else tl.float16
         if plan.hopper:
             split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
                                 NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1,
-                                PRECISE=key.precise)
+                                PRECISE=key.precise, MXFP4=key.kv_format == "mxfp4")
         else:
             split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
                                 KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,

@@ -1,15 +1,18 @@
 """What the triton backend's two split kernels (the portable one, triton_backend.py; the Hopper one,
-triton_hopper.py) read alike: the problem's row widths as constexprs, a sequence's positions and validity, and where
-a query row's LSE goes. The combine kernel reads them too."""
+triton_hopper.py) read alike: the row widths and MXFP4's block as constexprs, a sequence's positions and validity,
+and where a query row's LSE goes. The combine kernel reads them too."""
 
-from .contract import LN2, QK_HEAD_DIM, V_HEAD_DIM, tl, triton
+from .contract import LN2, MXFP4_BLOCK, MXFP4_ROW_BYTES, QK_HEAD_DIM, V_HEAD_DIM, tl, triton
 
-_QK_DIM = _V_DIM = _LN2 = _sequence = _lse_at = None  # without Triton: no kernels to share them
+# without Triton: no kernels to share them
+_QK_DIM = _V_DIM = _FP4_ROW_BYTES = _MX_BLOCK = _LN2 = _sequence = _lse_at = None
 
 if triton is not None:
     # a jit function reads only constexpr globals
     _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
     _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
+    _FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
+    _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
     _LN2 = tl.constexpr(LN2)
 
     @triton.jit

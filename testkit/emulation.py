@@ -124,8 +124,8 @@ def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8",
     return out
 
 
-# (backend, KV format, precision) -> the emulation (EMULATIONS) of what that kernel rounds (the triton fast FP8 kernel:
-# "+Q+P" where its plan takes the Hopper kernel, emulation_of)
+# (backend, KV format, precision) -> the emulation (EMULATIONS) of what that kernel rounds (the triton fast FP8 and
+# MXFP4 kernels: "+Q+P" where their plan takes the Hopper kernel, emulation_of)
 EMULATION_OF = {("cuda", "fp8", "fast"): "+Q+P", ("cuda", "fp8", "precise"): "cache", ("cuda", "mxfp4", "fast"): "+Q+P",
                 ("triton", "fp8", "fast"): "+Q", ("triton", "fp8", "precise"): "cache",
                 ("triton", "mxfp4", "fast"): "cache", ("triton", "mxfp4", "precise"): "cache",
@@ -138,7 +138,7 @@ def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) ->
     (the cuda wgmma kernel; the triton backend's Hopper kernel, triton_hopper.py, where its plan takes it), its walk:
     the splits of the plan the leaderboard adapter makes for `data`."""
     emulation = EMULATION_OF[(backend, kv_format, precision)]
-    if emulation == "cache":
+    if emulation == "cache" and not (backend == "triton" and precision == "fast"):
         return emulation, None
     q, kv_data, _, _, config = data  # the split plan's length as the adapter sizes it
     if config["q_seq_len"] != 1:

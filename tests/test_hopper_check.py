@@ -11,20 +11,33 @@ from tools import hopper_check as H
 
 ROOT = Path(__file__).resolve().parent.parent
 TRITON_36 = ROOT / ".amd-triton" / "3.6.0"
-GOOD = {False: {"case": (0, 1, 1, 16, False, False), "registers": 199, "local": 0, "shared": 84224, "qgmma": 34,
-               "hgmma": 0, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0},
-        True: {"case": (0, 1, 1, 16, False, True), "registers": 210, "local": 0, "shared": 94464, "qgmma": 0,
-               "hgmma": 68, "ldsm_t": 16, "ldsm": 18, "fp8_unpacks": 272}}
+GOOD = {"fast": {"case": (0, 1, 1, 16, False, False, False), "registers": 199, "local": 0, "stack": 0,
+                 "shared": 84224, "qgmma": 34, "hgmma": 0, "e5m2": 0, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0},
+        "precise": {"case": (0, 1, 1, 16, False, True, False), "registers": 210, "local": 0, "stack": 0,
+                    "shared": 94464, "qgmma": 0, "hgmma": 68, "e5m2": 0, "ldsm_t": 16, "ldsm": 18,
+                    "fp8_unpacks": 272},
+        "mxfp4": {"case": (0, 1, 1, 16, False, False, True), "registers": 255, "local": 0, "stack": 0,
+                  "shared": 84224, "qgmma": 34, "hgmma": 0, "e5m2": 34, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0}}
 
 
-@pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
-@pytest.mark.parametrize("planted", [dict(local=64), dict(registers=256), dict(shared=3 * 36864 + 10240),
-                                     dict(qgmma=18), dict(hgmma=32), dict(ldsm_t=0), dict(fp8_unpacks=128),
-                                     dict(ldsm=9)],
+@pytest.mark.parametrize("kind", sorted(GOOD))
+@pytest.mark.parametrize("planted", [dict(local=64), dict(stack=40), dict(registers=256),
+                                     dict(shared=3 * 36864 + 10240), dict(qgmma=18), dict(hgmma=32), dict(ldsm_t=0),
+                                     dict(fp8_unpacks=128), dict(ldsm=9)],
                          ids=lambda d: next(iter(d)))
-def test_each_gate_fails_on_a_planted_figure(planted, precise):
-    assert H.gates(GOOD[precise]) == []
-    assert len(H.gates(dict(GOOD[precise], **planted))) == 1
+def test_each_gate_fails_on_a_planted_figure(planted, kind):
+    assert H.gates(GOOD[kind]) == []
+    assert len(H.gates(dict(GOOD[kind], **planted))) == 1
+
+
+def test_the_fast_fp8_kernel_may_not_spill():
+    assert len(H.gates(dict(GOOD["fast"], stack=8))) == 1 and H.gates(dict(GOOD["precise"], stack=8)) == []
+
+
+@pytest.mark.parametrize("kind,e5m2", [("fast", 34), ("mxfp4", 0), ("mxfp4", 18)])
+def test_the_products_take_the_tile_in_its_format(kind, e5m2):
+    """An FP8 kernel with E5M2 wgmma, or an MXFP4 one with E4M3 ones, fails."""
+    assert len(H.gates(dict(GOOD[kind], e5m2=e5m2))) == 1
 
 
 @pytest.mark.skipif(not (TRITON_36 / "triton").is_dir(), reason="Triton 3.6 not installed (make amd-check does)")

@@ -201,11 +201,11 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     # the interpreter plans as an H200 but for the Hopper kernel (Gluon), which only compiles for the GPU
     assert S.triton_plan(4, 8192, S.INTERPRETER_TARGET, "fp8") == S.triton_plan(4, 8192, h200, "fp8")._replace(
         hopper=False)
-    # the Hopper kernel: the FP8 cache on sm_90, fast or precise, 16 rows a program, whatever the heads (a forced
-    # block_h keeps the portable kernel)
+    # the Hopper kernel: the FP8 cache on sm_90, fast or precise, and the MXFP4 one, fast; 16 rows a program, whatever
+    # the heads (a forced block_h keeps the portable kernel)
     assert S.triton_plan(64, 8192, h200, "fp8", 128, 128)[2:] == (4, 3, False, True, True, 16, True)
     assert S.triton_plan(64, 8192, h200, "fp8", 128, 128, precise=True)[2:] == (4, 3, False, True, False, 16, True)
-    for portable in (dict(kv_format="mxfp4"), dict(block_h=32)):
+    for portable in (dict(kv_format="mxfp4"), dict(kv_format="bf16"), dict(block_h=32)):
         assert not S.triton_plan(64, 8192, h200, **dict(dict(kv_format="fp8"), **portable)).hopper, portable
     # V converted in pairs before its transpose: the fast FP8 kernel only
     assert not S.triton_plan(4, 8192, h200, "fp8", precise=True).v_cast_first
@@ -241,8 +241,12 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     assert not S.triton_key(fast, h200, (2, 64, 4, 3, False, True, True, 32)).plan.hopper
     with pytest.raises(ValueError, match="Hopper kernel"):
         S.triton_key(fast, h200, S.TritonPlan(2, 64, 8, 3, hopper=True))
-    # ... or for a call it cannot serve: another format, cache dtype or GPU
-    for other, target in ((fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200),
+    # MXFP4 (fast): where a whole plan asks for it (HOPPER_PLANNED_FORMATS: not yet run on a GPU)
+    mxfp4 = fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8)
+    assert not S.triton_key(mxfp4, h200, (2, 64, 4, 3)).plan.hopper
+    assert S.triton_key(mxfp4, h200, S.TritonPlan(2, 64, 4, 3, hopper=True)).plan.hopper
+    # ... or for a call it cannot serve: another format, cache dtype, precision or GPU
+    for other, target in ((problem._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200),
                           (fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16), h200),
                           (fast._replace(kv_dtype=torch.float8_e4m3fnuz), h200),
                           (fast, h200._replace(arch="sm_100")), (fast, S.INTERPRETER_TARGET)):

@@ -6,11 +6,13 @@ Triton it is written for, and its figures gated: what an H200 would run, checked
 `--triton` is a folder holding Triton 3.6 (make amd-check installs the runner's there; its NVIDIA backend brings
 ptxas and cuobjdump). The kernel of `--file` (the leaderboard file, which inlines the package) is compiled with the
 constexprs its plans launch it with (ragged and paged, splits or none, MTP and head counts, with and without the LSE,
-fast and precise), its pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
-  - no local memory (spills), registers within 255;
+FP8 fast and precise, MXFP4), its pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
+  - no local memory, registers within 255, and no stack frame (where ptxas puts spills) in the fast FP8 kernel the
+    plans take; the precise and MXFP4 variants of pages or MTP spill a few registers at 255 (L1 hits, in the loop
+    for precise): their stack is held to SPILL_BYTES, a ratchet until they are brought to none;
   - shared memory for two programs an SM (the plan's splits assume two);
-  - fast: the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA; precise: on fp16 wgmma (36 +
-    32 HGMMA), no FP8 one;
+  - fast: the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA, and with MXFP4 all of them on
+    the E5M2 tile the codes expand to; precise: on fp16 wgmma (36 + 32 HGMMA), no FP8 one;
   - V^T through ldmatrix.trans and byte permutes; fast: no FP8 -> fp16 unpacks (which an fp16 copy of V would
     need); precise: each tile byte unpacked once for each product (K's 576 and V's 512 columns: 272 unpacks of two),
     K's fragments by ldmatrix.
@@ -27,28 +29,34 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# (page size (0: ragged), splits, q_len, heads, LSE written, precise)
-CASES = ((0, 16, 1, 16, False, False), (0, 1, 1, 16, False, False), (64, 4, 1, 16, True, False),
-         (1, 8, 2, 32, True, False), (16, 1, 4, 16, True, False), (0, 2, 3, 8, True, False),
-         (64, 1, 1, 128, True, False), (0, 16, 1, 16, False, True), (64, 1, 1, 16, True, True),
-         (1, 8, 2, 32, True, True), (0, 2, 3, 8, True, True), (64, 1, 1, 128, True, True))
+# (page size (0: ragged), splits, q_len, heads, LSE written, precise, MXFP4)
+CASES = ((0, 16, 1, 16, False, False, False), (0, 1, 1, 16, False, False, False), (64, 4, 1, 16, True, False, False),
+         (1, 8, 2, 32, True, False, False), (16, 1, 4, 16, True, False, False), (0, 2, 3, 8, True, False, False),
+         (64, 1, 1, 128, True, False, False), (0, 16, 1, 16, False, True, False), (64, 1, 1, 16, True, True, False),
+         (1, 8, 2, 32, True, True, False), (0, 2, 3, 8, True, True, False), (64, 1, 1, 128, True, True, False),
+         (0, 16, 1, 16, False, False, True), (0, 1, 1, 16, False, False, True), (64, 4, 1, 16, True, False, True),
+         (1, 8, 2, 32, True, False, True), (16, 1, 4, 16, True, False, True), (0, 2, 3, 8, True, False, True),
+         (64, 1, 1, 128, True, False, True))
 # fast / precise: QGMMA, HGMMA, FP8 unpacks and ldmatrix (K's fragments: 576 B x 64 rows in 16-byte pieces) a tile
 PRODUCTS = {False: (34, 0, 0, 0), True: (0, 68, 272, 18)}
+SPILL_BYTES = {"fast": 0, "precise": 32, "mxfp4": 32}  # stack frame allowed (the variants' worst, Triton 3.6.0)
 SHARED_PER_PROGRAM = (228 * 1024) // 2 - 1024  # two programs an SM, 1 KB reserved each
 SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "kscale_stride": "i32", "seq_ptr": "*i32",
              "table_ptr": "*i32", "max_pages": "i32", "kv_rows": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
              "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+MXFP4_SIGNATURE = dict(SIGNATURE, kv_ptr="*u8", kscale_ptr="*u8")  # the codes and the E8M0 scales, as bytes
 
 
 def compile_case(module, triton, case) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    page, splits, q_len, heads, lse, precise = case
+    page, splits, q_len, heads, lse, precise, mxfp4 = case
     constexprs = dict(NUM_SPLITS=splits, PAGE_SIZE=page, FP8_MAX=448.0, WRITE_LSE=lse, NUM_HEADS=heads, Q_LEN=q_len,
-                      CAUSAL=q_len > 1, PRECISE=precise)
-    signature = dict(SIGNATURE, **{name: "constexpr" for name in constexprs})
-    aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(SIGNATURE.values()) if kind.startswith("*")}
+                      CAUSAL=q_len > 1, PRECISE=precise, MXFP4=mxfp4)
+    arguments = MXFP4_SIGNATURE if mxfp4 else SIGNATURE
+    signature = dict(arguments, **{name: "constexpr" for name in constexprs})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(arguments.values()) if kind.startswith("*")}
     source = GluonASTSource(module._hopper_split_kernel, signature, constexprs, aligned)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -60,9 +68,11 @@ def compile_case(module, triton, case) -> dict:
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0]
                               for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass))
     return {"case": case, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-            "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": kernel.metadata.shared,
+            "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": kernel.metadata.shared,
             "qgmma": sum(n for op, n in ops.items() if op.startswith("QGMMA")),
             "hgmma": sum(n for op, n in ops.items() if op.startswith("HGMMA")),
+            "e5m2": sum(n for op, n in ops.items() if op.startswith("QGMMA") and ".E5M2." in op),
             "ldsm_t": ops.get("LDSM.16.MT88.4", 0), "ldsm": ops.get("LDSM.16.M88.4", 0),
             "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0)}
 
@@ -70,7 +80,10 @@ def compile_case(module, triton, case) -> dict:
 def gates(k: dict) -> list[str]:
     failed = []
     if k["local"]:
-        failed.append(f"{k['local']} B of local memory (spills)")
+        failed.append(f"{k['local']} B of local memory")
+    kind = "mxfp4" if k["case"][6] else "precise" if k["case"][5] else "fast"
+    if k["stack"] > SPILL_BYTES[kind]:
+        failed.append(f"{k['stack']} B of stack (spills; {kind}: at most {SPILL_BYTES[kind]})")
     if k["registers"] > 255:
         failed.append(f"{k['registers']} registers")
     if k["shared"] > SHARED_PER_PROGRAM:
@@ -78,6 +91,8 @@ def gates(k: dict) -> list[str]:
     qgmma, hgmma, unpacks, ldsm = PRODUCTS[k["case"][5]]
     if (k["qgmma"], k["hgmma"]) != (qgmma, hgmma):
         failed.append(f"products: {k['qgmma']} FP8 and {k['hgmma']} fp16 wgmma (want {qgmma} and {hgmma})")
+    if k["e5m2"] != (qgmma if k["case"][6] else 0):
+        failed.append(f"{k['e5m2']} wgmma on an E5M2 tile (want all of them with MXFP4, else none)")
     if k["ldsm_t"] < 16 or k["fp8_unpacks"] != unpacks:
         failed.append(f"V^T: {k['ldsm_t']} ldmatrix.trans, {k['fp8_unpacks']} FP8 -> fp16 unpacks (want >= 16, "
                       f"{unpacks})")
@@ -101,15 +116,15 @@ def main() -> int:
     if module.HOPPER_KERNEL_REASON is not None:
         print(f"hopper check: {module.HOPPER_KERNEL_REASON}", file=sys.stderr)
         return 1
-    print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, precise) | registers | local | "
-          "shared | QGMMA | HGMMA | LDSM.T | LDSM | FP8 unpacks")
+    print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, precise, MXFP4) | registers | "
+          "local | stack | shared | QGMMA (E5M2) | HGMMA | LDSM.T | LDSM | FP8 unpacks")
     failures = 0
     for case in CASES:
         k = compile_case(module, triton, case)
         failed = gates(k)
         failures += bool(failed)
-        print(f"{case} | {k['registers']} | {k['local']} | {k['shared']} | {k['qgmma']} | {k['hgmma']} | "
-              f"{k['ldsm_t']} | {k['ldsm']} | {k['fp8_unpacks']}"
+        print(f"{case} | {k['registers']} | {k['local']} | {k['stack']} | {k['shared']} | {k['qgmma']} ({k['e5m2']}) | "
+              f"{k['hgmma']} | {k['ldsm_t']} | {k['ldsm']} | {k['fp8_unpacks']}"
               + (f"  FAILED: {'; '.join(failed)}" if failed else ""))
     print(f"hopper check: {len(CASES) - failures} of {len(CASES)} kernels pass")
     return 1 if failures else 0
