@@ -806,8 +806,8 @@ if HOPPER_KERNEL_REASON is None:
 #   bf16:        bf16 Q against the bf16 tile, fp32 sums.
 # V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is; fast FP8 on NVIDIA cast before the transpose).
 # Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
-# On Hopper with Triton 3.6 the FP8 plans (fast and precise) launch triton_hopper.py's Gluon kernel in this one's
-# place (TritonPlan.hopper), with the same arguments and combine.
+# On Hopper with Triton 3.6 the FP8 plans (fast and precise) and the fast MXFP4 ones launch triton_hopper.py's Gluon
+# kernel in this one's place (TritonPlan.hopper), with the same arguments and combine.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -1300,10 +1300,9 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-# The formats the plans send to the Hopper kernel where it can serve them. MXFP4 compiles within tools/hopper_check.py's
-# gates but has not yet run on a GPU (docs/2026-12-03-triton-hopper.md, section 13): a caller asks for it with a whole
-# TritonPlan whose hopper is True.
-HOPPER_PLANNED_FORMATS = ("fp8",)
+# The formats the plans send to the Hopper kernel where it can serve them (a format left out: a caller asks for it with
+# a whole TritonPlan whose hopper is True)
+HOPPER_PLANNED_FORMATS = ("fp8", "mxfp4")
 
 
 def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype | None = None,

@@ -68,7 +68,7 @@ import yaml  # noqa: E402
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
 import submission  # noqa: E402
-from mla_decode.triton_backend import hopper_unusable_reason, triton_plan, triton_target  # noqa: E402
+from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 from utils import Timer, get_device, l2_flush, scoped_env  # noqa: E402
 
 # KV bytes one decode must read per cache row, by format (the FP8 per-tensor scale is 4 bytes in all).
@@ -437,33 +437,6 @@ def _ours_paged(backend: str, kv_format: str, page: int):
     return prepare
 
 
-def _ours_hopper(kv_format: str):
-    """The triton backend's Hopper kernel (TritonPlan.hopper) asked for by a whole plan, for a format the plans do not
-    send it yet (mla_decode.triton_backend.HOPPER_PLANNED_FORMATS): a ragged plan over the input's contiguous cache,
-    made once outside the timing, with triton_plan's splits for the shape."""
-
-    def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
-        kv, scale = data[1][kv_format]
-        target = triton_target(ctx.device)
-        if hopper_unusable_reason(target, kv_format) is not None:
-            raise Unavailable(hopper_unusable_reason(target, kv_format))
-        plan = triton_plan(shape.batch, shape.kv, target, kv_format)._replace(hopper=True)
-        decode = mla_decode.plan_ragged(shape.batch, kv.dtype, ctx.device, shape.kv, backend="triton",
-                                        kv_scale_dtype=scale.dtype, kv_scale_stride=scale.shape[-1],
-                                        backend_options={"plan": plan})
-        check = _check_attention(data, expected, kv_format)
-
-        def call(inputs: tuple) -> Callable[[], object]:
-            q, kv_data, _, kv_indptr, _ = inputs
-            kv, scale = kv_data[kv_format]
-            return lambda: decode.run_ragged(q.view(q.shape[0], 1, *q.shape[1:]), kv, kv_indptr, scale)
-
-        return Prepared(fn=call(data), check=lambda out: check(out[0].view(shape.batch, *out[0].shape[2:])),
-                        fresh=call, note="the Hopper kernel, asked for")
-
-    return prepare
-
-
 def _flashinfer_paged_call(ctx: Context, data: tuple, kv_format: str, page: int) -> Callable[[], object]:
     fi = ctx.flashinfer()
     p = _paged(data, kv_format, page)
@@ -508,8 +481,6 @@ METHODS = (
     Method("triton-fp8-precise", "ours", "fp8", "ours: MLA_BACKEND=triton MLA_PRECISION=precise (fp16 score dot)",
            _ours("triton", "fp8", "precise")),
     Method("triton-mxfp4", "ours", "mxfp4", "ours: MLA_BACKEND=triton MLA_KV_FORMAT=mxfp4", _ours("triton", "mxfp4")),
-    Method("triton-mxfp4-hopper", "ours", "mxfp4", "ours: mla_decode ragged plan (triton), the Hopper kernel asked for",
-           _ours_hopper("mxfp4")),
     Method("torch-fp8", "ours", "fp8", "ours: MLA_BACKEND=torch MLA_KV_FORMAT=fp8 (portable fallback)",
            _ours("torch", "fp8")),
     Method("aiter-fp8", "ours", "fp8", "ours: MLA_BACKEND=aiter (AMD, aiter importable)", _ours("aiter", "fp8")),

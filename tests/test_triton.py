@@ -190,7 +190,7 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     assert S.triton_plan(4, 1024, h200, "fp8").hopper == (S.HOPPER_KERNEL_REASON is None)
     monkeypatch.setattr(S, "HOPPER_KERNEL_REASON", None)  # the rule as on the H200's Triton
     assert S.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3, False, True, True, 16, True)  # a 64-row tile a split
-    assert not S.triton_plan(4, 1024, h200, "mxfp4").scaled_scores  # Hopper has no scaled MMA: dequantized K
+    assert not S.triton_plan(4, 1024, h200, "mxfp4").scaled_scores  # no scaled MMA: the Hopper kernel expands codes
     assert S.triton_plan(4, 8192, h200, "fp8").num_splits == 32
     assert S.triton_plan(4, 8192, h200, "mxfp4").num_splits == 64
     assert S.triton_plan(32, 8192, h200, "fp8").num_splits == 8
@@ -205,7 +205,8 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     # the heads (a forced block_h keeps the portable kernel)
     assert S.triton_plan(64, 8192, h200, "fp8", 128, 128)[2:] == (4, 3, False, True, True, 16, True)
     assert S.triton_plan(64, 8192, h200, "fp8", 128, 128, precise=True)[2:] == (4, 3, False, True, False, 16, True)
-    for portable in (dict(kv_format="mxfp4"), dict(kv_format="bf16"), dict(block_h=32)):
+    assert S.triton_plan(64, 8192, h200, "mxfp4", 128, 128).hopper
+    for portable in (dict(kv_format="mxfp4", precise=True), dict(kv_format="bf16"), dict(block_h=32)):
         assert not S.triton_plan(64, 8192, h200, **dict(dict(kv_format="fp8"), **portable)).hopper, portable
     # V converted in pairs before its transpose: the fast FP8 kernel only
     assert not S.triton_plan(4, 8192, h200, "fp8", precise=True).v_cast_first
@@ -241,10 +242,7 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     assert not S.triton_key(fast, h200, (2, 64, 4, 3, False, True, True, 32)).plan.hopper
     with pytest.raises(ValueError, match="Hopper kernel"):
         S.triton_key(fast, h200, S.TritonPlan(2, 64, 8, 3, hopper=True))
-    # MXFP4 (fast): where a whole plan asks for it (HOPPER_PLANNED_FORMATS: not yet run on a GPU)
-    mxfp4 = fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8)
-    assert not S.triton_key(mxfp4, h200, (2, 64, 4, 3)).plan.hopper
-    assert S.triton_key(mxfp4, h200, S.TritonPlan(2, 64, 4, 3, hopper=True)).plan.hopper
+    assert S.triton_key(fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200, (2, 64, 4, 3)).plan.hopper
     # ... or for a call it cannot serve: another format, cache dtype, precision or GPU
     for other, target in ((problem._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200),
                           (fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16), h200),
@@ -253,6 +251,11 @@ def test_plan_splits_fill_the_sms(monkeypatch):
         with pytest.raises(ValueError, match="Hopper kernel"):
             S.triton_key(other, target, S.TritonPlan(2, 64, 4, 3, hopper=True))
         assert not S.triton_key(other, target, (2, 64, 4, 3)).plan.hopper
+    # a format the plans do not send to it (HOPPER_PLANNED_FORMATS) is sent where a whole plan asks for it
+    monkeypatch.setattr(S, "HOPPER_PLANNED_FORMATS", ("fp8",))
+    mxfp4 = fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8)
+    assert not S.triton_key(mxfp4, h200, (2, 64, 4, 3)).plan.hopper
+    assert S.triton_key(mxfp4, h200, S.TritonPlan(2, 64, 4, 3, hopper=True)).plan.hopper
 
 
 def test_the_hopper_kernel_takes_what_its_launch_passes(monkeypatch):
