@@ -566,8 +566,9 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
-    hopper = (kv_format in HOPPER_PLANNED_FORMATS and hopper_unusable_reason(target, kv_format, precise=precise) is None
-              and block_h in (None, TRITON_BLOCK_H))
+    scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS  # where the MMAs take E2M1 and E8M0
+    hopper = (kv_format in HOPPER_PLANNED_FORMATS and not scaled and block_h in (None, TRITON_BLOCK_H)
+              and hopper_unusable_reason(target, kv_format, precise=precise) is None)
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -582,7 +583,6 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
     want = max(1, per_sm * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
-    scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS
     # bf16 at 3 stages asks an H200 for 241,664 B of shared memory (the model counts 2 buffered tiles; Triton holds
     # more): 2 stages
     stage_choices = (1,) if scaled else (2,) if (amd and kv_format == "mxfp4") or kv_format == "bf16" else (3, 2)

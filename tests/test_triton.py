@@ -256,6 +256,11 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     mxfp4 = fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8)
     assert not S.triton_key(mxfp4, h200, (2, 64, 4, 3)).plan.hopper
     assert S.triton_key(mxfp4, h200, S.TritonPlan(2, 64, 4, 3, hopper=True)).plan.hopper
+    # a target whose MMAs take E2M1 codes and E8M0 scales plans the scaled product, not the Hopper kernel (the GPU
+    # test of the scaled path adds the H200 to them)
+    monkeypatch.setattr(S, "SCALED_MFMA_ARCHS", ("sm_90",))
+    plan = S.triton_plan(4, 1024, h200, "mxfp4")
+    assert plan.scaled_scores and not plan.hopper
 
 
 def test_the_hopper_kernel_takes_what_its_launch_passes(monkeypatch):
