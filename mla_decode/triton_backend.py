@@ -533,11 +533,6 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
     return (num_stages - 1) * block_n * row_bytes + 2048
 
 
-# The formats the plans send to the Hopper kernel where it can serve them (a format left out: a caller asks for it with
-# a whole TritonPlan whose hopper is True)
-HOPPER_PLANNED_FORMATS = ("fp8", "mxfp4")
-
-
 def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype | None = None,
                            precise: bool = False) -> str | None:
     """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format, cache dtype (None: the format's
@@ -567,7 +562,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
     scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS  # where the MMAs take E2M1 and E8M0
-    hopper = (kv_format in HOPPER_PLANNED_FORMATS and not scaled and block_h in (None, TRITON_BLOCK_H)
+    hopper = (not scaled and block_h in (None, TRITON_BLOCK_H)
               and hopper_unusable_reason(target, kv_format, precise=precise) is None)
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
@@ -629,6 +624,8 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
         if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
             reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
+        if reason is None and plan.scaled_scores:
+            reason = "the Hopper kernel has no scaled (E2M1 x E8M0) score product; the plan asks for both"
         if reason is not None and given == len(TritonPlan._fields):
             raise ValueError(f"triton backend: the plan asks for the Hopper kernel (plan.hopper), but {reason}")
         if reason is not None:

@@ -36,6 +36,28 @@ elif not triton.__version__.startswith(GLUON_TRITON):
 else:
     HOPPER_KERNEL_REASON = None  # why the plans cannot take the kernel here, or None
 _hopper_split_kernel = None
+# MXFP4 -> E5M2, exactly (the MXFP4 tiles of the Hopper kernel; tests/test_triton.py runs this PTX on the CPU). The
+# tables: the E5M2 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 at block scale 2^0, one word each; a
+# block scale 2^k adds 4k to each nonzero byte (E5M2's exponent field), exact for |k| <= E5M2_EXACT_SCALES.
+E5M2_TABLES = (0x3E3C3800, 0x46444240)
+E5M2_EXACT_SCALES = 13
+# A code word (8 values, low nibble first; nibble bit 3 the sign) and the block's tables in: the magnitudes picked by
+# byte permutes on the codes' low 3 bits, the signs spread to bit 7 of each byte by permutes in sign-replicate mode.
+# Out: the E5M2 words of values 0..3 and 4..7.
+E2M1_TO_E5M2_PTX = """{
+.reg .b32 m, t, s0, s1;
+and.b32 m, $2, 0x77777777;
+shl.b32 t, $2, 4;
+prmt.b32 s0, t, $2, 0xD9C8;
+prmt.b32 s1, t, $2, 0xFBEA;
+prmt.b32 $0, $3, $4, m;
+shr.b32 m, m, 16;
+prmt.b32 $1, $3, $4, m;
+and.b32 s0, s0, 0x80808080;
+and.b32 s1, s1, 0x80808080;
+or.b32 $0, $0, s0;
+or.b32 $1, $1, s1;
+}"""
 
 if HOPPER_KERNEL_REASON is None:
     _P_SCALE = gl.constexpr(2.0 ** P_LOG2_BIAS)
@@ -68,24 +90,10 @@ if HOPPER_KERNEL_REASON is None:
     _SCALES64 = gl.constexpr(gl.SliceLayout(2, _CODES64))
     _SW128_32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     _SW64_32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2))
-    # E2M1 codes -> E5M2 bytes by table (_e5m2_tables: the magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 times the block's
-    # scale), a code word (8 values) at a time: the magnitudes picked by byte permutes on the codes' low 3 bits, the
-    # signs (bit 3 of each nibble) spread to bit 7 of each byte by permutes in sign-replicate mode. Out: the words of
-    # values 0..3 and 4..7.
-    _E2M1_TO_E5M2 = gl.constexpr("""{
-    .reg .b32 m, t, s0, s1;
-    and.b32 m, $2, 0x77777777;
-    shl.b32 t, $2, 4;
-    prmt.b32 s0, t, $2, 0xD9C8;
-    prmt.b32 s1, t, $2, 0xFBEA;
-    prmt.b32 $0, $3, $4, m;
-    shr.b32 m, m, 16;
-    prmt.b32 $1, $3, $4, m;
-    and.b32 s0, s0, 0x80808080;
-    and.b32 s1, s1, 0x80808080;
-    or.b32 $0, $0, s0;
-    or.b32 $1, $1, s1;
-    }""")
+    _E2M1_TO_E5M2 = gl.constexpr(E2M1_TO_E5M2_PTX)
+    _E5M2_LO = gl.constexpr(E5M2_TABLES[0])
+    _E5M2_HI = gl.constexpr(E5M2_TABLES[1])
+    _E5M2_EXACT = gl.constexpr(E5M2_EXACT_SCALES)
 
     @gluon.jit
     def _k_order(x):
@@ -138,14 +146,14 @@ if HOPPER_KERNEL_REASON is None:
     @gluon.jit
     def _e5m2_tables(e8m0):
         """The E5M2 bytes of the 8 E2M1 magnitudes times 2^(e8m0 - 127), as two prmt table words (int32): exact for
-        block scales 2^-13 .. 2^13; smaller ones flush the block to 0, larger give inf (0 stays 0), the E8M0 NaN
-        (255) gives NaN."""
+        block scales 2^-13 .. 2^13; smaller ones flush the block to 0 (|values| <= 1.5 x 2^-12), larger give inf (0
+        stays 0), the E8M0 NaN (255) gives NaN."""
         k = e8m0 - 127
-        step = gl.minimum(gl.maximum(k, -13), 13) * 4  # k in E5M2's exponent field (bits 2..6)
-        lo = 0x3E3C3800 + step * 0x01010100  # codes 0..3 (byte 0, the zero, unmoved)
-        hi = 0x46444240 + step * 0x01010101  # codes 4..7
-        lo = gl.where(k < -13, 0, gl.where(k > 13, 0x7C7C7C00, lo))
-        hi = gl.where(k < -13, 0, gl.where(k > 13, 0x7C7C7C7C, hi))
+        step = gl.minimum(gl.maximum(k, -_E5M2_EXACT), _E5M2_EXACT) * 4  # k in E5M2's exponent field (bits 2..6)
+        lo = _E5M2_LO + step * 0x01010100  # codes 0..3 (byte 0, the zero, unmoved)
+        hi = _E5M2_HI + step * 0x01010101  # codes 4..7
+        lo = gl.where(k < -_E5M2_EXACT, 0, gl.where(k > _E5M2_EXACT, 0x7C7C7C00, lo))
+        hi = gl.where(k < -_E5M2_EXACT, 0, gl.where(k > _E5M2_EXACT, 0x7C7C7C7C, hi))
         nan = e8m0 == 255
         return gl.where(nan, 0x7F7F7F7F, lo), gl.where(nan, 0x7F7F7F7F, hi)
 

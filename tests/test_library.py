@@ -565,8 +565,8 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
 @pytest.mark.parametrize("q_len,num_heads,block_h", [(2, 16, 32), (2, 128, 32), (3, 8, 32), (1, 128, 64)])
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads, block_h):
-    """A triton plan of 32 or 64 query rows a program and 8 warps (bench/serving.py's triton-fp8-rows32) against
-    the float64 truth, within the 16-row plan's bounds, and bit for bit its ragged twin."""
+    """A triton plan of 32 or 64 query rows a program and 8 warps (bench/serving.py's triton-fp8-rows32; the portable
+    kernel) against the float64 truth, within the portable 16-row kernel's bounds, and bit for bit its ragged twin."""
     case = make_paged_case(kv_format, 64, SERVING_LENS, seed=block_h + q_len * num_heads, q_len=q_len,
                            num_heads=num_heads, device="cuda")
     rows = q_len * num_heads
@@ -822,15 +822,20 @@ def test_gpu_cuda_units_of_64_rows_invalid_contents(name):
         assert out_error < out_bound and lse_error < lse_bound, (rows, out_error, lse_error)
 
 
+# the kernels whose bad-page flags are their own code: the cuda ones (one path for both formats) and the triton
+# Hopper kernel's FP8 copies and MXFP4 loads
+BAD_PAGE_KERNELS = [("cuda", "fp8"), ("triton", "fp8"), ("triton", "mxfp4")]
+
+
 @pytest.mark.gpu
 @needs_nvidia
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_gpu_a_bad_page_only_later_tokens_reach(backend):
+@pytest.mark.parametrize("backend,kv_format", BAD_PAGE_KERNELS)
+def test_gpu_a_bad_page_only_later_tokens_reach(backend, kv_format):
     """q_len 2, causal: sequence 1's last page, outside the cache, holds only its last position. Token 1 reads it
     and comes out NaN; token 0 stops before it and keeps its value, as the other sequences do."""
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
-    case = make_paged_case("fp8", 16, [200, 4497, 7], seed=6, q_len=2, num_heads=32, device="cuda")
+    case = make_paged_case(kv_format, 16, [200, 4497, 7], seed=6, q_len=2, num_heads=32, device="cuda")
     table = case.block_table.clone()
     table[1, 4496 // 16] = 10_000
     out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale,
@@ -838,7 +843,7 @@ def test_gpu_a_bad_page_only_later_tokens_reach(backend):
     assert torch.isnan(out[1, 1]).all() and torch.isnan(lse[1, :, 1]).all()
     # everything else is its float64 truth (over the table as it was: those tokens never reach the page changed)
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, "fast"))
-    out_bound, lse_bound = gpu_bounds((backend, "fp8", "fast"))
+    out_bound, lse_bound = gpu_bounds((backend, kv_format, "fast"))
     for rows, tokens in (([0, 2], slice(None)), ([1], slice(0, 1))):
         out_error, lse_error = errors(out[rows][:, tokens], lse[rows][:, :, tokens], ref_out[rows][:, tokens],
                                       ref_lse[rows][:, :, tokens])
@@ -848,15 +853,15 @@ def test_gpu_a_bad_page_only_later_tokens_reach(backend):
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("q_len,num_heads", [(1, 16), (2, 32)])
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend,kv_format", BAD_PAGE_KERNELS)
 @pytest.mark.parametrize("name", sorted(BAD_CONTENTS))
-def test_gpu_invalid_contents_give_nan_rows(backend, name, q_len, num_heads):
+def test_gpu_invalid_contents_give_nan_rows(backend, kv_format, name, q_len, num_heads):
     """Sequence 1's table (an early page, which every token reads) or length is invalid: every one of its query rows
     is NaN, the other sequences' finite."""
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
     edit_table, edit_lens, _ = BAD_CONTENTS[name]
-    case = make_paged_case("fp8", 16, [200, 4500, 7], seed=5, q_len=q_len, num_heads=num_heads, device="cuda")
+    case = make_paged_case(kv_format, 16, [200, 4500, 7], seed=5, q_len=q_len, num_heads=num_heads, device="cuda")
     table, lens = case.block_table.cpu(), case.cache_seqlens.cpu()
     (edit_table or edit_lens)(table, lens)
     out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table.cuda(), lens.cuda(), case.kv_scale,

@@ -251,16 +251,80 @@ def test_plan_splits_fill_the_sms(monkeypatch):
         with pytest.raises(ValueError, match="Hopper kernel"):
             S.triton_key(other, target, S.TritonPlan(2, 64, 4, 3, hopper=True))
         assert not S.triton_key(other, target, (2, 64, 4, 3)).plan.hopper
-    # a format the plans do not send to it (HOPPER_PLANNED_FORMATS) is sent where a whole plan asks for it
-    monkeypatch.setattr(S, "HOPPER_PLANNED_FORMATS", ("fp8",))
     mxfp4 = fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8)
-    assert not S.triton_key(mxfp4, h200, (2, 64, 4, 3)).plan.hopper
-    assert S.triton_key(mxfp4, h200, S.TritonPlan(2, 64, 4, 3, hopper=True)).plan.hopper
+    with pytest.raises(ValueError, match="no scaled"):
+        S.triton_key(mxfp4, h200, S.TritonPlan(2, 64, 4, 3, scaled_scores=True, hopper=True))
     # a target whose MMAs take E2M1 codes and E8M0 scales plans the scaled product, not the Hopper kernel (the GPU
     # test of the scaled path adds the H200 to them)
     monkeypatch.setattr(S, "SCALED_MFMA_ARCHS", ("sm_90",))
     plan = S.triton_plan(4, 1024, h200, "mxfp4")
     assert plan.scaled_scores and not plan.hopper
+
+
+WORD = 0xFFFFFFFF
+
+
+def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
+    """Straight-line PTX of an inline-asm block on 32-bit integers (the opcodes of the Hopper kernel's MXFP4
+    expansion): operands $n and named registers from `registers`, immediates; -> the registers after it."""
+    regs = dict(registers)
+    for line in ptx.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, operands = line.split(None, 1)
+        dst, *src = (x.strip() for x in operands.split(","))
+        a = [int(x, 0) & WORD if x[0].isdigit() else regs[x] for x in src]
+        if op == "prmt.b32":  # bytes 0-3 of a, 4-7 of b, picked by c's low 4 nibbles; nibble bit 3: sign-replicate
+            pool, r = a[0] | a[1] << 32, 0
+            for i in range(4):
+                sel = a[2] >> 4 * i & 0xF
+                byte = pool >> 8 * (sel & 7) & 0xFF
+                r |= (0xFF * (byte >> 7) if sel & 8 else byte) << 8 * i
+        else:
+            r = {"and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y, "shl.b32": lambda x, y: x << y & WORD,
+                 "shr.b32": lambda x, y: x >> y}[op](*a)
+        regs[dst] = r
+    return regs
+
+
+def _expansion_errors(ptx: str, k: int, words: list[int]) -> int:
+    """Code words whose expansion by `ptx` with the Hopper kernel's tables at block scale 2^k (E5M2_TABLES, 4k added
+    to each nonzero byte) is not exactly the E2M1 values times 2^k, in order, as E5M2."""
+    from mla_decode import triton_hopper as H
+
+    magnitudes = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]) * 2.0 ** k
+    table = magnitudes.to(torch.float8_e5m2).view(torch.uint8).tolist()
+    lo, hi = H.E5M2_TABLES[0] + 4 * k * 0x01010100, H.E5M2_TABLES[1] + 4 * k * 0x01010101
+    assert (lo, hi) == (int.from_bytes(bytes(table[:4]), "little"), int.from_bytes(bytes(table[4:]), "little")), k
+    errors = 0
+    for w in words:
+        out = run_ptx(ptx, {"$2": w, "$3": lo, "$4": hi})
+        got = torch.tensor(list(out["$0"].to_bytes(4, "little") + out["$1"].to_bytes(4, "little")),
+                           dtype=torch.uint8).view(torch.float8_e5m2).float()
+        codes = [w >> 4 * j & 0xF for j in range(8)]  # value j: nibble j, low nibble first
+        want = torch.stack([magnitudes[c & 7] * (-1 if c & 8 else 1) for c in codes])
+        errors += not torch.equal(got, want)
+    return errors
+
+
+def test_the_hopper_kernels_mxfp4_expansion_is_exact():
+    """The Hopper kernel's E2M1 -> E5M2 PTX, run on the CPU with its tables: every code word (random ones and each
+    code in all 8 places) gives the exact values in order at every block scale it takes (2^-13 .. 2^13); the signs'
+    permutes swapped, or the second half's magnitudes in both words, fail it."""
+    from mla_decode import triton_hopper as H
+
+    gen = torch.Generator().manual_seed(0)
+    words = [int(x) & WORD for x in torch.randint(0, 2 ** 32, (48,), generator=gen, dtype=torch.int64)]
+    words += [c * 0x11111111 for c in range(16)]
+    for k in range(-H.E5M2_EXACT_SCALES, H.E5M2_EXACT_SCALES + 1):
+        assert _expansion_errors(H.E2M1_TO_E5M2_PTX, k, words) == 0, k
+    ptx = H.E2M1_TO_E5M2_PTX
+    signs_swapped = ptx.replace("0xD9C8", "SIGNS").replace("0xFBEA", "0xD9C8").replace("SIGNS", "0xFBEA")
+    second_half_twice = ptx.replace("shr.b32 m, m, 16;", "").replace("prmt.b32 $0, $3, $4, m;",
+                                                                     "shr.b32 m, m, 16; prmt.b32 $0, $3, $4, m;")
+    for planted in (signs_swapped, second_half_twice):
+        assert planted != H.E2M1_TO_E5M2_PTX and _expansion_errors(planted, 0, words) > 0
 
 
 def test_the_hopper_kernel_takes_what_its_launch_passes(monkeypatch):
