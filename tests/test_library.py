@@ -544,9 +544,8 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
                                backend_options={"plan": plan}).run(*case.args())
 
     out, lse = decode()
-    if precision == "fast":  # Q in e4m3, one scale a query row
-        values, scale = round_q_per_head(case.q)
-        ref_out, ref_lse = paged_reference(case, q=values.double() / scale.double(),
+    if precision == "fast":
+        ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "triton", "fast"),
                                            tiling=Tiling(plan.num_splits, plan.block_n, torch.float32))
         out_bound, lse_bound = E4M3_P_RANDOM_BOUND, GPU_BOUNDS[("cuda", kv_format, "fast")][1]
     else:
