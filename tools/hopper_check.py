@@ -8,7 +8,7 @@ ptxas and cuobjdump). The kernel of `--file` (the leaderboard file, which inline
 constexprs its plans launch it with (ragged and paged, splits or none, MTP and head counts, with and without the LSE,
 FP8 fast and precise, MXFP4), its pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
   - no local memory, registers within 255, and no stack frame (where ptxas puts spills) in the fast FP8 kernel the
-    plans take; the precise and MXFP4 variants of pages or MTP spill a few registers at 255 (L1 hits, in the loop
+    plans take; the precise and MXFP4 variants of pages or MTP spill a few registers at 255 (STL/LDL in the loop
     for precise): their stack is held to SPILL_BYTES, a ratchet until they are brought to none;
   - shared memory for two programs an SM (the plan's splits assume two);
   - fast: the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA, and with MXFP4 all of them on
