@@ -59,6 +59,23 @@ or.b32 $0, $0, s0;
 or.b32 $1, $1, s1;
 }"""
 
+# An E8M0 scale byte in ($2), the block's two tables out ($0: codes 0..3, $1: codes 4..7): 4k added to the nonzero
+# bytes for k in [-13, 13] (kk = k + 13 in [0, 26]); beyond, the block is flushed to 0 below and NaN above (the E8M0
+# NaN, 255, among them: loud rather than plausible), with one select a word for both ends.
+E8M0_TO_E5M2_TABLES_PTX = f"""{{
+.reg .b32 kk, end;
+.reg .pred out;
+sub.s32 kk, $2, {127 - E5M2_EXACT_SCALES};
+mad.lo.s32 $0, kk, 0x04040400, {(E5M2_TABLES[0] - 4 * E5M2_EXACT_SCALES * 0x01010100) & 0xFFFFFFFF};
+mad.lo.s32 $1, kk, 0x04040404, {(E5M2_TABLES[1] - 4 * E5M2_EXACT_SCALES * 0x01010101) & 0xFFFFFFFF};
+shr.s32 end, kk, 31;
+not.b32 end, end;
+and.b32 end, end, 0x7F7F7F7F;
+setp.gt.u32 out, kk, {2 * E5M2_EXACT_SCALES};
+selp.b32 $0, end, $0, out;
+selp.b32 $1, end, $1, out;
+}}"""
+
 if HOPPER_KERNEL_REASON is None:
     _P_SCALE = gl.constexpr(2.0 ** P_LOG2_BIAS)
     _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
@@ -83,17 +100,21 @@ if HOPPER_KERNEL_REASON is None:
     _COPY64 = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
     _QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
     # MXFP4: a tile's codes as words, by 16-byte pieces (one 32-value block, one E8M0 scale): the value dims
-    # [64][16][4 words] and the rope dims [64][2][4 words]; their scales and rows in the slices
-    _CODES512 = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0]))
+    # [64][16][4 words] and the rope dims [64][2][4 words]; their scales and rows in the slices. A warp's value dims
+    # are 2 rows x 16 blocks, lanes ordered so that each 8 (one phase of a 16-byte shared store) hold 4 blocks of
+    # one 128-dim block and 2 rows: their expanded halves land in 8 distinct 16-byte bank groups of the swizzled
+    # tile (lane order rows-then-blocks stored 2-way bank-conflicted)
+    _CODES512 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [0, 4, 0], [0, 8, 0]],
+        warp_bases=[[2, 0, 0], [4, 0, 0]], block_bases=[], shape=[64, 16, 4]))
     _CODES64 = gl.constexpr(gl.BlockedLayout([1, 1, 4], [16, 2, 1], [4, 1, 1], [2, 1, 0]))
     _SCALES512 = gl.constexpr(gl.SliceLayout(2, _CODES512))
     _SCALES64 = gl.constexpr(gl.SliceLayout(2, _CODES64))
     _SW128_32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     _SW64_32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2))
     _E2M1_TO_E5M2 = gl.constexpr(E2M1_TO_E5M2_PTX)
-    _E5M2_LO = gl.constexpr(E5M2_TABLES[0])
-    _E5M2_HI = gl.constexpr(E5M2_TABLES[1])
-    _E5M2_EXACT = gl.constexpr(E5M2_EXACT_SCALES)
+    _E8M0_TO_TABLES = gl.constexpr(E8M0_TO_E5M2_TABLES_PTX)
 
     @gluon.jit
     def _k_order(x):
@@ -146,16 +167,10 @@ if HOPPER_KERNEL_REASON is None:
     @gluon.jit
     def _e5m2_tables(e8m0):
         """The E5M2 bytes of the 8 E2M1 magnitudes times 2^(e8m0 - 127), as two prmt table words (int32): exact for
-        block scales 2^-13 .. 2^13; smaller ones flush the block to 0 (|values| <= 1.5 x 2^-12), larger give inf (0
-        stays 0), the E8M0 NaN (255) gives NaN."""
-        k = e8m0 - 127
-        step = gl.minimum(gl.maximum(k, -_E5M2_EXACT), _E5M2_EXACT) * 4  # k in E5M2's exponent field (bits 2..6)
-        lo = _E5M2_LO + step * 0x01010100  # codes 0..3 (byte 0, the zero, unmoved)
-        hi = _E5M2_HI + step * 0x01010101  # codes 4..7
-        lo = gl.where(k < -_E5M2_EXACT, 0, gl.where(k > _E5M2_EXACT, 0x7C7C7C00, lo))
-        hi = gl.where(k < -_E5M2_EXACT, 0, gl.where(k > _E5M2_EXACT, 0x7C7C7C7C, hi))
-        nan = e8m0 == 255
-        return gl.where(nan, 0x7F7F7F7F, lo), gl.where(nan, 0x7F7F7F7F, hi)
+        block scales 2^-13 .. 2^13; smaller ones flush the block to 0 (|values| <= 1.5 x 2^-12), larger ones and
+        the E8M0 NaN (255) give NaN (E8M0_TO_E5M2_TABLES_PTX)."""
+        return gl.inline_asm_elementwise(_E8M0_TO_TABLES, "=r,=r,r", [e8m0], dtype=(gl.int32, gl.int32),
+                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, col0: gl.constexpr, NB: gl.constexpr,
@@ -222,6 +237,8 @@ if HOPPER_KERNEL_REASON is None:
         pos = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         if PAGE_SIZE == 0:
             return pos
+        elif PAGE_SIZE % 64 == 0:  # a tile starts at a multiple of 64 (splits are whole tiles): one page, one entry
+            return gl.load(table_row + n0 // PAGE_SIZE, mask=n0 < hi, other=0)
         else:
             return gl.load(table_row + pos // PAGE_SIZE, mask=pos < hi, other=0)
 

@@ -264,9 +264,14 @@ def test_plan_splits_fill_the_sms(monkeypatch):
 WORD = 0xFFFFFFFF
 
 
+def _signed(x: int) -> int:
+    return x - (1 << 32) if x >> 31 else x
+
+
 def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
     """Straight-line PTX of an inline-asm block on 32-bit integers (the opcodes of the Hopper kernel's MXFP4
-    expansion): operands $n and named registers from `registers`, immediates; -> the registers after it."""
+    expansion and tables): operands $n and named registers from `registers`, immediates; -> the registers after it
+    (predicates as 0 or 1)."""
     regs = dict(registers)
     for line in ptx.strip().strip("{}").split(";"):
         line = line.strip()
@@ -282,24 +287,45 @@ def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
                 byte = pool >> 8 * (sel & 7) & 0xFF
                 r |= (0xFF * (byte >> 7) if sel & 8 else byte) << 8 * i
         else:
-            r = {"and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y, "shl.b32": lambda x, y: x << y & WORD,
-                 "shr.b32": lambda x, y: x >> y}[op](*a)
+            r = {"and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y, "shl.b32": lambda x, y: x << y,
+                 "shr.b32": lambda x, y: x >> y, "shr.s32": lambda x, y: _signed(x) >> y, "not.b32": lambda x: ~x,
+                 "sub.s32": lambda x, y: x - y, "mad.lo.s32": lambda x, y, z: x * y + z,
+                 "setp.gt.u32": lambda x, y: int(x > y), "selp.b32": lambda x, y, p: x if p else y}[op](*a) & WORD
         regs[dst] = r
     return regs
 
 
+def _e5m2_table(k: int) -> tuple[int, int]:
+    """The E5M2 bytes of the E2M1 magnitudes 0, 0.5, ... 6 times 2^k, by torch, as the two table words."""
+    table = (torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]) * 2.0 ** k).to(torch.float8_e5m2).view(torch.uint8).tolist()
+    return int.from_bytes(bytes(table[:4]), "little"), int.from_bytes(bytes(table[4:]), "little")
+
+
+def _table_errors(ptx: str) -> list[int]:
+    """The E8M0 bytes for which the tables PTX gives other words than: the exact E5M2 tables at scales 2^-13 ..
+    2^13, zeros below (the block flushed), NaN bytes above and for the E8M0 NaN (255)."""
+    from mla_decode import triton_hopper as H
+
+    errors = []
+    for e8m0 in range(256):
+        k = e8m0 - 127
+        out = run_ptx(ptx, {"$2": e8m0})
+        want = (_e5m2_table(k) if abs(k) <= H.E5M2_EXACT_SCALES else (0, 0) if k < 0 else (0x7F7F7F7F, 0x7F7F7F7F))
+        if (out["$0"], out["$1"]) != want:
+            errors.append(e8m0)
+    return errors
+
+
 def _expansion_errors(ptx: str, k: int, words: list[int]) -> int:
-    """Code words whose expansion by `ptx` with the Hopper kernel's tables at block scale 2^k (E5M2_TABLES, 4k added
-    to each nonzero byte) is not exactly the E2M1 values times 2^k, in order, as E5M2."""
+    """Code words whose expansion by `ptx` with the tables PTX's words at block scale 2^k is not exactly the E2M1
+    values times 2^k, in order, as E5M2."""
     from mla_decode import triton_hopper as H
 
     magnitudes = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]) * 2.0 ** k
-    table = magnitudes.to(torch.float8_e5m2).view(torch.uint8).tolist()
-    lo, hi = H.E5M2_TABLES[0] + 4 * k * 0x01010100, H.E5M2_TABLES[1] + 4 * k * 0x01010101
-    assert (lo, hi) == (int.from_bytes(bytes(table[:4]), "little"), int.from_bytes(bytes(table[4:]), "little")), k
+    tables = run_ptx(H.E8M0_TO_E5M2_TABLES_PTX, {"$2": k + 127})
     errors = 0
     for w in words:
-        out = run_ptx(ptx, {"$2": w, "$3": lo, "$4": hi})
+        out = run_ptx(ptx, {"$2": w, "$3": tables["$0"], "$4": tables["$1"]})
         got = torch.tensor(list(out["$0"].to_bytes(4, "little") + out["$1"].to_bytes(4, "little")),
                            dtype=torch.uint8).view(torch.float8_e5m2).float()
         codes = [w >> 4 * j & 0xF for j in range(8)]  # value j: nibble j, low nibble first
@@ -325,6 +351,21 @@ def test_the_hopper_kernels_mxfp4_expansion_is_exact():
                                                                      "shr.b32 m, m, 16; prmt.b32 $0, $3, $4, m;")
     for planted in (signs_swapped, second_half_twice):
         assert planted != H.E2M1_TO_E5M2_PTX and _expansion_errors(planted, 0, words) > 0
+
+
+def test_the_hopper_kernels_mxfp4_tables():
+    """The Hopper kernel's E8M0 -> tables PTX on the CPU for all 256 scale bytes: torch's E5M2 tables at 2^-13 ..
+    2^13, zeros below, NaN above and for 255. The exact range one short at the top, or the ends' sign test read
+    unsigned (the flushed blocks then NaN), fail it."""
+    from mla_decode import triton_hopper as H
+
+    ptx = H.E8M0_TO_E5M2_TABLES_PTX
+    assert _table_errors(ptx) == []
+    top = f"setp.gt.u32 out, kk, {2 * H.E5M2_EXACT_SCALES};"
+    one_short = ptx.replace(top, f"setp.gt.u32 out, kk, {2 * H.E5M2_EXACT_SCALES - 1};")
+    unsigned_ends = ptx.replace("shr.s32 end, kk, 31;", "shr.b32 end, kk, 31;")
+    assert top in ptx and _table_errors(one_short) == [127 + H.E5M2_EXACT_SCALES]
+    assert "shr.s32" in ptx and _table_errors(unsigned_ends) == list(range(127 - H.E5M2_EXACT_SCALES))
 
 
 def test_the_hopper_kernel_takes_what_its_launch_passes(monkeypatch):
