@@ -574,7 +574,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
                 return wide
     block_h = block_h or TRITON_BLOCK_H
     block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
-    max_splits = 32 if kv_format == "fp8" else 64
+    max_splits = 32 if kv_format == "fp8" or hopper else 64  # Hopper MXFP4: a split expands a tile past its end
     per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
     want = max(1, per_sm * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down

@@ -174,15 +174,20 @@ if HOPPER_KERNEL_REASON is None:
 
     @gluon.jit
     def _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, col0: gl.constexpr, NB: gl.constexpr,
-                 layout: gl.constexpr):
+                 layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
         """NB 32-value blocks from dim col0 of the MXFP4 rows base + offs (in layout's row slice; rows not ok read
         as zeros): their codes (64, NB, 4) int32 and E8M0 scales (64, NB) int32."""
         blk = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
-        rows = base + offs.to(gl.int64)
+        words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        if PAGE_SIZE > 0 and PAGE_SIZE % 64 == 0:  # the page's first row, then 32-bit offsets in it
+            words += base * (_FP4_ROW_BYTES // 4)
+            kscale_ptr += base * kscale_stride
+            rows = offs
+        else:  # (32-bit offsets from a ragged tile's first row spill in the MTP kernels)
+            rows = base + offs.to(gl.int64)
         at = (rows * (_FP4_ROW_BYTES // 4) + col0 // 8)[:, None] + blk[None, :] * 4
-        codes = gl.load(kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + at[:, :, None] + word[None, None, :],
-                        mask=ok[:, None, None], other=0)
+        codes = gl.load(words + at[:, :, None] + word[None, None, :], mask=ok[:, None, None], other=0)
         scales = gl.load(kscale_ptr + (rows * kscale_stride + col0 // _MX_BLOCK)[:, None] + blk[None, :],
                          mask=ok[:, None], other=127)
         return codes, scales.to(gl.int32)
@@ -204,9 +209,9 @@ if HOPPER_KERNEL_REASON is None:
         row slices): the codes and scales (_mx_load) of its value dims and of its rope dims, and its bad-page
         flag."""
         base, offs, ok, bad = _hopper_tile_rows(entries512, n0, hi, num_pages, _SCALES512, PAGE_SIZE)
-        c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512)
+        c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512, PAGE_SIZE)
         base, offs, ok, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _SCALES64, PAGE_SIZE)
-        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, _V_DIM, 2, _CODES64)
+        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, _V_DIM, 2, _CODES64, PAGE_SIZE)
         return (c, s, cr, sr), bad
 
     @gluon.jit
@@ -253,8 +258,12 @@ if HOPPER_KERNEL_REASON is None:
             return n0.to(gl.int64), r, in_seq, 0
         else:
             page_ok = (entries >= 0) & (entries < num_pages)
-            rows = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-            return gl.to_tensor(0).to(gl.int64), rows, in_seq & page_ok, gl.max((in_seq & ~page_ok).to(gl.int32), 0)
+            bad = gl.max((in_seq & ~page_ok).to(gl.int32), 0)
+            if PAGE_SIZE % 64 == 0:  # one page (_tile_entries): its first row, and 32-bit offsets in it
+                return gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE, pos % PAGE_SIZE, in_seq & page_ok, bad
+            else:
+                rows = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+                return gl.to_tensor(0).to(gl.int64), rows, in_seq & page_ok, bad
 
     @gluon.jit
     def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
