@@ -237,8 +237,8 @@ if HOPPER_KERNEL_REASON is None:
     @gluon.jit
     def _tile_entries(table_row, n0, hi, layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
         """The block table's entries of the tile at positions n0 .. n0 + 63 in `layout`'s row slice (paged; positions
-        past hi read nothing; ragged: the positions, unused). Read apart from _hopper_tile_rows, so that their
-        latency can pass under other work."""
+        past hi read nothing; pages of a multiple of 64: the tile's one entry, a scalar; ragged: the positions,
+        unused). Read apart from _hopper_tile_rows, so that their latency can pass under other work."""
         pos = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         if PAGE_SIZE == 0:
             return pos

@@ -517,7 +517,7 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("kv_format,precision", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast")])
-@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("page_size", [1, 64, 128])  # 128: a tile in either half of a page (one table entry a tile)
 @pytest.mark.parametrize("q_len,num_heads", SERVING_SHAPES)
 def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, page_size, kv_format, precision):
     """Where the triton plan takes the Hopper kernel (on sm_90 with the Triton it is written for, it must): MTP,
@@ -829,16 +829,17 @@ BAD_PAGE_KERNELS = [("cuda", "fp8"), ("triton", "fp8"), ("triton", "mxfp4")]
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("backend,kv_format", BAD_PAGE_KERNELS)
-def test_gpu_a_bad_page_only_later_tokens_reach(backend, kv_format):
+@pytest.mark.parametrize("page_size", [16, 128])  # 128: the Hopper kernel's one table entry a tile
+def test_gpu_a_bad_page_only_later_tokens_reach(backend, kv_format, page_size):
     """q_len 2, causal: sequence 1's last page, outside the cache, holds only its last position. Token 1 reads it
     and comes out NaN; token 0 stops before it and keeps its value, as the other sequences do."""
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
-    case = make_paged_case(kv_format, 16, [200, 4497, 7], seed=6, q_len=2, num_heads=32, device="cuda")
+    case = make_paged_case(kv_format, page_size, [200, 4481, 7], seed=6, q_len=2, num_heads=32, device="cuda")
     table = case.block_table.clone()
-    table[1, 4496 // 16] = 10_000
+    table[1, 4480 // page_size] = 10_000
     out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale,
-                                                  causal=True, backend=backend, max_seqlen=4497)
+                                                  causal=True, backend=backend, max_seqlen=4481)
     assert torch.isnan(out[1, 1]).all() and torch.isnan(lse[1, :, 1]).all()
     # everything else is its float64 truth (over the table as it was: those tokens never reach the page changed)
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, "fast"))
