@@ -296,9 +296,14 @@ def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
     return regs
 
 
+def _e2m1_magnitudes(k: int) -> torch.Tensor:
+    """The 8 E2M1 magnitudes (the contract's codes 0..7) times 2^k."""
+    return torch.tensor(R.E2M1_VALUES) * 2.0 ** k
+
+
 def _e5m2_table(k: int) -> tuple[int, int]:
-    """The E5M2 bytes of the E2M1 magnitudes 0, 0.5, ... 6 times 2^k, by torch, as the two table words."""
-    table = (torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]) * 2.0 ** k).to(torch.float8_e5m2).view(torch.uint8).tolist()
+    """The E5M2 bytes of the E2M1 magnitudes times 2^k, by torch, as the two table words."""
+    table = _e2m1_magnitudes(k).to(torch.float8_e5m2).view(torch.uint8).tolist()
     return int.from_bytes(bytes(table[:4]), "little"), int.from_bytes(bytes(table[4:]), "little")
 
 
@@ -322,7 +327,7 @@ def _expansion_errors(ptx: str, k: int, words: list[int]) -> int:
     values times 2^k, in order, as E5M2."""
     from mla_decode import triton_hopper as H
 
-    magnitudes = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]) * 2.0 ** k
+    magnitudes = _e2m1_magnitudes(k)
     tables = run_ptx(H.E8M0_TO_E5M2_TABLES_PTX, {"$2": k + 127})
     errors = 0
     for w in words:
