@@ -116,6 +116,12 @@ if HOPPER_KERNEL_REASON is None:
     _E2M1_TO_E5M2 = gl.constexpr(E2M1_TO_E5M2_PTX)
     _E8M0_TO_TABLES = gl.constexpr(E8M0_TO_E5M2_TABLES_PTX)
 
+    @gluon.constexpr_function
+    def _tile_in_one_page(page_size):
+        """Whether a tile (64 rows from a multiple of 64: splits are whole tiles) lies in one page: paged by a
+        multiple of 64."""
+        return page_size > 0 and page_size % 64 == 0
+
     @gluon.jit
     def _k_order(x):
         """Rows of x (64, N) in the order the value product's k runs through the tile: k (bits k5..k0) holds tile
@@ -180,7 +186,7 @@ if HOPPER_KERNEL_REASON is None:
         blk = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        if PAGE_SIZE > 0 and PAGE_SIZE % 64 == 0:  # the page's first row, then 32-bit offsets in it
+        if _tile_in_one_page(PAGE_SIZE):  # the page's first row, then 32-bit offsets in it
             words += base * (_FP4_ROW_BYTES // 4)
             kscale_ptr += base * kscale_stride
             rows = offs
@@ -242,7 +248,7 @@ if HOPPER_KERNEL_REASON is None:
         pos = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         if PAGE_SIZE == 0:
             return pos
-        elif PAGE_SIZE % 64 == 0:  # a tile starts at a multiple of 64 (splits are whole tiles): one page, one entry
+        elif _tile_in_one_page(PAGE_SIZE):  # one page, one entry
             return gl.load(table_row + n0 // PAGE_SIZE, mask=n0 < hi, other=0)
         else:
             return gl.load(table_row + pos // PAGE_SIZE, mask=pos < hi, other=0)
@@ -259,7 +265,7 @@ if HOPPER_KERNEL_REASON is None:
         else:
             page_ok = (entries >= 0) & (entries < num_pages)
             bad = gl.max((in_seq & ~page_ok).to(gl.int32), 0)
-            if PAGE_SIZE % 64 == 0:  # one page (_tile_entries): its first row, and 32-bit offsets in it
+            if _tile_in_one_page(PAGE_SIZE):  # one page (_tile_entries): its first row, and 32-bit offsets in it
                 return gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE, pos % PAGE_SIZE, in_seq & page_ok, bad
             else:
                 rows = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
