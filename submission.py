@@ -512,23 +512,29 @@ if HOPPER_KERNEL_REASON is None:
 
     @gluon.jit
     def _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, col0: gl.constexpr, NB: gl.constexpr,
-                 layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
+                 layout: gl.constexpr, ROWS32: gl.constexpr):
         """NB 32-value blocks from dim col0 of the MXFP4 rows base + offs (in layout's row slice; rows not ok read
         as zeros): their codes (64, NB, 4) int32 and E8M0 scales (64, NB) int32."""
         blk = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        if _tile_in_one_page(PAGE_SIZE):  # the page's first row, then 32-bit offsets in it
+        if ROWS32:  # the tile's (or its page's) first row, then 32-bit offsets from it
             words += base * (_FP4_ROW_BYTES // 4)
             kscale_ptr += base * kscale_stride
             rows = offs
-        else:  # (32-bit offsets from a ragged tile's first row spill in the MTP kernels)
+        else:
             rows = base + offs.to(gl.int64)
         at = (rows * (_FP4_ROW_BYTES // 4) + col0 // 8)[:, None] + blk[None, :] * 4
         codes = gl.load(words + at[:, :, None] + word[None, None, :], mask=ok[:, None, None], other=0)
         scales = gl.load(kscale_ptr + (rows * kscale_stride + col0 // _MX_BLOCK)[:, None] + blk[None, :],
                          mask=ok[:, None], other=127)
         return codes, scales.to(gl.int32)
+
+    @gluon.constexpr_function
+    def _mx_rows32(page_size, q_len):
+        """Whether the MXFP4 loads address a tile's rows by 32-bit offsets from its first row (or its page's): a
+        tile in one page, and ragged tiles of one query token (the MTP kernels spill with them)."""
+        return _tile_in_one_page(page_size) or (page_size == 0 and q_len == 1)
 
     @gluon.jit
     def _mx_expand(codes, scales):
@@ -542,14 +548,14 @@ if HOPPER_KERNEL_REASON is None:
 
     @gluon.jit
     def _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride, entries512, entries64, n0, hi, num_pages,
-                      PAGE_SIZE: gl.constexpr):
+                      PAGE_SIZE: gl.constexpr, ROWS32: gl.constexpr):
         """The MXFP4 tile at n0 in registers, from its table entries (_tile_entries in _SCALES512's and _SCALES64's
         row slices): the codes and scales (_mx_load) of its value dims and of its rope dims, and its bad-page
-        flag."""
+        flag. ROWS32: addressed by 32-bit offsets from the tile's first row (_mx_rows32)."""
         base, offs, ok, bad = _hopper_tile_rows(entries512, n0, hi, num_pages, _SCALES512, PAGE_SIZE)
-        c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512, PAGE_SIZE)
+        c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512, ROWS32)
         base, offs, ok, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _SCALES64, PAGE_SIZE)
-        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, _V_DIM, 2, _CODES64, PAGE_SIZE)
+        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, _V_DIM, 2, _CODES64, ROWS32)
         return (c, s, cr, sr), bad
 
     @gluon.jit
@@ -685,14 +691,15 @@ if HOPPER_KERNEL_REASON is None:
         acc3 = gl.zeros([128, 16], gl.float32, MMA)
         n_tiles = gl.cdiv(hi - lo, 64)
         if MXFP4:  # tiles 0 and 1 requested, tile 0 expanded
+            ROWS32: gl.constexpr = _mx_rows32(PAGE_SIZE, Q_LEN)
             first, bad = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride,
                                        _tile_entries(table_row, lo, hi, _SCALES512, PAGE_SIZE),
                                        _tile_entries(table_row, lo, hi, _SCALES64, PAGE_SIZE), lo, hi, num_pages,
-                                       PAGE_SIZE)
+                                       PAGE_SIZE, ROWS32)
             codes, bad1 = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride,
                                         _tile_entries(table_row, lo + 64, hi, _SCALES512, PAGE_SIZE),
                                         _tile_entries(table_row, lo + 64, hi, _SCALES64, PAGE_SIZE), lo + 64, hi,
-                                        num_pages, PAGE_SIZE)
+                                        num_pages, PAGE_SIZE, ROWS32)
             bad = bad | bad1
             _mx_expand_tile(first, kt.index(0), kr.index(0))
             hopper.fence_async_shared()
@@ -741,7 +748,7 @@ if HOPPER_KERNEL_REASON is None:
                 if MXFP4:  # the next tile expanded while the products run, and the one after it requested
                     _mx_expand_tile(codes, kt.index(1 - buf), kr.index(1 - buf))
                     codes, bad1 = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride, next128, next64, n0 + 128, hi,
-                                                num_pages, PAGE_SIZE)
+                                                num_pages, PAGE_SIZE, ROWS32)
                     bad = bad | bad1
                 s = hopper.warpgroup_mma_wait(0, deps=[s])
             pos = n0 + tile_rows
