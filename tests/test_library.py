@@ -523,9 +523,9 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
     """Where the triton plan takes the Hopper kernel (on sm_90 with the Triton it is written for, it must): MTP,
     8-128 heads and pages held to the float64 truth. Fast (FP8, or MXFP4 expanded to E5M2; P = 2^8 p in e4m3): with
     Q and P rounded as its walk rounds them (paged_reference with the plan's splits), within the bound the "+Q+P"
-    emulation holds the leaderboard shapes to, LSE within the cuda fast kernel's bound for the format. Precise (fp16
-    products, nothing rounded beyond the cache): the exact computation within the precise bounds. The tokens not
-    causal, or a 2% softmax scale error, fail it."""
+    emulation holds the leaderboard shapes to (times sqrt(16 / heads) below 16 heads), LSE within the cuda fast
+    kernel's bound for the format. Precise (fp16 products, nothing rounded beyond the cache): the exact computation
+    within the precise bounds. The tokens not causal, or a 2% softmax scale error, fail it."""
     case = make_paged_case(kv_format, page_size, SERVING_LENS, seed=q_len * num_heads + page_size, q_len=q_len,
                            num_heads=num_heads, device="cuda")
     target = mla_decode.triton_backend.triton_target(torch.device("cuda"))
