@@ -40,6 +40,17 @@ def test_the_products_take_the_tile_in_its_format(kind, e5m2):
     assert len(H.gates(dict(GOOD[kind], e5m2=e5m2))) == 1
 
 
+def test_the_loop_is_the_longest_backward_branch():
+    """A forward branch and a shorter loop do not count; no backward branch: 0."""
+    sass = "\n".join(f"        /*{at:04x}*/                   {text} ;" for at, text in [
+        (0x00, "MOV R1, c[0x0][0x28]"), (0x10, "@P0 BRA 0x60"), (0x20, "IMAD R2, R3, R4, RZ"),
+        (0x30, "@!P1 BRA 0x20"), (0x40, "FADD R5, R5, R6"), (0x50, "LDG.E R7, desc[UR4][R8.64]"),
+        (0x60, "@P2 BRA 0x10"), (0x70, "EXIT")])
+    assert H.loop_instructions(sass) == 6  # 0x10 .. 0x60
+    assert H.loop_instructions(sass.replace("@P2 BRA 0x10", "@P2 BRA 0x70")) == 2  # 0x20 .. 0x30
+    assert H.loop_instructions(sass.replace("@P2 BRA 0x10", "@P2 BRA 0x70").replace("BRA 0x20", "BRA 0x40")) == 0
+
+
 @pytest.mark.skipif(not (TRITON_36 / "triton").is_dir(), reason="Triton 3.6 not installed (make amd-check does)")
 def test_the_hopper_kernel_compiles_within_its_gates():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "hopper_check.py"), "--triton", str(TRITON_36)],

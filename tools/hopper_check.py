@@ -17,6 +17,8 @@ FP8 fast and precise, MXFP4), its pointers 16-byte aligned as the launch path sp
   - V^T through ldmatrix.trans and byte permutes; fast: no FP8 -> fp16 unpacks (which an fp16 copy of V would
     need); precise: each tile byte unpacked once for each product (K's 576 and V's 512 columns: 272 unpacks of two),
     K's fragments by ldmatrix.
+It also prints, ungated, the SASS instructions of each kernel's tile loop (the span of its longest backward branch):
+the figure the journal's instruction counts a warp a tile come from.
 """
 
 import argparse
@@ -48,6 +50,17 @@ SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "ksc
 MXFP4_SIGNATURE = dict(SIGNATURE, kv_ptr="*u8", kscale_ptr="*u8")  # the codes and the E8M0 scales, as bytes
 
 
+def loop_instructions(sass: str) -> int:
+    """The SASS instructions between the target of the longest backward branch and the branch itself (0 if none)."""
+    at = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    spans = [(int(b.group(1), 16), a) for a, text in at
+             if (b := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)) and int(b.group(1), 16) < a]
+    if not spans:
+        return 0
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    return sum(start <= a <= end for a, _ in at)
+
+
 def compile_case(module, triton, case) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -75,7 +88,7 @@ def compile_case(module, triton, case) -> dict:
             "hgmma": sum(n for op, n in ops.items() if op.startswith("HGMMA")),
             "e5m2": sum(n for op, n in ops.items() if op.startswith("QGMMA") and ".E5M2." in op),
             "ldsm_t": ops.get("LDSM.16.MT88.4", 0), "ldsm": ops.get("LDSM.16.M88.4", 0),
-            "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0)}
+            "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0), "loop": loop_instructions(sass)}
 
 
 def gates(k: dict) -> list[str]:
@@ -118,14 +131,14 @@ def main() -> int:
         print(f"hopper check: {module.HOPPER_KERNEL_REASON}", file=sys.stderr)
         return 1
     print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, precise, MXFP4) | registers | "
-          "local | stack | shared | QGMMA (E5M2) | HGMMA | LDSM.T | LDSM | FP8 unpacks")
+          "local | stack | shared | QGMMA (E5M2) | HGMMA | LDSM.T | LDSM | FP8 unpacks | loop")
     failures = 0
     for case in CASES:
         k = compile_case(module, triton, case)
         failed = gates(k)
         failures += bool(failed)
         print(f"{case} | {k['registers']} | {k['local']} | {k['stack']} | {k['shared']} | {k['qgmma']} ({k['e5m2']}) | "
-              f"{k['hgmma']} | {k['ldsm_t']} | {k['ldsm']} | {k['fp8_unpacks']}"
+              f"{k['hgmma']} | {k['ldsm_t']} | {k['ldsm']} | {k['fp8_unpacks']} | {k['loop']}"
               + (f"  FAILED: {'; '.join(failed)}" if failed else ""))
     print(f"hopper check: {len(CASES) - failures} of {len(CASES)} kernels pass")
     return 1 if failures else 0
