@@ -50,9 +50,14 @@ SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "ksc
 MXFP4_SIGNATURE = dict(SIGNATURE, kv_ptr="*u8", kscale_ptr="*u8")  # the codes and the E8M0 scales, as bytes
 
 
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """cuobjdump's SASS listing as (address, instruction text) pairs."""
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+
+
 def loop_instructions(sass: str) -> int:
     """The SASS instructions between the target of the longest backward branch and the branch itself (0 if none)."""
-    at = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    at = instructions(sass)
     spans = [(int(b.group(1), 16), a) for a, text in at
              if (b := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)) and int(b.group(1), 16) < a]
     if not spans:
@@ -79,8 +84,7 @@ def compile_case(module, triton, case) -> dict:
         cubin.write_bytes(kernel.asm["cubin"])
         usage, sass = (subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True, check=True).stdout
                        for flag in ("--dump-resource-usage", "-sass"))
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0]
-                              for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass))
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for _, text in instructions(sass))
     return {"case": case, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": kernel.metadata.shared,
