@@ -347,7 +347,8 @@ if triton is not None:
 # Output row r of a 128-dim chunk of O^T is dim _dim_of(r): the fragments pair dims 2j and 2j + 1 in one thread.
 # FP8 tiles come by cp.async. MXFP4 tiles come to registers a tile ahead (codes and E8M0 scales) and are expanded once
 # into the buffer as E5M2 (an E2M1 value times its block scale, exactly), while the last tile's score product runs;
-# the products then take E5M2 tiles as they take E4M3 ones.
+# the products then take E5M2 tiles as they take E4M3 ones. Where a tile's rows are contiguous, L2 is asked for the
+# tile after the one in the registers (_l2_prefetch_tile), so that their load of it meets L2 rather than DRAM.
 # The precise mode (PRECISE, FP8 only) rounds nothing beyond the cache, as the portable kernel's: fp16 products, Q
 # scaled by a power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as above) converted to fp16 in the
 # registers they lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q
@@ -408,8 +409,27 @@ selp.b32 $0, end, $0, out;
 selp.b32 $1, end, $1, out;
 }}"""
 
+# A tile's MXFP4 rows asked of L2: $3 rows (none if <= 0) of codes from $1 (288 bytes a row, contiguous, 16-byte
+# aligned) by one bulk prefetch of thread 0, and their E8M0 scale rows from $2 ($4 bytes apart) by one line prefetch
+# each, of threads 0 .. $3 - 1. $0 unused.
+L2_PREFETCH_PTX = """{
+.reg .pred p, q;
+.reg .b32 t, n;
+.reg .b64 a;
+mov.u32 t, %tid.x;
+setp.lt.s32 q, t, $3;
+setp.eq.and.u32 p, t, 0, q;
+mul.lo.s32 n, $3, 288;
+@p cp.async.bulk.prefetch.L2.global [$1], n;
+mad.wide.u32 a, t, $4, $2;
+@q prefetch.global.L2 [a];
+mov.b32 $0, 0;
+}"""
+
 if HOPPER_KERNEL_REASON is None:
     _P_SCALE = gl.constexpr(2.0 ** P_LOG2_BIAS)
+    _L2_PREFETCH = gl.constexpr(L2_PREFETCH_PTX)
+    _ONE = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
     _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
 
     # wgmma's accumulator layout for 4 warps: S^T (64 x 16) and each O^T chunk (128 x 16)
@@ -535,6 +555,22 @@ if HOPPER_KERNEL_REASON is None:
         """Whether the MXFP4 loads address a tile's rows by 32-bit offsets from its first row (or its page's): a
         tile in one page, and ragged tiles of one query token (the MTP kernels spill with them)."""
         return _tile_in_one_page(page_size) or (page_size == 0 and q_len == 1)
+
+    @gluon.jit
+    def _l2_prefetch_tile(kv_ptr, kscale_ptr, kscale_stride, table_row, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
+        """L2 asked for the MXFP4 codes and scales of the tile at n0 (none past hi, or in a page outside the cache):
+        a tile further ahead than the registers hold. Ragged tiles and tiles in one page (contiguous rows) only."""
+        rows = gl.minimum(hi - n0, 64)
+        if PAGE_SIZE == 0:
+            first = n0.to(gl.int64)
+        else:
+            entry = gl.load(table_row + n0 // PAGE_SIZE, mask=n0 < hi, other=-1)
+            rows = gl.where((entry >= 0) & (entry < num_pages), rows, 0)
+            first = entry.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE
+        one = gl.full([1], 0, gl.int32, _ONE)
+        gl.inline_asm_elementwise(_L2_PREFETCH, "=r,l,l,r,r",
+                                  [kv_ptr + first * _FP4_ROW_BYTES + one, kscale_ptr + first * kscale_stride + one,
+                                   rows + one, kscale_stride + one], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _mx_expand(codes, scales):
@@ -750,6 +786,10 @@ if HOPPER_KERNEL_REASON is None:
                     codes, bad1 = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride, next128, next64, n0 + 128, hi,
                                                 num_pages, PAGE_SIZE, ROWS32)
                     bad = bad | bad1
+                    if ROWS32:  # tile i + 3 into L2 for the registers' load of it next iteration (contiguous rows;
+                        # not MTP, whose ragged kernel spills with it)
+                        _l2_prefetch_tile(kv_ptr, kscale_ptr, kscale_stride, table_row, n0 + 192, hi, num_pages,
+                                          PAGE_SIZE)
                 s = hopper.warpgroup_mma_wait(0, deps=[s])
             pos = n0 + tile_rows
             seen = (pos < hi)[:, None]
