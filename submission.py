@@ -639,11 +639,12 @@ if HOPPER_KERNEL_REASON is None:
         else:
             page_ok = (entries >= 0) & (entries < num_pages)
             bad = gl.max((in_seq & ~page_ok).to(gl.int32), 0)
+            # a bad entry's rows are masked off; page 0 keeps their addresses in the cache
+            page_row = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE
             if _tile_in_one_page(PAGE_SIZE):  # one page (_tile_entries): its first row, and 32-bit offsets in it
-                return gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE, pos % PAGE_SIZE, in_seq & page_ok, bad
+                return page_row, pos % PAGE_SIZE, in_seq & page_ok, bad
             else:
-                rows = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-                return gl.to_tensor(0).to(gl.int64), rows, in_seq & page_ok, bad
+                return gl.to_tensor(0).to(gl.int64), page_row + pos % PAGE_SIZE, in_seq & page_ok, bad
 
     @gluon.jit
     def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
