@@ -409,27 +409,27 @@ selp.b32 $0, end, $0, out;
 selp.b32 $1, end, $1, out;
 }}"""
 
-# A tile's MXFP4 rows asked of L2: $3 rows (none if <= 0) of codes from $1 (288 bytes a row, contiguous, 16-byte
-# aligned) by one bulk prefetch of thread 0, and their E8M0 scale rows from $2 ($4 bytes apart) by one line prefetch
-# each, of threads 0 .. $3 - 1. $0 unused.
-L2_PREFETCH_PTX = """{
+# A tile's MXFP4 rows asked of L2: $3 rows (none if <= 0) of codes from $1 (contiguous, 16-byte aligned) by one
+# bulk prefetch of thread 0, and their E8M0 scale rows from $2 ($4 bytes apart) by one line prefetch each, of threads
+# 0 .. $3 - 1. $0 unused.
+L2_PREFETCH_PTX = f"""{{
 .reg .pred p, q;
 .reg .b32 t, n;
 .reg .b64 a;
 mov.u32 t, %tid.x;
 setp.lt.s32 q, t, $3;
 setp.eq.and.u32 p, t, 0, q;
-mul.lo.s32 n, $3, 288;
+mul.lo.s32 n, $3, {MXFP4_ROW_BYTES};
 @p cp.async.bulk.prefetch.L2.global [$1], n;
 mad.wide.u32 a, t, $4, $2;
 @q prefetch.global.L2 [a];
 mov.b32 $0, 0;
-}"""
+}}"""
 
 if HOPPER_KERNEL_REASON is None:
     _P_SCALE = gl.constexpr(2.0 ** P_LOG2_BIAS)
     _L2_PREFETCH = gl.constexpr(L2_PREFETCH_PTX)
-    _ONE = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+    _ONE = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # one element in every thread (per-thread inline asm)
     _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
 
     # wgmma's accumulator layout for 4 warps: S^T (64 x 16) and each O^T chunk (128 x 16)
