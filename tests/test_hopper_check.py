@@ -12,12 +12,14 @@ from tools import hopper_check as H
 ROOT = Path(__file__).resolve().parent.parent
 TRITON_36 = ROOT / ".amd-triton" / "3.6.0"
 GOOD = {"fast": {"case": (0, 1, 1, 16, False, False, False), "registers": 199, "local": 0, "stack": 0,
-                 "shared": 84224, "qgmma": 34, "hgmma": 0, "e5m2": 0, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0},
+                 "shared": 84224, "qgmma": 34, "hgmma": 0, "e5m2": 0, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0,
+                 "bulk_prefetches": 0},
         "precise": {"case": (0, 1, 1, 16, False, True, False), "registers": 210, "local": 0, "stack": 0,
                     "shared": 94464, "qgmma": 0, "hgmma": 68, "e5m2": 0, "ldsm_t": 16, "ldsm": 18,
-                    "fp8_unpacks": 272},
+                    "fp8_unpacks": 272, "bulk_prefetches": 0},
         "mxfp4": {"case": (0, 1, 1, 16, False, False, True), "registers": 255, "local": 0, "stack": 0,
-                  "shared": 84224, "qgmma": 34, "hgmma": 0, "e5m2": 34, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0}}
+                  "shared": 84224, "qgmma": 34, "hgmma": 0, "e5m2": 34, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0,
+                  "bulk_prefetches": 1}}
 
 
 @pytest.mark.parametrize("kind", sorted(GOOD))
@@ -38,6 +40,18 @@ def test_the_fast_fp8_kernel_may_not_spill():
 def test_the_products_take_the_tile_in_its_format(kind, e5m2):
     """An FP8 kernel with E5M2 wgmma, or an MXFP4 one with E4M3 ones, fails."""
     assert len(H.gates(dict(GOOD[kind], e5m2=e5m2))) == 1
+
+
+@pytest.mark.parametrize("kind,case,ahead", [
+    ("mxfp4", (0, 1, 1, 16, False, False, True), True),  # ragged, one query token: contiguous tiles
+    ("mxfp4", (128, 2, 1, 16, True, False, True), True),  # a tile in one page
+    ("mxfp4", (16, 1, 4, 16, True, False, True), False),  # pages of 16: a tile's rows are not contiguous
+    ("mxfp4", (0, 2, 3, 8, True, False, True), False),  # ragged MTP (it spills with the prefetch)
+    ("fast", (0, 1, 1, 16, False, False, False), False)])  # FP8's tiles come by cp.async
+def test_mxfp4_with_contiguous_tiles_asks_l2_ahead_and_no_other_kernel_does(kind, case, ahead):
+    right, wrong = (1, 0) if ahead else (0, 1)
+    assert H.gates(dict(GOOD[kind], case=case, bulk_prefetches=right)) == []
+    assert len(H.gates(dict(GOOD[kind], case=case, bulk_prefetches=wrong))) == 1
 
 
 def test_the_loop_is_the_longest_backward_branch():

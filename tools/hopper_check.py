@@ -16,7 +16,9 @@ FP8 fast and precise, MXFP4), its pointers 16-byte aligned as the launch path sp
     the E5M2 tile the codes expand to; precise: on fp16 wgmma (36 + 32 HGMMA), no FP8 one;
   - V^T through ldmatrix.trans and byte permutes; fast: no FP8 -> fp16 unpacks (which an fp16 copy of V would
     need); precise: each tile byte unpacked once for each product (K's 576 and V's 512 columns: 272 unpacks of two),
-    K's fragments by ldmatrix.
+    K's fragments by ldmatrix;
+  - MXFP4 whose tiles' rows are contiguous (ragged with one query token, pages of a multiple of 64): the L2 bulk
+    prefetch of a tile ahead; every other kernel: none.
 It also prints, ungated, the SASS instructions of each kernel's tile loop (the span of its longest backward branch):
 the figure the journal's instruction counts a warp a tile come from.
 """
@@ -92,7 +94,15 @@ def compile_case(module, triton, case) -> dict:
             "hgmma": sum(n for op, n in ops.items() if op.startswith("HGMMA")),
             "e5m2": sum(n for op, n in ops.items() if op.startswith("QGMMA") and ".E5M2." in op),
             "ldsm_t": ops.get("LDSM.16.MT88.4", 0), "ldsm": ops.get("LDSM.16.M88.4", 0),
-            "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0), "loop": loop_instructions(sass)}
+            "fp8_unpacks": ops.get("F2FP.F16.E4M3.UNPACK_B", 0),
+            "bulk_prefetches": sum(n for op, n in ops.items() if op.startswith("UBLKPF")),
+            "loop": loop_instructions(sass)}
+
+
+def prefetches_ahead(case) -> bool:
+    """Whether the kernel of `case` asks L2 for a tile ahead: MXFP4 whose tiles' rows are contiguous."""
+    page, _, q_len, _, _, _, mxfp4 = case
+    return mxfp4 and ((page == 0 and q_len == 1) or (page > 0 and page % 64 == 0))
 
 
 def gates(k: dict) -> list[str]:
@@ -116,6 +126,9 @@ def gates(k: dict) -> list[str]:
                       f"{unpacks})")
     if k["ldsm"] < ldsm or (ldsm == 0 and k["ldsm"]):  # fast: the score product reads K from shared memory
         failed.append(f"K's fragments: {k['ldsm']} ldmatrix (want {f'>= {ldsm}' if ldsm else 0})")
+    ahead = prefetches_ahead(k["case"])
+    if (k["bulk_prefetches"] > 0) != ahead:
+        failed.append(f"{k['bulk_prefetches']} L2 bulk prefetches (want {'some' if ahead else 0})")
     return failed
 
 
@@ -135,14 +148,14 @@ def main() -> int:
         print(f"hopper check: {module.HOPPER_KERNEL_REASON}", file=sys.stderr)
         return 1
     print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, precise, MXFP4) | registers | "
-          "local | stack | shared | QGMMA (E5M2) | HGMMA | LDSM.T | LDSM | FP8 unpacks | loop")
+          "local | stack | shared | QGMMA (E5M2) | HGMMA | LDSM.T | LDSM | FP8 unpacks | L2 bulk prefetches | loop")
     failures = 0
     for case in CASES:
         k = compile_case(module, triton, case)
         failed = gates(k)
         failures += bool(failed)
         print(f"{case} | {k['registers']} | {k['local']} | {k['stack']} | {k['shared']} | {k['qgmma']} ({k['e5m2']}) | "
-              f"{k['hgmma']} | {k['ldsm_t']} | {k['ldsm']} | {k['fp8_unpacks']} | {k['loop']}"
+              f"{k['hgmma']} | {k['ldsm_t']} | {k['ldsm']} | {k['fp8_unpacks']} | {k['bulk_prefetches']} | {k['loop']}"
               + (f"  FAILED: {'; '.join(failed)}" if failed else ""))
     print(f"hopper check: {len(CASES) - failures} of {len(CASES)} kernels pass")
     return 1 if failures else 0
