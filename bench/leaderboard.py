@@ -801,7 +801,7 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         f"{e['launch']}: " + (f"skipped ({e['skipped']})" if "skipped" in e else
                               f"{e['median_us']:.1f} µs after a flush, {e['back_to_back_us']:.1f} µs back to back")
         for e in anchors["empty_launch"])
-    skipped = sorted({(r["method"], r["reason"]) for r in result["rows"] if r["status"] in ("skipped", "ERROR")})
+    rows = result["rows"]
     lines = [
         f"### {meta['date']} · {dev['name']}{sms}{' · dry run' if meta['dry_run'] else ''}",
         "",
@@ -818,9 +818,19 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         "`FP8 floor` = FP8 KV bytes / ceiling; `host µs` / `host fresh µs`: geometric means of the host time of "
         "one call (CPU time to return) on one input / on a fresh input each call.",
         "",
+        *markdown_tables(result["methods"], rows, compact, detail),
+    ]
+    path.write_text("\n".join(lines))
+
+
+def markdown_tables(methods: dict, rows: list[dict], compact: list[list[str]], detail: list[list[str]]) -> list[str]:
+    """The markdown after a run's header (this bench's and bench/serving.py's): the compact table, the methods
+    (those skipped or failed with their reasons) and every row, folded."""
+    skipped = sorted({(r["method"], r["reason"]) for r in rows if r["status"] in ("skipped", "ERROR")})
+    return [
         render_markdown(compact),
         "",
-        *(f"- `{name}` ({m['kind']}): {m['label']}" for name, m in result["methods"].items()),
+        *(f"- `{name}` ({m['kind']}): {m['label']}" for name, m in methods.items()),
         *(f"- `{m}` skipped or failed: {reason}" for m, reason in skipped),
         "",
         "<details><summary>Every row</summary>",
@@ -830,7 +840,6 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         "</details>",
         "",
     ]
-    path.write_text("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -615,7 +615,6 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
     sms = f", {dev['sms']} SMs" if dev.get("sms") else ""
     version_text = ", ".join(f"{k} {v[k]}" for k in ("torch", "cuda", "triton", "flashinfer", "python") if v.get(k))
     flush = meta["flush"]
-    skipped = sorted({(r["method"], r["reason"]) for r in result["results"] if r["status"] in ("skipped", "ERROR")})
     lines = [
         f"### Serving grid · {meta['date']} · {dev['name']}{sms}{' · dry run' if meta['dry_run'] else ''}",
         "",
@@ -629,17 +628,7 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         f"{', '.join(str(p) for p in meta['pages'])} rows; `!` = the row failed its check (still timed); `FP8 floor` ="
         " FP8 KV bytes / ceiling.",
         "",
-        leaderboard.render_markdown(compact),
-        "",
-        *(f"- `{name}` ({m['kind']}): {m['label']}" for name, m in result["methods"].items()),
-        *(f"- `{m}` skipped or failed: {reason}" for m, reason in skipped),
-        "",
-        "<details><summary>Every row</summary>",
-        "",
-        leaderboard.render_markdown(detail),
-        "",
-        "</details>",
-        "",
+        *leaderboard.markdown_tables(result["methods"], result["results"], compact, detail),
     ]
     path.write_text("\n".join(lines))
 
