@@ -233,7 +233,7 @@ if HOPPER_KERNEL_REASON is None:
             first = n0.to(gl.int64)
         else:
             entry = gl.load(table_row + n0 // PAGE_SIZE, mask=n0 < hi, other=-1)
-            rows = gl.where((entry >= 0) & (entry < num_pages), rows, 0)
+            rows = gl.where(_in_cache(entry, num_pages), rows, 0)
             first = entry.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE
         one = gl.full([1], 0, gl.int32, _ONE)
         gl.inline_asm_elementwise(_L2_PREFETCH, "=r,l,l,r,r",
@@ -296,6 +296,11 @@ if HOPPER_KERNEL_REASON is None:
             return gl.load(table_row + pos // PAGE_SIZE, mask=pos < hi, other=0)
 
     @gluon.jit
+    def _in_cache(entries, num_pages):
+        """Whether block-table entries name pages of the cache (others: a bad page, read as nothing)."""
+        return (entries >= 0) & (entries < num_pages)
+
+    @gluon.jit
     def _hopper_tile_rows(entries, n0, hi, num_pages, layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
         """The tile at n0's rows in `layout`'s row slice: (cache row base, row offsets, rows to read, 1 where a page
         outside the cache was met). Ragged: positions are rows; paged: from its table `entries`."""
@@ -305,7 +310,7 @@ if HOPPER_KERNEL_REASON is None:
         if PAGE_SIZE == 0:
             return n0.to(gl.int64), r, in_seq, 0
         else:
-            page_ok = (entries >= 0) & (entries < num_pages)
+            page_ok = _in_cache(entries, num_pages)
             bad = gl.max((in_seq & ~page_ok).to(gl.int32), 0)
             # a bad entry's rows are masked off; page 0 keeps their addresses in the cache
             page_row = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE
