@@ -801,7 +801,6 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         f"{e['launch']}: " + (f"skipped ({e['skipped']})" if "skipped" in e else
                               f"{e['median_us']:.1f} µs after a flush, {e['back_to_back_us']:.1f} µs back to back")
         for e in anchors["empty_launch"])
-    rows = result["rows"]
     lines = [
         f"### {meta['date']} · {dev['name']}{sms}{' · dry run' if meta['dry_run'] else ''}",
         "",
@@ -818,7 +817,7 @@ def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: l
         "`FP8 floor` = FP8 KV bytes / ceiling; `host µs` / `host fresh µs`: geometric means of the host time of "
         "one call (CPU time to return) on one input / on a fresh input each call.",
         "",
-        *markdown_tables(result["methods"], rows, compact, detail),
+        *markdown_tables(result["methods"], result["rows"], compact, detail),
     ]
     path.write_text("\n".join(lines))
 
