@@ -554,8 +554,8 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
         return f"lib_{arch}"
 
     def fake_cdll(path):
-        exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_supports_mxfp4",
-                   "mla_max_unit_rows", "mla_unit_ctas_per_sm")
+        exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_limit_wide_ctas",
+                   "mla_supports_mxfp4", "mla_max_unit_rows", "mla_unit_ctas_per_sm")
         lib = SimpleNamespace(path=path, **{name: SimpleNamespace() for name in exports})
         lib.mla_supports_mxfp4 = lambda: path.endswith("a")
         return lib

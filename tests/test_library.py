@@ -823,6 +823,46 @@ def test_gpu_cuda_units_of_64_rows_invalid_contents(name):
         assert out_error < out_bound and lse_error < lse_bound, (rows, out_error, lse_error)
 
 
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, page_size, ctas):
+    """The 64-row kernel's one-split grid walks units in turn (CTA c: units c, c + ctas, ...; the next unit's first
+    pair copied during this one's last): 1, 3 or 7 CTAs over 36 units (9 sequences x q_len 2 x 128 heads, causal;
+    empty, one-row and one-pair units between long ones; sequence 5's last position alone on a page outside the
+    cache, which only its token 1 reaches), pages of 16 and 64. The output and the LSE equal the grid of one unit a
+    CTA bit for bit, NaN rows alike (a unit that kept the last one's sums, max or bad-page flag, or copied another's
+    pair, would not), and meet the float64 truth."""
+    C = pytest.importorskip("mla_decode.cuda")
+    _needs_units_of_64()
+    monkeypatch.setattr(C, "cuda_plan", lambda *args: 1)
+    lens = [77, 0, 4097, 1, 3, 1025, 200, 0, 130]
+    case = make_paged_case("fp8", page_size, lens, seed=ctas + page_size, q_len=2, num_heads=128, device="cuda")
+    table = case.block_table.clone()
+    table[5, 1024 // page_size] = 10_000
+    args = (case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale)
+    decode = _cuda_plan_in_units_of(64, case, max(lens))
+    assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (1, 64)
+    lib = C.library(torch.cuda.get_device_capability())
+    one_a_cta = [x.clone() for x in decode.run(*args)]  # 36 CTAs
+    try:
+        lib.mla_limit_wide_ctas(ctas)
+        out, lse = decode.run(*args)
+    finally:
+        lib.mla_limit_wide_ctas(0)
+    for walked, alone in zip((out, lse), one_a_cta, strict=True):
+        assert torch.equal(walked.isnan(), alone.isnan()) and torch.equal(walked.nan_to_num(), alone.nan_to_num())
+    assert out[5, 1].isnan().all() and lse[5, :, 1].isnan().all() and not out[5, 0].isnan().any()
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", "fast"))  # over the table as it was
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    others = [b for b in range(len(lens)) if b != 5]
+    for rows, tokens in [(others, slice(None)), ([5], slice(0, 1))]:
+        out_error, lse_error = errors(out[rows][:, tokens], lse[rows][:, :, tokens], ref_out[rows][:, tokens],
+                                      ref_lse[rows][:, :, tokens])
+        assert out_error < out_bound and lse_error < lse_bound, (rows, out_error, lse_error)
+
+
 # the kernels whose bad-page flags are their own code: the cuda ones (one path for both formats) and the triton
 # Hopper kernel's FP8 copies and MXFP4 loads
 BAD_PAGE_KERNELS = [("cuda", "fp8"), ("triton", "fp8"), ("triton", "mxfp4")]

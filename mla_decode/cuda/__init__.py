@@ -130,6 +130,8 @@ def library(capability: tuple[int, int], precise: bool = False):
     lib.mla_decode_call_layout.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.mla_limit_shared_memory.restype = ctypes.c_int
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
+    lib.mla_limit_wide_ctas.restype = None
+    lib.mla_limit_wide_ctas.argtypes = [ctypes.c_int]  # CTAs of the 64-row kernel's one-split grid, for tests
     for name in ("mla_supports_mxfp4", "mla_max_unit_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []

@@ -8,7 +8,8 @@
 // in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
 // split_kernel<STAGES, MX, PAGED[, H]>(DecodeCall): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the
 // call's unit_rows query rows of a sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED>
-// (WIDE_THREADS threads, FP8); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
+// (WIDE_THREADS threads, FP8, the cache's TMA maps as a second argument; with one split its grid is at most one CTA an
+// SM, each walking units in turn); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
 // num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, unit_rows, 512)
 // bf16, its normalised partial output, and part_lse (units * num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs
 // of a unit meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each
@@ -16,6 +17,8 @@
 // the wait cannot hang.
 
 #if MLA_WGMMA
+#include <cudaTypedefs.h>
+
 #include <cstddef>
 #include "wgmma64.cuh"
 #else
@@ -59,6 +62,48 @@ extern "C" int mla_limit_shared_memory(int bytes) {
 }
 #endif
 
+// The 64-row kernel's CTAs with one split: one an SM, each walking units blockIdx.y, + gridDim.y, ... (at most
+// WIDE_MAX_ITEMS), so that a unit's first copies overlap the last unit's output; fewer for tests (0: no limit).
+#if MLA_WGMMA
+static int wide_ctas_for_tests = 0;
+extern "C" void mla_limit_wide_ctas(int ctas) { wide_ctas_for_tests = ctas; }
+static int wide_ctas(int units, int sms) {
+  const int limit = wide_ctas_for_tests > 0 ? wide_ctas_for_tests : sms * mla::WIDE_CTAS_PER_SM;
+  const int fewest = (units + mla::WIDE_MAX_ITEMS - 1) / mla::WIDE_MAX_ITEMS;
+  return units < limit ? units : limit > fewest ? limit : fewest;
+}
+#else
+extern "C" void mla_limit_wide_ctas(int) {}
+static int wide_ctas(int units, int) { return units; }
+#endif
+
+#if MLA_WGMMA
+// The 64-row kernel's TMA maps of the FP8 cache (wgmma64.cuh's WideMaps), encoded on the host for each launch (a
+// graph keeps the launch's). cuTensorMapEncodeTiled comes from the driver through the runtime: no libcuda link.
+static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                           &found);
+    return e == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+  }();
+  if (!encode) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {mla::D, static_cast<cuuint64_t>(a.total_kv > 0 ? a.total_kv : 1)};
+  const cuuint64_t strides[1] = {mla::D};
+  const cuuint32_t main_box[2] = {128, mla::BN}, rope_box[2] = {mla::D - mla::DV, mla::BN}, steps[2] = {1, 1};
+  void* kv = const_cast<uint8_t*>(a.kv);
+  const CUresult r1 = encode(&maps.main, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, kv, dims, strides, main_box, steps,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r2 = encode(&maps.rope, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, kv, dims, strides, rope_box, steps,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r1 == CUDA_SUCCESS && r2 == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+#endif
+
 // With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
 // split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
 // The KV cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its
@@ -66,7 +111,7 @@ extern "C" int mla_limit_shared_memory(int bytes) {
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
 template <int STAGES, bool MX, bool PAGED, int H>
-static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
+static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
 #if MLA_WGMMA
   static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX), "64-row units: FP8, 4 stages");
   constexpr bool wide = H == mla::WIDE_ROWS;
@@ -77,6 +122,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
   constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, MX, H>();
   constexpr int threads = wide ? mla::WIDE_THREADS : mla::NTHREADS;
 #else
+  constexpr bool wide = false;
   constexpr int threads = mla::NTHREADS;
   static_assert(H == mla::H, "the mma.sync kernel's units are 16 rows");
   const auto kernel = mla::split_kernel<STAGES, MX, PAGED>;
@@ -89,7 +135,8 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
     configured |= 1u << dev;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.num_splits, a.batch * (a.q_len * a.num_heads / H));
+  const int units = a.batch * (a.q_len * a.num_heads / H);
+  cfg.gridDim = dim3(a.num_splits, wide && a.num_splits == 1 ? wide_ctas(units, sms) : units);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(a.stream);
@@ -111,27 +158,34 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window) {
   }
   cfg.attrs = attrs;
   cfg.numAttrs = n;
+#if MLA_WGMMA
+  if constexpr (wide) {
+    mla::WideMaps maps;
+    const cudaError_t e = kv_maps(a, maps);
+    return e == cudaSuccess ? cudaLaunchKernelEx(&cfg, kernel, a, maps) : e;
+  } else
+#endif
   return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
 // The ragged and the paged instance of a configuration (the ragged one is the contiguous cache's kernel as it was),
 // for the call's rows per unit.
 template <int STAGES, bool MX>
-static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window) {
+static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window, int sms) {
 #if MLA_WGMMA
   if (a.unit_rows == 32)
-    return a.page_size ? launch_split<STAGES, MX, true, 32>(dev, a, max_window)
-                       : launch_split<STAGES, MX, false, 32>(dev, a, max_window);
+    return a.page_size ? launch_split<STAGES, MX, true, 32>(dev, a, max_window, sms)
+                       : launch_split<STAGES, MX, false, 32>(dev, a, max_window, sms);
 #endif
-  return a.page_size ? launch_split<STAGES, MX, true, 16>(dev, a, max_window)
-                     : launch_split<STAGES, MX, false, 16>(dev, a, max_window);
+  return a.page_size ? launch_split<STAGES, MX, true, 16>(dev, a, max_window, sms)
+                     : launch_split<STAGES, MX, false, 16>(dev, a, max_window, sms);
 }
 
 #if MLA_WGMMA
 // The 64-row kernel's one configuration (FP8, 4 stages, one CTA an SM), ragged or paged.
-static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window) {
-  return a.page_size ? launch_split<mla::WIDE_STAGES, false, true, mla::WIDE_ROWS>(dev, a, max_window)
-                     : launch_split<mla::WIDE_STAGES, false, false, mla::WIDE_ROWS>(dev, a, max_window);
+static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int sms) {
+  return a.page_size ? launch_split<mla::WIDE_STAGES, false, true, mla::WIDE_ROWS>(dev, a, max_window, sms)
+                     : launch_split<mla::WIDE_STAGES, false, false, mla::WIDE_ROWS>(dev, a, max_window, sms);
 }
 #endif
 
@@ -177,18 +231,18 @@ extern "C" int mla_decode(const DecodeCall* c) {
   cudaError_t e;
 #if MLA_WGMMA
   if (rows == mla::WIDE_ROWS)
-    e = launch_wide(dev, *c, max_window[dev]);
+    e = launch_wide(dev, *c, max_window[dev], sms[dev]);
   else if (kv_format == 1)
-    e = launch_layout<mla::MX_STAGES, true>(dev, *c, max_window[dev]);
+    e = launch_layout<mla::MX_STAGES, true>(dev, *c, max_window[dev], sms[dev]);
   else if (units * num_splits > sms[dev])
-    e = launch_layout<mla::STAGES_SHARED, false>(dev, *c, max_window[dev]);
+    e = launch_layout<mla::STAGES_SHARED, false>(dev, *c, max_window[dev], sms[dev]);
   else
-    e = launch_layout<mla::STAGES_ALONE, false>(dev, *c, max_window[dev]);
+    e = launch_layout<mla::STAGES_ALONE, false>(dev, *c, max_window[dev], sms[dev]);
 #else
   switch (mma_sync_stages(smem_per_block[dev])) {
-    case 4: e = launch_layout<4, false>(dev, *c, max_window[dev]); break;
-    case 3: e = launch_layout<3, false>(dev, *c, max_window[dev]); break;
-    default: e = launch_layout<2, false>(dev, *c, max_window[dev]);
+    case 4: e = launch_layout<4, false>(dev, *c, max_window[dev], sms[dev]); break;
+    case 3: e = launch_layout<3, false>(dev, *c, max_window[dev], sms[dev]); break;
+    default: e = launch_layout<2, false>(dev, *c, max_window[dev], sms[dev]);
   }
 #endif
   return static_cast<int>(e);

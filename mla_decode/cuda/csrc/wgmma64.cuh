@@ -4,6 +4,8 @@
 // product keeps them on N (O^T = V^T P^T, A from registers), as split_kernel has it.
 #pragma once
 
+#include <cuda.h>
+
 #include "wgmma.cuh"
 
 namespace mla {
@@ -12,11 +14,12 @@ constexpr int WIDE_ROWS = 64;                   // query rows a CTA (a unit)
 constexpr int WIDE_THREADS = 256;               // two warpgroups
 constexpr int WIDE_WARPS = WIDE_THREADS / 32;
 constexpr int WIDE_CTAS_PER_SM = 1;             // 128 accumulators and 32 scores a thread: no room for a second
-// Each loop iteration takes a pair of 64-row tiles (warpgroup w scores tile 2j + w): 4 stages hold the pair being
-// read and the next one in flight.
+// Each loop iteration takes a pair of 64-row tiles (warpgroup w scores tile 2q + w of the stream): 4 stages hold
+// the pair being read and the next one in flight.
 constexpr int WIDE_STAGES = 4;
-// Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum, Q's scale.
-constexpr int WIDE_STATS = 6 * WIDE_ROWS;
+// Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum (two sets: a
+// unit's output reads them while the next unit's are written), Q's scale.
+constexpr int WIDE_STATS = 8 * WIDE_ROWS;
 // The running max a pair's P is taken against moves only when the pair's max passes it by more than LAZY_MAX (log2
 // units): most pairs then rescale nothing. P = 2^(s - max + WIDE_P_BIAS) stays within e4m3's 448 (2^(6 + 2) = 256).
 constexpr float LAZY_MAX = 2.f;
@@ -26,19 +29,72 @@ static_assert(WIDE_P_BIAS + LAZY_MAX <= 8.f, "P's largest value within e4m3's ra
 __device__ __forceinline__ float lazy_reference(float reference, float pair_max) {
   return pair_max > reference + LAZY_MAX ? pair_max : reference;
 }
-// Shared memory: the stages, Q (64 x 576 e4m3), P (128 x 64 e4m3), the per-head stats and the paged rows.
+// A CTA walks units blockIdx.y, + gridDim.y, ... (with one split the grid is at most one CTA an SM); their pairs of
+// tiles form one stream, so the next unit's first pair is copied during this unit's last pair and output.
+constexpr int WIDE_MAX_ITEMS = 64;  // units a CTA walks (the launcher's grid keeps to it; warp 0 lays out 2 a lane)
+// Shared memory: the stages, Q (64 x 576 e4m3), P (128 x 64 e4m3), the per-head stats, the paged rows, the units the
+// CTA walks (WideItems) and the stages' mbarriers.
+constexpr int WIDE_ITEM_BYTES = WIDE_MAX_ITEMS * (16 + 3 * 4) + WIDE_STAGES * 8;
 constexpr int wide_smem_bytes() {
-  return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED;
+  return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED + WIDE_ITEM_BYTES;
 }
 static_assert(wide_smem_bytes() <= 227 * 1024, "a block's shared memory on Hopper");
-// PagedRows' 4 slots (tile i in slot i % 4) hold pairs j + 1 and j + 2 during iteration j: pair j + 1's rows are read
-// by its copies at the top of the iteration, pair j + 2's written after the scores (pair j's slots, free since then).
+// PagedRows' 4 slots (the stream's tile i in slot i % 4) hold pairs q + 1 and q + 2 during stream position q: pair q +
+// 1's rows are read by its copies at the top of the iteration, pair q + 2's written after the scores (pair q's slots,
+// free since then).
 static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 
+// A whole tile of consecutive cache rows reaches its stage by TMA: one thread issues it (the 4 blocks of dims
+// 0..511 through a map of 128-byte boxes, 128-byte swizzle; the rope dims through 64-byte boxes, 64-byte swizzle:
+// the layouts tile_offset states) and the stage's mbarrier counts its bytes, so the warps issue no copies ahead of
+// the score product. Other tiles (a split's partial last one, pages under 64 rows, a bad page) are copied by every
+// thread as split_kernel copies them, and TMA_THREAD arrives on the mbarrier alone.
+constexpr int TMA_THREAD = WIDE_THREADS / 2;  // warpgroup 1's: warpgroup 0 looks the next rows up
+struct WideMaps {
+  CUtensorMap main, rope;  // the cache as (total_kv rows, 576 bytes); boxes of 64 rows
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap* map, int x, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(row), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_tile(const WideMaps& maps, uint32_t dst, uint32_t bar, int row) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(TILE) : "memory");
+#pragma unroll
+  for (int c = 0; c < 4; ++c) tma_box(dst + c * SW128_BLOCK, &maps.main, 128 * c, row, bar);
+  tma_box(dst + ROPE_OFFSET, &maps.rope, DV, row, bar);
+}
+
+// The units a CTA walks, in shared memory: unit blockIdx.y + k gridDim.y is item k. Its positions [lo, hi) with lo
+// shifted so that the CTA's stream tile i (pair i / 2) covers positions lo + 64 i .., the stream position past its
+// last pair (items without tiles take none), its bad-page flag (PagedRows::bad) and split_range's verdict.
+struct WideItems {
+  int4* range;  // {lo, hi, start, b}
+  int* end;
+  int* bad;
+  int* valid;
+  // The item of stream position q, from the item k of an earlier one (positions past the last item: nitems).
+  __device__ __forceinline__ int at(int k, int q, int nitems) const {
+    while (k < nitems && q >= end[k]) ++k;
+    return k;
+  }
+};
 
 template <bool PAGED>
 __global__ void __launch_bounds__(WIDE_THREADS, WIDE_CTAS_PER_SM)
-split_kernel64(const DecodeCall call) {
+split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   constexpr int H = WIDE_ROWS;
   constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][64 heads][16 bytes]
   constexpr int NE = H / 4;       // heads a thread in the value product (O^T's columns)
@@ -50,52 +106,117 @@ split_kernel64(const DecodeCall call) {
   uint8_t* ps = qs + H * D;
   float* tile_max = reinterpret_cast<float*>(ps + 2 * BN * H);  // [warpgroup][head]
   float* pair_alpha = tile_max + 2 * H;                          // [head]
-  float* sums = pair_alpha + H;                                  // [warpgroup][head]
-  float* qscale = sums + 2 * H;
+  float* sums = pair_alpha + H;                                  // [item parity][warpgroup][head]
+  float* qscale = sums + 4 * H;
   int* const rows_smem = reinterpret_cast<int*>(qscale + H);
-  const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
+  int4* const item_range = reinterpret_cast<int4*>(rows_smem + SMEM_PAGED / 4);
+  const WideItems items{item_range, reinterpret_cast<int*>(item_range + WIDE_MAX_ITEMS),
+                        reinterpret_cast<int*>(item_range + WIDE_MAX_ITEMS) + WIDE_MAX_ITEMS,
+                        reinterpret_cast<int*>(item_range + WIDE_MAX_ITEMS) + 2 * WIDE_MAX_ITEMS};
+  auto paged_rows = [&](int k) { return PagedRows{rows_smem, items.bad + k}; };
+  const uint32_t bars = smem_u32(items.valid + WIDE_MAX_ITEMS);  // stage s's mbarrier at bars + 8 s
+  if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < WIDE_STAGES; ++st) mbar_init(bars + 8 * st);
+    asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
+  }
 
   const int split = blockIdx.x;
-  const QueryRows rows = query_rows<H>(call, blockIdx.y);
-  const int b = rows.b, unit = rows.unit;
-  const SplitRange range = split_range(call, b, split, rows.t);
+  const int units = call.batch * (call.q_len * call.num_heads / H);
+  const int nitems = (units - static_cast<int>(blockIdx.y) + gridDim.y - 1) / gridDim.y;
+  auto unit_of = [&](int k) { return static_cast<int>(blockIdx.y + k * gridDim.y); };
   const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
-  const unsigned base = arrival_base(call.sync, unit, call.num_splits);
-  const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start, npairs = (ntiles + 1) / 2;
-  const bool valid = range.valid;
-  // A tile's rows are consecutive in the cache when ragged or in pages of a multiple of BN rows.
-  const bool consecutive = !PAGED || call.page_size % BN == 0;
+  const unsigned base = arrival_base(call.sync, unit_of(0), call.num_splits);  // splits: one item
+  static_assert(WIDE_MAX_ITEMS == 64, "two items a lane of warp 0");
+  // Warp 0 reads the items' lengths and lays out the stream: item k's pairs take positions end[k - 1] .. end[k] - 1.
+  if (cwarp == 0) {
+    int npairs[2], first = 0;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int k = lane + 32 * i;
+      SplitRange r{0, 0, 0, 0, true};
+      int b = 0;
+      if (k < nitems) {
+        const QueryRows rows = query_rows<H>(call, unit_of(k));
+        b = rows.b;
+        r = split_range(call, b, split, rows.t);
+      }
+      npairs[i] = (r.ntiles + 1) / 2;
+      int scan = npairs[i];  // inclusive prefix sum over the warp
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, scan, o);
+        if (lane >= o) scan += v;
+      }
+      const int end = first + scan;
+      first += __shfl_sync(0xffffffffu, scan, 31);
+      if (k < nitems) {
+        items.range[k] = make_int4(r.lo - 2 * (end - npairs[i]) * BN, r.hi, r.start, b);
+        items.end[k] = end;
+        items.bad[k] = 0;
+        items.valid[k] = r.valid;
+      }
+    }
+  }
+  const bool consecutive = !PAGED || call.page_size % BN == 0;  // a tile's rows: consecutive cache rows
 
   const CopyPlan<WIDE_THREADS, false> copy(tid);
   const uint32_t ks_addr = smem_u32(smem);
-  // Pair p: tiles 2p and 2p + 1 to stages 2 (p % 2) and + 1, one cp.async group (empty past the last pair). An odd
-  // split's last pair has its second tile past hi: zero-filled (no global reads) and masked.
-  auto load_pair = [&](int p) {
-    if (2 * p < ntiles) {
+  // Stream position q (a pair of item k, range r): tiles 2q and 2q + 1 to stages (2q) % 4 and + 1, one cp.async group
+  // (empty past the last item). A tile past the item's hi (the second of an odd item's last pair) is zero-filled.
+  auto load_pair = [&](int k, const int4& r, int q) {
+    if (k < nitems) {
 #pragma unroll
-      for (int k = 0; k < 2; ++k)
-        copy.tile(call, paged_rows, PAGED, consecutive, ks_addr + ((2 * p + k) % WIDE_STAGES) * TILE, 2 * p + k, lo,
-                  hi, start);
+      for (int i = 0; i < 2; ++i) {
+        const int t = 2 * q + i, n0 = r.x + t * BN, stage = t % WIDE_STAGES;
+        const int first = PAGED ? paged_rows(k).at(t, 0) : r.z + n0;  // the tile's first row, if consecutive
+        if (consecutive && first >= 0 && r.y - n0 >= BN) {
+          if (tid == TMA_THREAD) tma_tile(maps, ks_addr + stage * TILE, bars + 8 * stage, first);
+        } else {
+          copy.tile(call, paged_rows(k), PAGED, consecutive, ks_addr + stage * TILE, t, r.x, r.y, r.z);
+          if (tid == TMA_THREAD) mbar_arrive(bars + 8 * stage);
+        }
+      }
     }
     asm volatile("cp.async.commit_group;\n");
   };
+  // Threads 0..127: the block-table entry of one row of position q's tiles (item k, range r), then its row.
+  auto fetch_rows = [&](int k, const int4& r, int q) {
+    return k < nitems && tid < 2 * BN ? paged_rows(k).fetch(call, r.w, r.x, r.y, 2 * q + (tid >> 6), tid & (BN - 1))
+                                      : 0;
+  };
+  auto put_rows = [&](int k, const int4& r, int q, int entry) {
+    if (k < nitems && tid < 2 * BN) paged_rows(k).put(call, 2 * q + (tid >> 6), tid & (BN - 1), entry, r.x, r.y);
+  };
+  // The item of position q past item k's last pair, and its range.
+  auto later = [&](int k, int q, int4& r) {
+    const int next = items.at(k + 1, q, nitems);
+    if (next < nitems) r = items.range[next];
+    return next;
+  };
   using Query = QueryQuant<H, WIDE_WARPS>;
   typename Query::Regs qv;
-  Query::load(qv, call, unit, cwarp, lane);
-  if (PAGED) paged_rows.first_tiles<4>(call, b, lo, hi, tid);  // pairs 0 and 1
-  load_pair(0);
+  Query::load(qv, call, unit_of(0), cwarp, lane);
+  __syncthreads();  // the items
+  int4 r0 = make_int4(0, 0, 0, 0), r1 = r0;
+  const int k0 = later(-1, 0, r0), k1 = later(k0 - 1, 1, r1);  // the items of positions 0 and 1
+  if (PAGED) {  // their rows
+    const int e0 = fetch_rows(k0, r0, 0), e1 = fetch_rows(k1, r1, 1);
+    __syncthreads();
+    put_rows(k0, r0, 0, e0);
+    put_rows(k1, r1, 1, e1);
+    __syncthreads();
+  }
+  load_pair(k0, r0, 0);
   Query::store(qv, call, kv_scale, qs, qscale, cwarp, lane);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
   // The score rows of this thread: heads h0 and h1 = h0 + 8 (wgmma's accumulator rows g and g + 8 of the warp's 16),
   // kv columns 8i + 2 t4 + {0, 1} of its warpgroup's tile (s[4i], s[4i + 1] for h0, s[4i + 2], s[4i + 3] for h1).
   const int h0 = warp * 16 + g, h1 = h0 + 8;
-  const float qsc0 = qscale[h0], qsc1 = qscale[h1];
   int heads[NE];
   thread_heads(heads, t4);
   const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
   const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
-  // P's k order: the pair's tile 2j + w at k = 64 w + p_position(column). Columns 16c + 2 t4 + {0, 1} and
+  // P's k order: the pair's tile 2q + w at k = 64 w + p_position(column). Columns 16c + 2 t4 + {0, 1} and
   // 16c + 8 + 2 t4 + {0, 1} land on k = 64 w + 16c + 4 t4 + {0..3}: one 4-byte store a head and 16 columns.
   uint8_t* const pdst = ps + 4 * wg * QCHUNK + h0 * 16 + 4 * t4;
   // This thread's 32 values of P (the score layout: columns 16c .. 16c + 15 in p[8c .. 8c + 7]) into P as e4m3.
@@ -111,184 +232,196 @@ split_kernel64(const DecodeCall call) {
   const uint32_t vbase = ks_addr + 2 * wg * SW128_BLOCK;
   const uint32_t voff[2] = {lane * 128u + ((warp ^ (lane & 7)) << 4), lane * 128u + (((4 + warp) ^ (lane & 7)) << 4)};
 
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max and this thread's share of the sum
-  float acc[4][H / 2];  // O^T: [64-dim block][accumulator]: dims 256*wg + 64*mb + 16*warp + 2g (+1 for rows g + 8)
+  int q = 0;  // the stream position of the pair being scored
+  for (int k = 0; k < nitems; ++k) {
+    const int unit = unit_of(k), end = items.end[k];
+    const int4 range = items.range[k];
+    if (k > 0 && q < end) {  // the unit's Q, once every warp is done with the last one's (the output's barrier)
+      Query::load(qv, call, unit, cwarp, lane);
+      Query::store(qv, call, kv_scale, qs, qscale, cwarp, lane);
+    }
+    if (k + 1 < nitems) {  // the next unit's Q into L2 while this one runs
+      const char* next_q = reinterpret_cast<const char*>(call.q + static_cast<size_t>(unit_of(k + 1)) * H * D);
+      for (int line = tid; line < H * D * 2 / 128; line += WIDE_THREADS)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(next_q + line * 128));
+    }
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max and this thread's share of the sum
+    float acc[4][H / 2];  // O^T: [64-dim block][accumulator]: dims 256*wg + 64*mb + 16*warp + 2g (+1 for rows g + 8)
 #pragma unroll
-  for (int mb = 0; mb < 4; ++mb)
+    for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
-    for (int e = 0; e < H / 2; ++e) acc[mb][e] = 0.f;
+      for (int e = 0; e < H / 2; ++e) acc[mb][e] = 0.f;
 
-  // TUNE: pairs
-  for (int j = 0; j < npairs; ++j) {
-    asm volatile("cp.async.wait_group 0;\n");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();  // pair j is visible to the tensor cores; every warp is done with pair j - 1
-    // TUNE: pair-top
-    // The next pair's copies, then S (64 heads x 64 rows) = Q K^T (tile 2j + wg): 18 k32 steps, both operands from
-    // shared memory.
-    float s[H / 2];
-    load_pair(j + 1);
-    issue_scores<H, false, true>(s, ks_addr + ((2 * j + wg) % WIDE_STAGES) * TILE, qdesc);
-    // Threads 0..127 look up one row each of pair j + 2, stored once the scores are in (its slots, pair j's, were
-    // last read by this pair's copies, issued above; read after the next barrier).
-    const int ahead = 2 * (j + 2) + (tid >> 6);
-    const int next_entry = PAGED && tid < 2 * BN ? paged_rows.fetch(call, b, lo, hi, ahead, tid & (BN - 1)) : 0;
-    wg_wait<0>();
-    fence_acc<H / 2>(s);
-    // TUNE: pair-scores
-    if (PAGED && tid < 2 * BN) paged_rows.put(call, ahead, tid & (BN - 1), next_entry, lo, hi);
-
-    // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
-    // meet through shared memory at the barrier that completes P, and only where one moves a reference.
-    const int in_tile = hi - lo - (2 * j + wg) * BN;  // columns < in_tile are rows before hi
-    if (in_tile >= BN) {
-#pragma unroll
-      for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? qsc1 : qsc0;
-    } else {
-#pragma unroll
-      for (int i = 0; i < H / 2; ++i) {
-        const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile;
-        s[i] = in ? s[i] * (i & 2 ? qsc1 : qsc0) : -INFINITY;
-      }
-    }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < H / 2; i += 4) {
-      mx0 = fmaxf(mx0, fmaxf(s[i], s[i + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[i + 2], s[i + 3]));
-    }
-#pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-    }
-    if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
-    // P against the reference this tile alone gives (the other tile rarely moves it; where it does, P is scaled
-    // down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's narrowest pipe.
-    const float g0 = lazy_reference(m0, mx0), g1 = lazy_reference(m1, mx1);
-    const float gb0 = g0 == -INFINITY ? 0.f : g0, gb1 = g1 == -INFINITY ? 0.f : g1;
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float x = s[8 * c + k] - ((k & 2 ? gb1 : gb0) - WIDE_P_BIAS);
-        s[8 * c + k] = c == 3 ? ex2_fma(x) : ex2(x);
-      }
-      sum0 += (s[8 * c] + s[8 * c + 1]) + (s[8 * c + 4] + s[8 * c + 5]);
-      sum1 += (s[8 * c + 2] + s[8 * c + 3]) + (s[8 * c + 6] + s[8 * c + 7]);
-    }
-    store_p(s);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    // P and the tile maxima are complete. Where no head's reference moved in either tile (most pairs), P is right
-    // and nothing needs rescaling; otherwise the pair's reference is made from both tiles, P scaled down where this
-    // tile's guess was below it and stored again, and the accumulators rescaled.
-    if (__syncthreads_or(g0 != m0 || g1 != m1)) {
-      const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
-      const float mn0 = lazy_reference(m0, pm0), mn1 = lazy_reference(m1, pm1);
-      const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
-      if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
-        const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
-#pragma unroll
-        for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
-        sum0 *= f0, sum1 *= f1;
-        store_p(s);
-      }
-      const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
-      m0 = mn0, m1 = mn1;
-      l0 *= alpha0, l1 *= alpha1;
-      if (wg == 0 && t4 == 0) pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
+    // TUNE: pairs
+    for (; q < end; ++q) {
+      asm volatile("cp.async.wait_group 0;\n");
+      mbar_wait(bars + 8 * (2 * (q & 1)), (q >> 1) & 1);  // tile 2q + i's stage: its (q / 2)-th use
+      mbar_wait(bars + 8 * (2 * (q & 1) + 1), (q >> 1) & 1);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads();  // the pair's P and alphas are complete
-      // O^T's columns are heads: each thread rescales its 16 heads two at a time, where one of the pair's 8 heads
-      // in the warp moved.
-#pragma unroll
-      for (int e = 0; e < NE; e += 2) {
-        const float2 alpha = *reinterpret_cast<const float2*>(pair_alpha + heads[e]);
-        if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
-          const int a = (e >> 1) * 4;  // heads e and e + 1: accumulators a, a + 1 (row g) and a + 2, a + 3 (row g + 8)
-#pragma unroll
-          for (int mb = 0; mb < 4; ++mb) {
-            acc[mb][a] *= alpha.x, acc[mb][a + 2] *= alpha.x;
-            acc[mb][a + 1] *= alpha.y, acc[mb][a + 3] *= alpha.y;
+      __syncthreads();  // position q is visible to the tensor cores; every warp is done with q - 1
+      // TUNE: pair-top
+      // S (64 heads x 64 rows) = Q K^T (tile 2q + wg): 18 k32 steps, both operands from shared memory; then the next
+      // position's copies (a TMA issue by one thread, or every thread's cp.async), while the tensor cores work.
+      float s[H / 2];
+      issue_scores<H, false, true>(s, ks_addr + ((2 * q + wg) % WIDE_STAGES) * TILE, qdesc);
+      int4 rc = range;
+      load_pair(q + 1 < end ? k : later(k, q + 1, rc), rc, q + 1);
+      // Threads 0..127 look up one row each of position q + 2, stored once the scores are in (its slots, q's, were
+      // last read by q's copies; read after the next barrier).
+      int4 ra = range;
+      const int ka = q + 2 < end ? k : later(k, q + 2, ra);
+      const int next_entry = PAGED ? fetch_rows(ka, ra, q + 2) : 0;
+      const float qsc0 = qscale[h0], qsc1 = qscale[h1];
+      wg_wait<0>();
+      fence_acc<H / 2>(s);
+      // TUNE: pair-scores
+      if (PAGED) put_rows(ka, ra, q + 2, next_entry);
+
+      // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
+      // meet through shared memory at the barrier that completes P, and only where one moves a reference.
+      const int in_tile = range.y - range.x - (2 * q + wg) * BN;  // columns < in_tile are rows before hi
+      if (in_tile >= BN) {
+  #pragma unroll
+        for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? qsc1 : qsc0;
+      } else {
+  #pragma unroll
+        for (int i = 0; i < H / 2; ++i) {
+          const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile;
+          s[i] = in ? s[i] * (i & 2 ? qsc1 : qsc0) : -INFINITY;
+        }
+      }
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+  #pragma unroll
+      for (int i = 0; i < H / 2; i += 4) {
+        mx0 = fmaxf(mx0, fmaxf(s[i], s[i + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[i + 2], s[i + 3]));
+      }
+  #pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+      }
+      if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
+      // P against the reference this tile alone gives (the other tile rarely moves it; where it does, P is scaled
+      // down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's narrowest pipe.
+      const float g0 = lazy_reference(m0, mx0), g1 = lazy_reference(m1, mx1);
+      const float gb0 = g0 == -INFINITY ? 0.f : g0, gb1 = g1 == -INFINITY ? 0.f : g1;
+      float sum0 = 0.f, sum1 = 0.f;
+  #pragma unroll
+      for (int c = 0; c < 4; ++c) {
+  #pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float x = s[8 * c + k] - ((k & 2 ? gb1 : gb0) - WIDE_P_BIAS);
+          s[8 * c + k] = c == 3 ? ex2_fma(x) : ex2(x);
+        }
+        sum0 += (s[8 * c] + s[8 * c + 1]) + (s[8 * c + 4] + s[8 * c + 5]);
+        sum1 += (s[8 * c + 2] + s[8 * c + 3]) + (s[8 * c + 6] + s[8 * c + 7]);
+      }
+      store_p(s);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      // P and the tile maxima are complete. Where no head's reference moved in either tile (most pairs), P is right
+      // and nothing needs rescaling; otherwise the pair's reference is made from both tiles, P scaled down where this
+      // tile's guess was below it and stored again, and the accumulators rescaled.
+      if (__syncthreads_or(g0 != m0 || g1 != m1)) {
+        const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
+        const float mn0 = lazy_reference(m0, pm0), mn1 = lazy_reference(m1, pm1);
+        const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
+        if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
+          const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
+  #pragma unroll
+          for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
+          sum0 *= f0, sum1 *= f1;
+          store_p(s);
+        }
+        const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
+        m0 = mn0, m1 = mn1;
+        l0 *= alpha0, l1 *= alpha1;
+        if (wg == 0 && t4 == 0) pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();  // the pair's P and alphas are complete
+        // O^T's columns are heads: each thread rescales its 16 heads two at a time, where one of the pair's 8 heads
+        // in the warp moved.
+  #pragma unroll
+        for (int e = 0; e < NE; e += 2) {
+          const float2 alpha = *reinterpret_cast<const float2*>(pair_alpha + heads[e]);
+          if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
+            const int a = (e >> 1) * 4;  // heads e and e + 1: accumulators a, a + 1 (row g) and a + 2, a + 3 (row g + 8)
+  #pragma unroll
+            for (int mb = 0; mb < 4; ++mb) {
+              acc[mb][a] *= alpha.x, acc[mb][a + 2] *= alpha.x;
+              acc[mb][a + 1] *= alpha.y, acc[mb][a + 3] *= alpha.y;
+            }
           }
         }
       }
-    }
-    l0 += sum0, l1 += sum1;
-    // TUNE: pair-softmax
+      l0 += sum0, l1 += sum1;
+      // TUNE: pair-softmax
 
-    // O^T (this warpgroup's 256 dims x 64 heads) += V^T (256 x 128) P^T: k steps 0, 1 from tile 2j, 2, 3 from tile
-    // 2j + 1. A from registers (v_fragment), a k step (4 m-blocks) at a time, each group committed and the one
-    // before waited for: two groups' fragments live at most.
-#pragma unroll
-    for (int kk = 0; kk < 2 * BN / 32; ++kk) {
-      const uint32_t vt = vbase + ((2 * j + (kk >> 1)) % WIDE_STAGES) * TILE + (kk & 1) * 32 * 128;
-      uint32_t a[4][4];
-#pragma unroll
-      for (int mb = 0; mb < 4; ++mb) v_fragment(a[mb], vt + (mb >> 1) * SW128_BLOCK + voff[mb & 1]);
-#pragma unroll
+      // O^T (this warpgroup's 256 dims x 64 heads) += V^T (256 x 128) P^T: k steps 0, 1 from tile 2j, 2, 3 from tile
+      // 2j + 1. A from registers (v_fragment), a k step (4 m-blocks) at a time, each group committed and the one
+      // before waited for: two groups' fragments live at most.
+  #pragma unroll
+      for (int kk = 0; kk < 2 * BN / 32; ++kk) {
+        const uint32_t vt = vbase + ((2 * q + (kk >> 1)) % WIDE_STAGES) * TILE + (kk & 1) * 32 * 128;
+        uint32_t a[4][4];
+  #pragma unroll
+        for (int mb = 0; mb < 4; ++mb) v_fragment(a[mb], vt + (mb >> 1) * SW128_BLOCK + voff[mb & 1]);
+  #pragma unroll
+        for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
+        wg_fence();
+        const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
+  #pragma unroll
+        for (int mb = 0; mb < 4; ++mb) wgmma_rs<H, false>(acc[mb], a[mb], db);
+        wg_commit();
+        if (kk < 2 * BN / 32 - 1) wg_wait<1>();
+      }
+      wg_wait<0>();
+  #pragma unroll
       for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
-      wg_fence();
-      const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
-#pragma unroll
-      for (int mb = 0; mb < 4; ++mb) wgmma_rs<H, false>(acc[mb], a[mb], db);
-      wg_commit();
-      if (kk < 2 * BN / 32 - 1) wg_wait<1>();
+      // TUNE: pair-values
     }
-    wg_wait<0>();
-#pragma unroll
-    for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
-    // TUNE: pair-values
-  }
-  // TUNE: pairs-done
-  asm volatile("cp.async.wait_group 0;\n");
+    // TUNE: pairs-done
 
-  // Sums: over the quad's columns, then the two warpgroups' tiles through shared memory.
+    // Sums: over the quad's columns, then the two warpgroups' tiles through shared memory.
 #pragma unroll
-  for (int o = 1; o < 4; o <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
-  }
-  if (t4 == 0) sums[wg * H + h0] = l0, sums[wg * H + h1] = l1;
-  __syncthreads();  // the sums are complete; every warp is done with the stages
-  const bool bad_page = PAGED && *paged_rows.bad;
-  const bool ok = valid && !bad_page;
-  const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
-  if (wg == 0 && t4 == 0) {  // l carries 2^WIDE_P_BIAS
-    const float l[2] = {sums[h0] + sums[H + h0], sums[h1] + sums[H + h1]}, m[2] = {m0, m1};
-#pragma unroll
-    for (int k = 0; k < 2; ++k)
-      store_lse<H>(call, rows, part, h0 + 8 * k, l[k] > 0.f ? m[k] + __log2f(l[k]) - WIDE_P_BIAS : -INFINITY,
-                   bad_page, ok);
-  }
-  // The output (or partial) through the free stages, as split_kernel stages it: 64 rows of 516 floats.
-  constexpr int OUT_ROW = DV + 4;
-  static_assert(H * OUT_ROW * 4 <= WIDE_STAGES * TILE, "the staged output fits the stages' bytes");
-  float* staged = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int e = 0; e < NE; ++e) {
-    const int a = (e & 1) + (e >> 1) * 4;
-    const float l = sums[heads[e]] + sums[H + heads[e]];
-    const float scale = l > 0.f ? __fdividef(kv_scale, l) : 0.f;  // kv_scale / the sum (no rows: zeros)
-#pragma unroll
-    for (int mb = 0; mb < 4; ++mb) {
-      const int dim = 256 * wg + 64 * mb + 16 * warp + 2 * g;
-      *reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim) =
-          make_float2(acc[mb][a] * scale, acc[mb][a + 2] * scale);
+    for (int o = 1; o < 4; o <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, o);
     }
+    float* const sum = sums + (k & 1) * 2 * H;
+    if (t4 == 0) sum[wg * H + h0] = l0, sum[wg * H + h1] = l1;
+    __syncthreads();  // the sums are complete; every warp is done with the unit's Q
+    const QueryRows rows = query_rows<H>(call, unit);
+    const bool bad_page = PAGED && items.bad[k];
+    const bool ok = items.valid[k] && !bad_page;
+    const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
+    if (wg == 0 && t4 == 0) {  // l carries 2^WIDE_P_BIAS
+      const float l[2] = {sum[h0] + sum[H + h0], sum[h1] + sum[H + h1]}, m[2] = {m0, m1};
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        store_lse<H>(call, rows, part, h0 + 8 * i, l[i] > 0.f ? m[i] + __log2f(l[i]) - WIDE_P_BIAS : -INFINITY,
+                     bad_page, ok);
+    }
+    // The output (or partial) from the accumulators: a store writes 2 dims of a head, a warp's 4 whole 32-byte
+    // sectors (the stages stay free for the next unit's pairs).
+    __nv_bfloat16* dst =
+        call.num_splits == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
+    const bool poison = call.num_splits == 1 && !ok;
+#pragma unroll
+    for (int e = 0; e < NE; ++e) {
+      const int a = (e & 1) + (e >> 1) * 4;
+      const float l = sum[heads[e]] + sum[H + heads[e]];
+      const float scale = poison ? NAN : l > 0.f ? __fdividef(kv_scale, l) : 0.f;  // no rows: zeros
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb) {
+        const int dim = 256 * wg + 64 * mb + 16 * warp + 2 * g;
+        *reinterpret_cast<__nv_bfloat162*>(dst + heads[e] * DV + dim) =
+            __floats2bfloat162_rn(acc[mb][a] * scale, acc[mb][a + 2] * scale);
+      }
+    }
+    if (call.num_splits > 1)  // one item: the grid is the units
+      merge_splits<H>(call, base, rows, split, items.valid[k]);
   }
-  __syncthreads();
-  const int col = 4 * (tid & 127);
-  __nv_bfloat16* dst =
-      call.num_splits == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
-#pragma unroll 4
-  for (int h = wg; h < H; h += 2) {  // the warpgroups take alternate rows
-    float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
-    if (call.num_splits == 1 && !ok) v = make_float4(NAN, NAN, NAN, NAN);
-    store_bf16x4(dst + h * DV + col, v);
-  }
-  if (call.num_splits > 1) merge_splits<H>(call, base, rows, split, valid);
 }
 
 }  // namespace mla
