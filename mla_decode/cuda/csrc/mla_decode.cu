@@ -90,16 +90,19 @@ static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
                ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
   }();
   if (!encode) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {mla::D, static_cast<cuuint64_t>(a.total_kv > 0 ? a.total_kv : 1)};
-  const cuuint64_t strides[1] = {mla::D};
-  const cuuint32_t main_box[2] = {128, mla::BN}, rope_box[2] = {mla::D - mla::DV, mla::BN}, steps[2] = {1, 1};
+  const cuuint64_t rows = a.total_kv > 0 ? a.total_kv : 1;
+  // main: (128 bytes, rows, 4 chunks of a row), boxes of all 4 chunks of 64 rows; rope: (576 bytes, rows), boxes of
+  // 64 bytes (from 512) of 64 rows.
+  const cuuint64_t main_dims[3] = {128, rows, 4}, main_strides[2] = {mla::D, 128};
+  const cuuint64_t rope_dims[2] = {mla::D, rows}, rope_strides[1] = {mla::D};
+  const cuuint32_t main_box[3] = {128, mla::BN, 4}, rope_box[2] = {mla::D - mla::DV, mla::BN}, steps[3] = {1, 1, 1};
   void* kv = const_cast<uint8_t*>(a.kv);
-  const CUresult r1 = encode(&maps.main, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, kv, dims, strides, main_box, steps,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  const CUresult r2 = encode(&maps.rope, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, kv, dims, strides, rope_box, steps,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r1 = encode(&maps.main, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, kv, main_dims, main_strides, main_box,
+                             steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r2 = encode(&maps.rope, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, kv, rope_dims, rope_strides, rope_box,
+                             steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r1 == CUDA_SUCCESS && r2 == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 #endif

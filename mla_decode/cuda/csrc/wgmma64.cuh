@@ -44,14 +44,15 @@ static_assert(wide_smem_bytes() <= 227 * 1024, "a block's shared memory on Hoppe
 // free since then).
 static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 
-// A whole tile of consecutive cache rows reaches its stage by TMA: one thread issues it (the 4 blocks of dims
-// 0..511 through a map of 128-byte boxes, 128-byte swizzle; the rope dims through 64-byte boxes, 64-byte swizzle:
-// the layouts tile_offset states) and the stage's mbarrier counts its bytes, so the warps issue no copies ahead of
-// the score product. Other tiles (a split's partial last one, pages under 64 rows, a bad page) are copied by every
-// thread as split_kernel copies them, and TMA_THREAD arrives on the mbarrier alone.
+// A whole tile of consecutive cache rows reaches its stage by TMA: one thread issues two boxes (dims 0..511 as 4
+// blocks of [64 rows][128 bytes], 128-byte swizzle, through a map that takes a row's 128-byte chunks as a third
+// dimension; the rope dims as [64 rows][64 bytes], 64-byte swizzle: the layouts tile_offset states) and the stage's
+// mbarrier counts their bytes, so the warps issue no copies ahead of the score product. Other tiles (a split's partial
+// last one, pages under 64 rows, a bad page) are copied by every thread as split_kernel copies them, and TMA_THREAD
+// arrives on the mbarrier alone.
 constexpr int TMA_THREAD = WIDE_THREADS / 2;  // warpgroup 1's: warpgroup 0 looks the next rows up
 struct WideMaps {
-  CUtensorMap main, rope;  // the cache as (total_kv rows, 576 bytes); boxes of 64 rows
+  CUtensorMap main, rope;  // the cache as (4 chunks, total_kv rows, 128 bytes) and (total_kv rows, 576 bytes)
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
@@ -65,16 +66,15 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
-__device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap* map, int x, int row, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(row), "r"(bar) : "memory");
-}
+// Box {0, row, 0} of the main map to the stage's dims 0..511, box {512, row} of the rope map to its rope dims.
 __device__ __forceinline__ void tma_tile(const WideMaps& maps, uint32_t dst, uint32_t bar, int row) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(TILE) : "memory");
-#pragma unroll
-  for (int c = 0; c < 4; ++c) tma_box(dst + c * SW128_BLOCK, &maps.main, 128 * c, row, bar);
-  tma_box(dst + ROPE_OFFSET, &maps.rope, DV, row, bar);
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %2}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&maps.main)), "r"(0), "r"(row), "r"(bar) : "memory");
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst + ROPE_OFFSET), "l"(reinterpret_cast<uint64_t>(&maps.rope)), "r"(DV), "r"(row), "r"(bar) : "memory");
 }
 
 // The units a CTA walks, in shared memory: unit blockIdx.y + k gridDim.y is item k. Its positions [lo, hi) with lo
