@@ -84,8 +84,12 @@ static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
     const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
                                                            &found);
+#else  // CUDA 12.0-12.4
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
     return e == cudaSuccess && found == cudaDriverEntryPointSuccess
                ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
   }();
