@@ -32,11 +32,29 @@ __device__ __forceinline__ float lazy_reference(float reference, float pair_max)
 // A CTA walks units blockIdx.y, + gridDim.y, ... (with one split the grid is at most one CTA an SM); their pairs of
 // tiles form one stream, so the next unit's first pair is copied during this unit's last pair and output.
 constexpr int WIDE_MAX_ITEMS = 64;  // units a CTA walks (the launcher's grid keeps to it; warp 0 lays out 2 a lane)
-// Shared memory: the stages, Q (64 x 576 e4m3), P (128 x 64 e4m3), the per-head stats, the paged rows, the units the
-// CTA walks (WideItems) and the stages' mbarriers.
-constexpr int WIDE_ITEM_BYTES = WIDE_MAX_ITEMS * (16 + 3 * 4) + WIDE_STAGES * 8;
+// A unit's positions [lo, hi), lo shifted so that the CTA's stream tile i (pair i / 2) covers positions lo + 64 i ..;
+// start: the sequence's first row (ragged); b: the sequence.
+struct alignas(16) WideRange {
+  int lo, hi, start, b;
+};
+// The units a CTA walks, in shared memory (unit blockIdx.y + k gridDim.y is item k): their ranges, the stream
+// position past each one's last pair (a unit without tiles takes none), their bad-page flags (PagedRows::bad) and
+// split_range's verdicts; and the stages' mbarriers.
+struct WideItems {
+  WideRange range[WIDE_MAX_ITEMS];
+  int end[WIDE_MAX_ITEMS];
+  int bad[WIDE_MAX_ITEMS];
+  int valid[WIDE_MAX_ITEMS];
+  uint64_t bars[WIDE_STAGES];
+  // The item of stream position q, from the item k of an earlier one (positions past the last item: nitems).
+  __device__ __forceinline__ int at(int k, int q, int nitems) const {
+    while (k < nitems && q >= end[k]) ++k;
+    return k;
+  }
+};
+// Shared memory: the stages, Q (64 x 576 e4m3), P (128 x 64 e4m3), the per-head stats, the paged rows and the units.
 constexpr int wide_smem_bytes() {
-  return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED + WIDE_ITEM_BYTES;
+  return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED + sizeof(WideItems);
 }
 static_assert(wide_smem_bytes() <= 227 * 1024, "a block's shared memory on Hopper");
 // PagedRows' 4 slots (the stream's tile i in slot i % 4) hold pairs q + 1 and q + 2 during stream position q: pair q +
@@ -77,21 +95,6 @@ __device__ __forceinline__ void tma_tile(const WideMaps& maps, uint32_t dst, uin
       ::"r"(dst + ROPE_OFFSET), "l"(reinterpret_cast<uint64_t>(&maps.rope)), "r"(DV), "r"(row), "r"(bar) : "memory");
 }
 
-// The units a CTA walks, in shared memory: unit blockIdx.y + k gridDim.y is item k. Its positions [lo, hi) with lo
-// shifted so that the CTA's stream tile i (pair i / 2) covers positions lo + 64 i .., the stream position past its
-// last pair (items without tiles take none), its bad-page flag (PagedRows::bad) and split_range's verdict.
-struct WideItems {
-  int4* range;  // {lo, hi, start, b}
-  int* end;
-  int* bad;
-  int* valid;
-  // The item of stream position q, from the item k of an earlier one (positions past the last item: nitems).
-  __device__ __forceinline__ int at(int k, int q, int nitems) const {
-    while (k < nitems && q >= end[k]) ++k;
-    return k;
-  }
-};
-
 template <bool PAGED>
 __global__ void __launch_bounds__(WIDE_THREADS, WIDE_CTAS_PER_SM)
 split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
@@ -109,12 +112,9 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   float* sums = pair_alpha + H;                                  // [item parity][warpgroup][head]
   float* qscale = sums + 4 * H;
   int* const rows_smem = reinterpret_cast<int*>(qscale + H);
-  int4* const item_range = reinterpret_cast<int4*>(rows_smem + SMEM_PAGED / 4);
-  const WideItems items{item_range, reinterpret_cast<int*>(item_range + WIDE_MAX_ITEMS),
-                        reinterpret_cast<int*>(item_range + WIDE_MAX_ITEMS) + WIDE_MAX_ITEMS,
-                        reinterpret_cast<int*>(item_range + WIDE_MAX_ITEMS) + 2 * WIDE_MAX_ITEMS};
+  WideItems& items = *reinterpret_cast<WideItems*>(rows_smem + SMEM_PAGED / 4);
   auto paged_rows = [&](int k) { return PagedRows{rows_smem, items.bad + k}; };
-  const uint32_t bars = smem_u32(items.valid + WIDE_MAX_ITEMS);  // stage s's mbarrier at bars + 8 s
+  const uint32_t bars = smem_u32(items.bars);  // stage s's mbarrier at bars + 8 s
   if (tid == 0) {
 #pragma unroll
     for (int st = 0; st < WIDE_STAGES; ++st) mbar_init(bars + 8 * st);
@@ -151,7 +151,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       const int end = first + scan;
       first += __shfl_sync(0xffffffffu, scan, 31);
       if (k < nitems) {
-        items.range[k] = make_int4(r.lo - 2 * (end - npairs[i]) * BN, r.hi, r.start, b);
+        items.range[k] = WideRange{r.lo - 2 * (end - npairs[i]) * BN, r.hi, r.start, b};
         items.end[k] = end;
         items.bad[k] = 0;
         items.valid[k] = r.valid;
@@ -164,16 +164,16 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   const uint32_t ks_addr = smem_u32(smem);
   // Stream position q (a pair of item k, range r): tiles 2q and 2q + 1 to stages (2q) % 4 and + 1, one cp.async group
   // (empty past the last item). A tile past the item's hi (the second of an odd item's last pair) is zero-filled.
-  auto load_pair = [&](int k, const int4& r, int q) {
+  auto load_pair = [&](int k, const WideRange& r, int q) {
     if (k < nitems) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int t = 2 * q + i, n0 = r.x + t * BN, stage = t % WIDE_STAGES;
-        const int first = PAGED ? paged_rows(k).at(t, 0) : r.z + n0;  // the tile's first row, if consecutive
-        if (consecutive && first >= 0 && r.y - n0 >= BN) {
+        const int t = 2 * q + i, n0 = r.lo + t * BN, stage = t % WIDE_STAGES;
+        const int first = PAGED ? paged_rows(k).at(t, 0) : r.start + n0;  // the tile's first row, if consecutive
+        if (consecutive && first >= 0 && r.hi - n0 >= BN) {
           if (tid == TMA_THREAD) tma_tile(maps, ks_addr + stage * TILE, bars + 8 * stage, first);
         } else {
-          copy.tile(call, paged_rows(k), PAGED, consecutive, ks_addr + stage * TILE, t, r.x, r.y, r.z);
+          copy.tile(call, paged_rows(k), PAGED, consecutive, ks_addr + stage * TILE, t, r.lo, r.hi, r.start);
           if (tid == TMA_THREAD) mbar_arrive(bars + 8 * stage);
         }
       }
@@ -181,15 +181,15 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
     asm volatile("cp.async.commit_group;\n");
   };
   // Threads 0..127: the block-table entry of one row of position q's tiles (item k, range r), then its row.
-  auto fetch_rows = [&](int k, const int4& r, int q) {
-    return k < nitems && tid < 2 * BN ? paged_rows(k).fetch(call, r.w, r.x, r.y, 2 * q + (tid >> 6), tid & (BN - 1))
+  auto fetch_rows = [&](int k, const WideRange& r, int q) {
+    return k < nitems && tid < 2 * BN ? paged_rows(k).fetch(call, r.b, r.lo, r.hi, 2 * q + (tid >> 6), tid & (BN - 1))
                                       : 0;
   };
-  auto put_rows = [&](int k, const int4& r, int q, int entry) {
-    if (k < nitems && tid < 2 * BN) paged_rows(k).put(call, 2 * q + (tid >> 6), tid & (BN - 1), entry, r.x, r.y);
+  auto put_rows = [&](int k, const WideRange& r, int q, int entry) {
+    if (k < nitems && tid < 2 * BN) paged_rows(k).put(call, 2 * q + (tid >> 6), tid & (BN - 1), entry, r.lo, r.hi);
   };
   // The item of position q past item k's last pair, and its range.
-  auto later = [&](int k, int q, int4& r) {
+  auto later = [&](int k, int q, WideRange& r) {
     const int next = items.at(k + 1, q, nitems);
     if (next < nitems) r = items.range[next];
     return next;
@@ -198,7 +198,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   typename Query::Regs qv;
   Query::load(qv, call, unit_of(0), cwarp, lane);
   __syncthreads();  // the items
-  int4 r0 = make_int4(0, 0, 0, 0), r1 = r0;
+  WideRange r0{}, r1{};
   const int k0 = later(-1, 0, r0), k1 = later(k0 - 1, 1, r1);  // the items of positions 0 and 1
   if (PAGED) {  // their rows
     const int e0 = fetch_rows(k0, r0, 0), e1 = fetch_rows(k1, r1, 1);
@@ -235,7 +235,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   int q = 0;  // the stream position of the pair being scored
   for (int k = 0; k < nitems; ++k) {
     const int unit = unit_of(k), end = items.end[k];
-    const int4 range = items.range[k];
+    const WideRange range = items.range[k];
     if (k > 0 && q < end) {  // the unit's Q, once every warp is done with the last one's (the output's barrier)
       Query::load(qv, call, unit, cwarp, lane);
       Query::store(qv, call, kv_scale, qs, qscale, cwarp, lane);
@@ -264,11 +264,11 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       // position's copies (a TMA issue by one thread, or every thread's cp.async), while the tensor cores work.
       float s[H / 2];
       issue_scores<H, false, true>(s, ks_addr + ((2 * q + wg) % WIDE_STAGES) * TILE, qdesc);
-      int4 rc = range;
+      WideRange rc = range;
       load_pair(q + 1 < end ? k : later(k, q + 1, rc), rc, q + 1);
       // Threads 0..127 look up one row each of position q + 2, stored once the scores are in (its slots, q's, were
       // last read by q's copies; read after the next barrier).
-      int4 ra = range;
+      WideRange ra = range;
       const int ka = q + 2 < end ? k : later(k, q + 2, ra);
       const int next_entry = PAGED ? fetch_rows(ka, ra, q + 2) : 0;
       const float qsc0 = qscale[h0], qsc1 = qscale[h1];
@@ -279,7 +279,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
 
       // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
       // meet through shared memory at the barrier that completes P, and only where one moves a reference.
-      const int in_tile = range.y - range.x - (2 * q + wg) * BN;  // columns < in_tile are rows before hi
+      const int in_tile = range.hi - range.lo - (2 * q + wg) * BN;  // columns < in_tile are rows before hi
       if (in_tile >= BN) {
   #pragma unroll
         for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? qsc1 : qsc0;
