@@ -72,12 +72,7 @@ static int wide_ctas(int units, int sms) {
   const int fewest = (units + mla::WIDE_MAX_ITEMS - 1) / mla::WIDE_MAX_ITEMS;
   return units < limit ? units : limit > fewest ? limit : fewest;
 }
-#else
-extern "C" void mla_limit_wide_ctas(int) {}
-static int wide_ctas(int units, int) { return units; }
-#endif
 
-#if MLA_WGMMA
 // The 64-row kernel's TMA maps of the FP8 cache (wgmma64.cuh's WideMaps), encoded on the host for each launch (a
 // graph keeps the launch's). cuTensorMapEncodeTiled comes from the driver through the runtime: no libcuda link.
 static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
@@ -109,6 +104,9 @@ static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r1 == CUDA_SUCCESS && r2 == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
+#else
+extern "C" void mla_limit_wide_ctas(int) {}
+static int wide_ctas(int units, int) { return units; }
 #endif
 
 // With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
