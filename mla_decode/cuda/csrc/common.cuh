@@ -83,6 +83,12 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
       make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }
 
+// A kernel instance's cache layout (the launcher picks it from page_size and the format): ragged rows
+// (kv_indptr), pages whose tiles are consecutive rows of one page (FP8, a multiple of BN rows: each thread reads its
+// tiles' table entries itself), or rows looked up in PagedRows (other pages, and MXFP4, whose block scales are read
+// per row).
+enum Layout : int { RAGGED = 0, ROW_PAGES = 1, TILE_PAGES = 2 };
+
 // The positions [lo, hi) of sequence b that split `split` attends to for token t: splits of whole 64-row tiles,
 // ntiles of them, over the positions the token sees; `start`: the sequence's first row (ragged). An invalid kv_indptr
 // range or length reads nothing (valid = false; its output rows become NaN).

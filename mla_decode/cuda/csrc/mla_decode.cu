@@ -115,14 +115,15 @@ static int wide_ctas(int units, int) { return units; }
 // first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
-template <int STAGES, bool MX, bool PAGED, int H>
+template <int STAGES, bool MX, int LAYOUT, int H>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
+  constexpr bool PAGED = LAYOUT != mla::RAGGED;
 #if MLA_WGMMA
   static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX), "64-row units: FP8, 4 stages");
   constexpr bool wide = H == mla::WIDE_ROWS;
   const auto kernel = [] {
     if constexpr (wide) return mla::split_kernel64<PAGED>;
-    else return mla::split_kernel<STAGES, MX, PAGED, H>;
+    else return mla::split_kernel<STAGES, MX, LAYOUT, H>;
   }();
   constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, MX, H>();
   constexpr int threads = wide ? mla::WIDE_THREADS : mla::NTHREADS;
@@ -173,24 +174,33 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
   return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
-// The ragged and the paged instance of a configuration (the ragged one is the contiguous cache's kernel as it was),
-// for the call's rows per unit.
+// The instance of a configuration for the call's layout (common.cuh's Layout: the wgmma kernel's FP8 pages of a
+// multiple of BN rows read their tiles' table entries per thread) and rows per unit.
+template <int STAGES, bool MX, int H>
+static cudaError_t launch_rows(int dev, const DecodeCall& a, int max_window, int sms) {
+  using namespace mla;
+  if (!a.page_size) return launch_split<STAGES, MX, RAGGED, H>(dev, a, max_window, sms);
+#if MLA_WGMMA
+  if constexpr (!MX) {
+    if (a.page_size % BN == 0) return launch_split<STAGES, MX, TILE_PAGES, H>(dev, a, max_window, sms);
+  }
+#endif
+  return launch_split<STAGES, MX, ROW_PAGES, H>(dev, a, max_window, sms);
+}
+
 template <int STAGES, bool MX>
 static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window, int sms) {
 #if MLA_WGMMA
-  if (a.unit_rows == 32)
-    return a.page_size ? launch_split<STAGES, MX, true, 32>(dev, a, max_window, sms)
-                       : launch_split<STAGES, MX, false, 32>(dev, a, max_window, sms);
+  if (a.unit_rows == 32) return launch_rows<STAGES, MX, 32>(dev, a, max_window, sms);
 #endif
-  return a.page_size ? launch_split<STAGES, MX, true, 16>(dev, a, max_window, sms)
-                     : launch_split<STAGES, MX, false, 16>(dev, a, max_window, sms);
+  return launch_rows<STAGES, MX, 16>(dev, a, max_window, sms);
 }
 
 #if MLA_WGMMA
 // The 64-row kernel's one configuration (FP8, 4 stages, one CTA an SM), ragged or paged.
 static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int sms) {
-  return a.page_size ? launch_split<mla::WIDE_STAGES, false, true, mla::WIDE_ROWS>(dev, a, max_window, sms)
-                     : launch_split<mla::WIDE_STAGES, false, false, mla::WIDE_ROWS>(dev, a, max_window, sms);
+  return a.page_size ? launch_split<mla::WIDE_STAGES, false, mla::ROW_PAGES, mla::WIDE_ROWS>(dev, a, max_window, sms)
+                     : launch_split<mla::WIDE_STAGES, false, mla::RAGGED, mla::WIDE_ROWS>(dev, a, max_window, sms);
 }
 #endif
 

@@ -352,16 +352,15 @@ struct CopyPlan {
     }
   }
 
-  // Copies tile i (positions n0 = lo + 64 i ..) to shared dst. consecutive: its rows follow cache row `start + n0`
-  // (ragged) or paged_rows.at(i, 0) (pages of a multiple of 64 rows; -1: a page outside the cache), else gather().
-  __device__ __forceinline__ void tile(const DecodeCall& call, const PagedRows& paged_rows, bool paged,
-                                       bool consecutive, uint32_t dst, int i, int lo, int hi, int start) const {
+  // Copies tile i (positions n0 = lo + 64 i ..) to shared dst. consecutive: its rows follow cache row `first`
+  // (-1: a page outside the cache, nothing read), else gather() looks each up.
+  __device__ __forceinline__ void tile(const DecodeCall& call, const PagedRows& paged_rows, bool consecutive,
+                                       int first, uint32_t dst, int i, int lo, int hi) const {
     const int n0 = lo + i * BN;
     if (!consecutive) {
       if (call.page_size * (MX ? MX_ROW : D) % 128 == 0) gather<true>(call, paged_rows, dst, i);
       else gather<false>(call, paged_rows, dst, i);
     } else if constexpr (MX) {
-      const int first = paged ? paged_rows.at(i, 0) : start + n0;
       const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * MX_ROW + tid * 16;
       const int rows = first < 0 ? 0 : hi - n0;
       if (rows >= BN) {
@@ -374,7 +373,6 @@ struct CopyPlan {
         }
       }
     } else {
-      const int first = paged ? paged_rows.at(i, 0) : start + n0;
       const uint8_t* src = call.kv + static_cast<size_t>(max(first, 0)) * D;
       const int rows = first < 0 ? 0 : hi - n0;
       if (rows >= BN) {
@@ -441,10 +439,11 @@ struct QueryQuant {
 };
 
 // H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products.
-template <int STAGES, bool MX, bool PAGED, int H>
+template <int STAGES, bool MX, int LAYOUT, int H>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const DecodeCall call) {
   static_assert(H == 16 || H == 32, "16 or 32 query rows a CTA");
+  static_assert(!(MX && LAYOUT == TILE_PAGES), "MXFP4 reads its block scales per row: ROW_PAGES");
   constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][H heads][16 bytes]
   constexpr int NE = H / 4;       // heads a thread (score columns; value product columns)
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -466,29 +465,50 @@ split_kernel(const DecodeCall call) {
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
-  constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
+  constexpr bool paged = LAYOUT != RAGGED, row_pages = LAYOUT == ROW_PAGES;  // the launcher picks the instance
   // A tile's rows are consecutive in the cache (one address per tile) when ragged or in pages of a multiple of BN
   // rows; otherwise each copy looks its row up in paged_rows.
-  const bool consecutive = !paged || call.page_size % BN == 0;
+  const bool consecutive = !row_pages || call.page_size % BN == 0;
+  // TILE_PAGES: tile i's first row from its page's table entry, which every thread reads itself (one address a
+  // warp) a tile ahead of the copies that need it; an entry outside the cache is never followed (bad).
+  const int* table_row = call.block_table + static_cast<size_t>(b) * call.max_pages;
+  auto page_entry = [&](int i) { return i < ntiles ? __ldg(table_row + (lo + i * BN) / call.page_size) : 0; };
+  bool bad = false;
+  auto first_row = [&](int i, int entry) {
+    const int n0 = lo + i * BN;
+    if constexpr (LAYOUT == TILE_PAGES) {
+      const bool ok = static_cast<unsigned>(entry) < static_cast<unsigned>(call.total_kv / call.page_size);
+      bad |= !ok;
+      return ok ? entry * call.page_size + n0 % call.page_size : -1;
+    } else {
+      return paged ? paged_rows.at(i, 0) : start + n0;
+    }
+  };
   // TUNE: start
 
   const CopyPlan<NTHREADS, MX> copy(tid);
   const uint32_t ks_addr = smem_u32(ks);
-  auto load_tile = [&](int i) {
-    copy.tile(call, paged_rows, paged, consecutive, ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi,
-              start);
+  auto load_tile = [&](int i, int entry) {
+    copy.tile(call, paged_rows, consecutive, consecutive ? first_row(i, entry) : -1,
+              ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi);
   };
   using Query = QueryQuant<H, NWARPS>;
   typename Query::Regs qv;
   Query::load(qv, call, unit, warp, lane);
-  // One cp.async group per tile (empty past the last).
-  auto load_group = [&](int i) {
-    if (i < ntiles) load_tile(i);
+  // One cp.async group per tile (empty past the last); entry: TILE_PAGES' table entry of tile i.
+  auto load_group = [&](int i, int entry) {
+    if (i < ntiles) load_tile(i, entry);
     asm volatile("cp.async.commit_group;\n");
   };
-  if (paged) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid);
+  int entries[STAGES] = {};  // TILE_PAGES: tiles 0 .. STAGES - 1, all asked for before the first is used
+  if constexpr (LAYOUT == TILE_PAGES) {
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) load_group(i);
+    for (int i = 0; i < STAGES; ++i) entries[i] = page_entry(i);
+  }
+  if (row_pages) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) load_group(i, entries[i]);
+  int ahead = entries[STAGES - 1];  // TILE_PAGES: the entry of the tile the loop's next copies take
   // TUNE: issued
   // MXFP4: this thread dequantizes blocks c = tid + 128 j (j < 9) of each tile, row c / 18, block c % 18; their
   // E8M0 scales are loaded one tile ahead, into registers (rows past hi: 127, a scale of 1 over zero codes).
@@ -535,8 +555,9 @@ split_kernel(const DecodeCall call) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();  // tile i is visible to the tensor cores; every warp is done with tile i - 1
     // TUNE: tile
-    load_group(i + STAGES - 1);
-    const int next_entry = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // put after the products
+    load_group(i + STAGES - 1, ahead);
+    if constexpr (LAYOUT == TILE_PAGES) ahead = page_entry(i + STAGES);  // used by the next iteration's copies
+    const int next_entry = row_pages ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // put after the products
     uint32_t kt = ks_addr + (i % STAGES) * TILE;
     if constexpr (MX) {  // codes + scales -> the e5m2 tile at offset 0 (free: every warp is done with tile i - 1)
       uint32_t scales[MX_JOBS];
@@ -637,19 +658,22 @@ split_kernel(const DecodeCall call) {
     wg_wait<0>();
 #pragma unroll
     for (int mb = 0; mb < 8; ++mb) fence_acc<H / 2>(acc[mb]);
-    if (paged) paged_rows.put(call, i + STAGES, tid, next_entry, lo, hi);  // read after the next iteration's barrier
+    if (row_pages) paged_rows.put(call, i + STAGES, tid, next_entry, lo, hi);  // read after the next iteration's barrier
     // TUNE: PV
   }
   asm volatile("cp.async.wait_group 0;\n");
 
   // TUNE: loop
   // Row sums across the warp's rows and the warps (every warp holds the same m).
-  __syncthreads();  // every warp has read red in its last tile
+  // Every warp has read red in its last tile; TILE_PAGES: whether any thread met a page outside the cache.
+  bool tile_pages_bad = false;
+  if constexpr (LAYOUT == TILE_PAGES) tile_pages_bad = __syncthreads_or(bad);
+  else __syncthreads();
   reduce_rows(l, heads, red, warp, g, [](float x, float y) { return x + y; });
   float scale[NE];  // kv_scale / the sum (no rows: zeros)
 #pragma unroll
   for (int e = 0; e < NE; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
-  const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
+  const bool bad_page = row_pages ? *paged_rows.bad : tile_pages_bad;  // rows: written before the loop's last barrier
   const bool ok = valid && !bad_page;
   const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8

@@ -173,7 +173,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
         if (consecutive && first >= 0 && r.hi - n0 >= BN) {
           if (tid == TMA_THREAD) tma_tile(maps, ks_addr + stage * TILE, bars + 8 * stage, first);
         } else {
-          copy.tile(call, paged_rows(k), PAGED, consecutive, ks_addr + stage * TILE, t, r.lo, r.hi, r.start);
+          copy.tile(call, paged_rows(k), consecutive, first, ks_addr + stage * TILE, t, r.lo, r.hi);
           if (tid == TMA_THREAD) mbar_arrive(bars + 8 * stage);
         }
       }
