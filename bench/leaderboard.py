@@ -437,6 +437,31 @@ def _ours_paged(backend: str, kv_format: str, page: int):
     return prepare
 
 
+def _ours_ragged(backend: str, kv_format: str):
+    """The library's ragged call on the input's contiguous cache, through a plan made once outside the timing
+    (mla_decode.plan_ragged; max_seqlen the shape's length): the paged rows' contiguous twin, the same plan run (its
+    output and LSE allocated per call), where the leaderboard call (cuda-fp8) writes no LSE."""
+
+    def prepare(ctx: Context, shape: Shape, data: tuple, expected: torch.Tensor) -> Prepared:
+        kv, scale = data[1][kv_format]
+        try:
+            decode = mla_decode.plan_ragged(shape.batch, kv.dtype, ctx.device, shape.kv, backend=backend,
+                                            kv_scale_dtype=scale.dtype)
+        except RuntimeError as e:
+            raise Unavailable(str(e)) from e
+        check = _check_attention(data, expected, kv_format)
+
+        def call(inputs: tuple) -> Callable[[], object]:
+            q, kv_data, _, kv_indptr, _ = inputs
+            kv, scale = kv_data[kv_format]
+            return lambda: decode.run_ragged(q.view(shape.batch, 1, *q.shape[1:]), kv, kv_indptr, scale)
+
+        return Prepared(fn=call(data), check=lambda out: check(out[0].view(shape.batch, *out[0].shape[2:])),
+                        fresh=call, note="the library's ragged plan run, LSE written")
+
+    return prepare
+
+
 def _flashinfer_paged_call(ctx: Context, data: tuple, kv_format: str, page: int) -> Callable[[], object]:
     fi = ctx.flashinfer()
     p = _paged(data, kv_format, page)
@@ -492,7 +517,10 @@ METHODS = (
     Method("memwalk-fp8", "floor", "fp8", "memory-only walk of the FP8 cache (576 B/row), no math", _memwalk("fp8")),
     Method("memwalk-mxfp4", "floor", "mxfp4", "memory-only walk of the MXFP4 cache (288 + 18 B/row), no math",
            _memwalk("mxfp4")),
-    # The library's paged call beside the contiguous rows above: the same rows in shuffled pages of 64, 16 or 1.
+    # The library's calls beside the leaderboard rows above: the contiguous cache through its ragged plan, and the
+    # same rows in shuffled pages of 64, 16 or 1.
+    *(Method(f"{backend}-fp8-ragged", "ours", "fp8", f"ours: mla_decode plan_ragged ({backend}), FP8, LSE written",
+             _ours_ragged(backend, "fp8")) for backend in ("cuda", "triton", "torch")),
     *(Method(f"{backend}-fp8-p{page}", "ours", "fp8", f"ours: mla_decode plan ({backend}), FP8 pages of {page}",
              _ours_paged(backend, "fp8", page)) for backend in ("cuda", "triton") for page in PAGE_SIZES),
     *(Method(f"flashinfer-{fmt}-p{page}", "peer", fmt, f"FlashInfer MLA decode, {fmt} pages of {page}, plan once",
