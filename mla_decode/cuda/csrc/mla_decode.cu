@@ -6,8 +6,9 @@
 //
 // Two split kernels with one interface: with MLA_WGMMA (built for sm_90a) warpgroup MMAs on FP8 operands, else mma.sync
 // in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
-// split_kernel<STAGES, MX, PAGED[, H]>(DecodeCall): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the
-// call's unit_rows query rows of a sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED>
+// split_kernel<STAGES, MX, LAYOUT[, H]>(DecodeCall) (LAYOUT: common.cuh's Layout; the mma.sync kernel's is a bool,
+// PAGED): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the call's unit_rows query rows of a
+// sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED>
 // (WIDE_THREADS threads, FP8, the cache's TMA maps as a second argument; with one split its grid is at most one CTA an
 // SM, each walking units in turn); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
 // num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, unit_rows, 512)
