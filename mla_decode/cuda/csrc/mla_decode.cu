@@ -234,7 +234,6 @@ extern "C" int mla_decode(const DecodeCall* c) {
   const bool rows_ok = (rows == 16 || rows == 32 || rows == 64) && rows <= mla::MAX_UNIT_ROWS &&
                        !(rows == 64 && kv_format != 0) && c->num_heads > 0 && c->num_heads % rows == 0 &&
                        c->q_len > 0;
-  const int units = rows_ok ? c->batch * (c->q_len * c->num_heads / rows) : 0;  // CTAs per split
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table);
   if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
@@ -246,6 +245,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
   }
   cudaError_t e;
 #if MLA_WGMMA
+  const int units = c->batch * (c->q_len * c->num_heads / rows);  // CTAs per split
   if (rows == mla::WIDE_ROWS)
     e = launch_wide(dev, *c, max_window[dev], sms[dev]);
   else if (kv_format == 1)
