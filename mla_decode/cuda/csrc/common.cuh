@@ -117,6 +117,14 @@ __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, in
   return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, start, valid};
 }
 
+// Position pos's row in the cache, from its page's block-table entry; -1 where that page lies outside the cache
+// (never followed).
+__device__ __forceinline__ int page_row(const DecodeCall& c, int entry, int pos) {
+  return static_cast<unsigned>(entry) < static_cast<unsigned>(c.total_kv / c.page_size)
+             ? entry * c.page_size + pos % c.page_size
+             : -1;
+}
+
 // The rows of the next tiles of a paged split, in shared memory: ROW_SLOTS tiles of BN rows (tile i in slot i %
 // ROW_SLOTS), written one iteration before the copies that read them. Threads 0..BN-1 each look up one row; `bad`
 // records a page outside the cache (never followed: the sequence's output becomes NaN).
@@ -138,9 +146,9 @@ struct PagedRows {
     const int pos = lo + tile * BN + tid;
     if (tid < BN) {
       const bool in = pos < hi;
-      const bool ok = in && static_cast<unsigned>(entry) < static_cast<unsigned>(c.total_kv / c.page_size);
-      rows[(tile % ROW_SLOTS) * BN + tid] = ok ? entry * c.page_size + pos % c.page_size : -1;
-      if (in && !ok) *bad = 1;
+      const int row = in ? page_row(c, entry, pos) : -1;
+      rows[(tile % ROW_SLOTS) * BN + tid] = row;
+      if (in && row < 0) *bad = 1;
     }
   }
   __device__ __forceinline__ int at(int tile, int r) const { return rows[(tile % ROW_SLOTS) * BN + r]; }

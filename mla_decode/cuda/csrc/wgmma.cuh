@@ -477,9 +477,9 @@ split_kernel(const DecodeCall call) {
   auto first_row = [&](int i, int entry) {
     const int n0 = lo + i * BN;
     if constexpr (LAYOUT == TILE_PAGES) {
-      const bool ok = static_cast<unsigned>(entry) < static_cast<unsigned>(call.total_kv / call.page_size);
-      bad |= !ok;
-      return ok ? entry * call.page_size + n0 % call.page_size : -1;
+      const int row = page_row(call, entry, n0);
+      bad |= row < 0;
+      return row;
     } else {
       return paged ? paged_rows.at(i, 0) : start + n0;
     }
