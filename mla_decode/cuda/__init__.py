@@ -44,6 +44,10 @@ KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
 WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
 BLOCK_N = 64  # KV rows per tile (BN in the source)
+# cuda_plan: the tiles a split keeps at least where its CTAs would not all fit one per SM; and the splits that FP8
+# pages under BLOCK_N rows keep regardless (their rows are looked up one by one: more CTAs in flight hide the lookups,
+# until the unit's merge of that many partials costs more)
+SPLIT_MIN_TILES, GATHERED_KEEP_SPLITS = 4, 8
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
 MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x heads / unit_rows)
 CSRC = Path(__file__).resolve().parent / "csrc"  # the sources built (bench/tune_cuda.py points it at patched copies)
@@ -166,16 +170,17 @@ def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool 
     return None
 
 
-def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1) -> int:
+def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1, keep_splits: int = 1) -> int:
     """Splits per unit (`batch` units of 16, 32 or 64 query rows): the largest power of two with batch x splits <= the
     CTAs that fit at once (ctas_per_sm x SMs; the merge's barrier needs them all resident), at most MAX_SPLITS and at
-    least one 64-row tile per split; then, while a second CTA per SM would be needed (batch x splits > SMs), halved as
-    long as a split would hold fewer than 4 tiles (a CTA's fixed cost, its Q and its partial output, outweighs so
-    little work). The sweeps behind it are in docs/design-notes.md (units of 16 rows)."""
+    least one 64-row tile per split; then, while a second CTA per SM would be needed (batch x splits > SMs) and there
+    are more than `keep_splits`, halved as long as a split would hold fewer than SPLIT_MIN_TILES tiles (a CTA's fixed
+    cost, its Q and its partial output, outweighs so little work). The sweeps behind it are in docs/design-notes.md
+    (units of 16 rows) and, for keep_splits, docs/2026-12-02-paged-gap.md (section 9)."""
     tiles = max(1, seq_len // BLOCK_N)
     limit = max(1, min(ctas_per_sm * num_sms // max(batch, 1), tiles, MAX_SPLITS))
     splits = 1 << (limit.bit_length() - 1)
-    while splits > 1 and batch * splits > num_sms and tiles // splits < 4:
+    while splits > keep_splits and batch * splits > num_sms and tiles // splits < SPLIT_MIN_TILES:
         splits //= 2
     return splits
 
@@ -213,14 +218,17 @@ class LaunchKey(NamedTuple):
     kv_format: str
     precise: bool
     unit_rows: int = QUERY_ROWS  # its kernel's CTAs per SM (mla_unit_ctas_per_sm): 1 at 64 rows, else 2 or 1
+    page_size: int = 0  # 0: ragged
 
 
 def plan_splits(key: LaunchKey) -> int:
     """The splits per sequence of the launch plan of `key` (cuda_plan on its GPU, with the CTAs per SM of its units'
     kernel: the cooperative launch fails unless every CTA is resident)."""
     lib = library(capability(key.device), key.precise)
+    gathered = key.kv_format == "fp8" and not key.precise and 0 < key.page_size < BLOCK_N
     return cuda_plan(key.units, key.seq_len, torch.cuda.get_device_properties(key.device).multi_processor_count,
-                     lib.mla_unit_ctas_per_sm(key.unit_rows))
+                     lib.mla_unit_ctas_per_sm(key.unit_rows),
+                     GATHERED_KEEP_SPLITS if gathered else 1)
 
 
 def served_unit_rows(problem) -> list[int]:
@@ -260,7 +268,8 @@ def plan_unit_rows(problem, requested: int | None = None) -> int:
 
     def plan(rows: int) -> tuple[int, int, int]:  # (units, splits, tiles a CTA) of the plan in units of `rows`
         units = query_units(problem, rows)
-        splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows))
+        splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows,
+                                       problem.page_size))
         return units, splits, max(1, problem.max_seqlen // BLOCK_N) // splits
 
     sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
@@ -317,7 +326,7 @@ class CudaDecode:
         units = query_units(problem, rows)
         if units > MAX_UNITS:
             raise ValueError(f"cuda backend: {units} units of {rows} query rows, more than the grid's {MAX_UNITS}")
-        self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise, rows)
+        self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise, rows, problem.page_size)
         self.decode = library(capability(device), precise).mla_decode
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.num_splits = splits = plan_splits(self.key)
