@@ -20,11 +20,11 @@ ab: every variant's output is checked with reference.check_implementation, then 
 (utils.Timer, as leaderboard.py times: L2 flushed, events around the one call; median of --iters after 2 warm-up calls),
 variants interleaved per shape so that drift hits them alike; prints µs per shape and variant and the geometric means.
 --page N times the paged kernels instead: the library's plan run (mla_decode.plan(...).run(...), a plan per variant
-and shape) over the input's cache re-laid in shuffled pages of N rows, as leaderboard.py's paged rows are (a forced
-split count does not apply there); --in-order keeps the pages in the cache's order. --serving SPEC times rows of a
-serving spec instead (serving.yml's layout; --rows picks them by name): the library's plan and run as
-bench/serving.py's cuda method makes them, whatever unit the plan picks, each checked against serving.py's float64
-truth (a forced split count does not apply there either).
+and shape) over the input's cache re-laid in shuffled pages of N rows, as leaderboard.py's paged rows are;
+--in-order keeps the pages in the cache's order. --serving SPEC times rows of a serving spec instead (serving.yml's
+layout; --rows picks them by name): the library's plan and run as bench/serving.py's cuda method makes them,
+whatever unit the plan picks, each checked against serving.py's float64 truth. Both make their plans with the
+variant active, so a forced split count applies to them too.
 
 timeline: thread 0 of every CTA records %globaltimer at the MARKS, the `// TUNE: name` lines of the sources; prints,
 for the median of --runs flushed launches, the min / median / max over CTAs of each mark in µs after the first CTA
