@@ -45,8 +45,8 @@ MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is nativ
 WGMMA_CAPABILITY = (9, 0)  # built for sm_90a: the wgmma kernel
 BLOCK_N = 64  # KV rows per tile (BN in the source)
 # cuda_plan: the tiles a split keeps at least where its CTAs would not all fit one per SM; and the splits that FP8
-# pages under BLOCK_N rows keep regardless (their rows are looked up one by one: more CTAs in flight hide the lookups,
-# until the unit's merge of that many partials costs more)
+# pages under BLOCK_N rows keep regardless in 16-row units (their rows are looked up one by one: more CTAs in flight
+# hide the lookups, until the unit's merge of that many partials costs more)
 SPLIT_MIN_TILES, GATHERED_KEEP_SPLITS = 4, 8
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
 MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x heads / unit_rows)
@@ -225,7 +225,8 @@ def plan_splits(key: LaunchKey) -> int:
     """The splits per sequence of the launch plan of `key` (cuda_plan on its GPU, with the CTAs per SM of its units'
     kernel: the cooperative launch fails unless every CTA is resident)."""
     lib = library(capability(key.device), key.precise)
-    gathered = key.kv_format == "fp8" and not key.precise and 0 < key.page_size < BLOCK_N
+    gathered = (key.kv_format == "fp8" and not key.precise and key.unit_rows == QUERY_ROWS
+                and 0 < key.page_size < BLOCK_N)
     return cuda_plan(key.units, key.seq_len, torch.cuda.get_device_properties(key.device).multi_processor_count,
                      lib.mla_unit_ctas_per_sm(key.unit_rows),
                      GATHERED_KEEP_SPLITS if gathered else 1)
@@ -268,8 +269,8 @@ def plan_unit_rows(problem, requested: int | None = None) -> int:
 
     def plan(rows: int) -> tuple[int, int, int]:  # (units, splits, tiles a CTA) of the plan in units of `rows`
         units = query_units(problem, rows)
-        splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows,
-                                       problem.page_size))
+        # The ragged plan's splits (page_size 0): the unit rules were measured on them
+        splits = plan_splits(LaunchKey(problem.device, units, problem.max_seqlen, problem.kv_format, False, rows))
         return units, splits, max(1, problem.max_seqlen // BLOCK_N) // splits
 
     sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
