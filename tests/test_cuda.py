@@ -159,7 +159,7 @@ def test_plan_stays_within_what_the_merge_takes():
 # rows (rows gathered one by one) in the fast mode's 16-row units keep up to GATHERED_KEEP_SPLITS splits with a second
 # CTA per SM, whatever their tiles; ragged, pages of 64, MXFP4, the precise mode and 32-row units halve below
 # SPLIT_MIN_TILES tiles a split
-@pytest.mark.parametrize("batch,seq_len,page_size,kv_format,precise,rows,splits",
+@pytest.mark.parametrize("units,seq_len,page_size,kv_format,precise,rows,splits",
                          [(32, 1024, 1, "fp8", False, 16, 8), (32, 1024, 16, "fp8", False, 16, 8),
                           (32, 512, 1, "fp8", False, 16, 8), (4, 8192, 1, "fp8", False, 16, 32),
                           (64, 1024, 1, "fp8", False, 16, 4), (4, 1024, 1, "fp8", False, 16, 16),
@@ -168,12 +168,12 @@ def test_plan_stays_within_what_the_merge_takes():
                           (32, 1024, 128, "fp8", False, 16, 4), (32, 1024, 1, "mxfp4", False, 16, 4),
                           (32, 1024, 1, "fp8", True, 16, 4), (32, 512, 0, "fp8", False, 16, 4),
                           (32, 1024, 1, "fp8", False, 32, 4)])
-def test_gathered_pages_keep_finer_splits(monkeypatch, batch, seq_len, page_size, kv_format, precise, rows, splits):
+def test_gathered_pages_keep_finer_splits(monkeypatch, units, seq_len, page_size, kv_format, precise, rows, splits):
     monkeypatch.setattr(C, "capability", lambda device: (9, 0))
     monkeypatch.setattr(C, "library", lambda capability, precise=False: SimpleNamespace(
         mla_unit_ctas_per_sm=lambda unit_rows: 2))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    key = C.LaunchKey(torch.device("cuda", 0), batch, seq_len, kv_format, precise, rows, page_size)
+    key = C.LaunchKey(torch.device("cuda", 0), units, seq_len, kv_format, precise, rows, page_size)
     assert C.plan_splits(key) == splits
 
 
