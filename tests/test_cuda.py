@@ -63,7 +63,7 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
         [2, 2, 1] if capability == C.WGMMA_CAPABILITY else [1, 1, 1])
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert C.library(capability) is lib  # built once, then reused
-    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 24
+    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 27
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
     fields = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]
@@ -175,6 +175,31 @@ def test_gathered_pages_keep_finer_splits(monkeypatch, units, seq_len, page_size
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     key = C.LaunchKey(torch.device("cuda", 0), units, seq_len, kv_format, precise, rows, page_size)
     assert C.plan_splits(key) == splits
+
+
+def test_page_divisor_is_the_division_below_2_31():
+    """page_of's multiply and shift (page_divisor) is pos // page_size for every page size to 4096 and 200 larger
+    ones, at the positions around the top of the range and around multiples of the size, where a rounding error
+    would show; a shift one smaller (the negative control) is not exact for some."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = list(range(1, 4097)) + torch.randint(4097, 1 << 24, (200,), generator=gen).tolist()
+    top = (1 << 31) - 1
+    inexact = 0
+    for size in sizes:
+        mul, shift = C.page_divisor(size)
+        assert 0 < mul < 1 << 32 and 31 <= shift < 63, size
+        last = top // size * size
+        positions = {0, 1, size - 1, size, size + 1, top, top - 1, last, last - 1, last - size, last - size - 1}
+        assert all((pos * mul) >> shift == pos // size for pos in positions), size
+        short_mul = -(-(1 << (shift - 1)) // size)
+        inexact += any((pos * short_mul) >> (shift - 1) != pos // size for pos in positions)
+    assert inexact > 0
+
+
+def test_split_rows_are_whole_tiles_covering_the_sequence():
+    for length, splits in [(0, 1), (1, 1), (64, 1), (65, 1), (1024, 16), (1000, 16), (8191, 32), (8192, 64), (3, 4)]:
+        rows = C.split_rows(length, splits)
+        assert rows % C.BLOCK_N == 0 and rows * splits >= length and (rows - C.BLOCK_N) * splits < max(length, 1)
 
 
 # (batch, q_len, num_heads, max_seqlen, kv format, precision, the library's widest unit, the plan's unit rows); 132 SMs.

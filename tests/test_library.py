@@ -466,6 +466,24 @@ def test_gpu_paged_is_the_ragged_kernel_over_the_same_rows(kernel, page_size):
     assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bad_out_error, bad_lse_error)
 
 
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("kernel", [kernel for kernel in GPU_KERNELS if kernel[0] == "cuda"], ids="-".join)
+def test_gpu_cuda_sequences_longer_than_the_plan(kernel, page_size):
+    """A plan made for 100 positions runs on longer and shorter sequences: the kernel's first table reads, asked
+    for the split a sequence of the plan's length would have, are the wrong ones past split 0 and read again; within
+    bounds of the float64 truth, LSE included, with every unowned slot NaN."""
+    pytest.importorskip("mla_decode.cuda")
+    _, kv_format, precision = kernel
+    case = make_paged_case(kv_format, page_size, GPU_LENS, seed=page_size + 1, device="cuda")
+    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), backend="cuda", precision=precision, max_seqlen=100)
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", precision))
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    out_bound, lse_bound = gpu_bounds(kernel)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
 SERVING_SHAPES = [(2, 16), (4, 16), (1, 32), (2, 32), (1, 128), (2, 128), (1, 8), (3, 8)]  # (q_len, num_heads)
 SERVING_LENS = [0, 1, 3, 77, 1000, 4097]
 

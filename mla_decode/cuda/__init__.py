@@ -188,13 +188,29 @@ def cuda_plan(batch: int, seq_len: int, num_sms: int, ctas_per_sm: int = 1, keep
 class DecodeCall(ctypes.Structure):
     """mla_decode's one argument (csrc/common.cuh, struct DecodeCall: the same fields in the same order). A plan
     holds one with its own fields set (workspace, batch, splits, format, layout); a run sets its inputs' and passes
-    the address: one converted argument instead of 24."""
+    the address: one converted argument instead of 27."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "kv", "kv_scale", "kv_block_scales", "seqs", "block_table",
                                                        "out", "lse", "part_o", "part_lse", "sync", "stream")]
                 + [(name, ctypes.c_int) for name in ("scale_stride", "kv_format", "batch", "total_kv", "num_splits",
                                                      "page_size", "max_pages", "num_heads", "q_len", "causal")]
-                + [("qk_scale", ctypes.c_float), ("unit_rows", ctypes.c_int)])
+                + [("qk_scale", ctypes.c_float), ("unit_rows", ctypes.c_int), ("page_mul", ctypes.c_uint),
+                   ("page_shift", ctypes.c_int), ("guess_rows", ctypes.c_int)])
+
+
+def page_divisor(page_size: int) -> tuple[int, int]:
+    """(page_mul, page_shift) with pos // page_size == (pos * page_mul) >> page_shift for every 0 <= pos < 2^31 (the
+    kernels' page_of): page_shift = 31 + ceil(log2(page_size)) and page_mul = 2^page_shift / page_size rounded up,
+    below 2^32. Exact because page_mul * page_size exceeds 2^page_shift by less than page_size <= 2^(page_shift -
+    31)."""
+    shift = 31 + (page_size - 1).bit_length()
+    return -(-(1 << shift) // page_size), shift
+
+
+def split_rows(length: int, splits: int) -> int:
+    """The positions of each of `splits` splits of a sequence of `length`: whole tiles (common.cuh's split_rows)."""
+    per_split = -(-length // splits)
+    return -(-per_split // BLOCK_N) * BLOCK_N
 
 
 _GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
@@ -331,6 +347,9 @@ class CudaDecode:
         self.decode = library(capability(device), precise).mla_decode
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.num_splits = splits = plan_splits(self.key)
+        page_mul, page_shift = page_divisor(problem.page_size) if problem.page_size else (0, 0)
+        # The split the kernel's first table reads guess at (guess_entries): a sequence of the plan's length.
+        guess_rows = split_rows(min(problem.max_seqlen, problem.max_pages * problem.page_size), splits)
         parts = units * splits if splits > 1 else 0
         self.part_o = torch.empty((parts, rows, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
         self.part_lse = torch.empty((parts, rows), dtype=torch.float32, device=device)
@@ -340,7 +359,7 @@ class CudaDecode:
                                kv_format=int(problem.kv_format == "mxfp4"), page_size=problem.page_size,
                                max_pages=problem.max_pages, num_heads=problem.num_heads, q_len=problem.q_len,
                                causal=int(problem.causal and problem.q_len > 1), qk_scale=problem.qk_scale,
-                               unit_rows=rows)
+                               unit_rows=rows, page_mul=page_mul, page_shift=page_shift, guess_rows=guess_rows)
         self.address = ctypes.addressof(self.call)
 
     def run(self, q, kv, scale, seqs, table, out, lse) -> None:

@@ -25,7 +25,8 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // fp32, natural log, or null; with units = batch * q_len * num_heads / unit_rows (QueryRows), part_o (units *
 // num_splits, unit_rows, 512) bf16, part_lse (units * num_splits, unit_rows) fp32 and sync (units,) uint32: the
 // splits' partials and barrier (unused with one split); causal (q_len > 1): token t sees the first length - (q_len -
-// 1 - t) positions; stream: the cudaStream_t to launch on; qk_scale = sm_scale * log2(e).
+// 1 - t) positions; stream: the cudaStream_t to launch on; qk_scale = sm_scale * log2(e). Paged: page_mul and
+// page_shift divide by page_size (page_of); guess_rows, split_rows of the plan's length (guess_entries).
 struct DecodeCall {
   const __nv_bfloat16* q;
   const uint8_t* kv;
@@ -41,7 +42,9 @@ struct DecodeCall {
   void* stream;
   int scale_stride, kv_format, batch, total_kv, num_splits, page_size, max_pages, num_heads, q_len, causal;
   float qk_scale;
-  int unit_rows;  // last: the fields before it kept their offsets
+  int unit_rows;  // the fields before it kept their offsets
+  unsigned page_mul;
+  int page_shift, guess_rows;
 };
 
 // A CTA's H query rows: grid row `unit` = b * groups + group holds rows H group .. H group + H - 1 of sequence b's
@@ -97,6 +100,11 @@ struct SplitRange {
   bool valid;
 };
 
+// The positions of each split of a sequence of len >= 0 (num_splits is a power of two): whole tiles.
+__device__ __forceinline__ int split_rows(const DecodeCall& c, int len) {
+  return (((len + c.num_splits - 1) >> (__ffs(c.num_splits) - 1)) + BN - 1) / BN * BN;
+}
+
 __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, int split, int t) {
   int start = 0, len;
   bool valid;
@@ -111,18 +119,51 @@ __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, in
   }
   if (!valid) start = len = 0;
   if (c.causal) len = max(len - (c.q_len - 1 - t), 0);
-  const int per_split = ((len + c.num_splits - 1) / c.num_splits + BN - 1) / BN * BN;
+  const int per_split = split_rows(c, len);
   const int lo = split * per_split;
   const int hi = min(lo + per_split, len);
   return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, start, valid};
 }
 
+// The page of position pos >= 0, pos / page_size as a multiply and a shift (the host's page_divisor; exact below
+// 2^31): the first copies of a paged split wait behind it, where a division takes ~25 dependent instructions.
+__device__ __forceinline__ int page_of(const DecodeCall& c, int pos) {
+  return static_cast<int>((static_cast<unsigned long long>(pos) * c.page_mul) >> c.page_shift);
+}
+
 // Position pos's row in the cache, from its page's block-table entry; -1 where that page lies outside the cache
 // (never followed).
 __device__ __forceinline__ int page_row(const DecodeCall& c, int entry, int pos) {
-  return static_cast<unsigned>(entry) < static_cast<unsigned>(c.total_kv / c.page_size)
-             ? entry * c.page_size + pos % c.page_size
+  return static_cast<unsigned>(entry) < static_cast<unsigned>(page_of(c, c.total_kv))
+             ? entry * c.page_size + (pos - page_of(c, pos) * c.page_size)
              : -1;
+}
+
+// A paged split's table entries for its first STAGES tiles, asked for beside the sequence's length instead of after
+// it: those of the split that a sequence of the plan's length would have (guess_rows a split), from position lo.
+// Where the real split starts there too (always at split 0, and wherever the length gives the plan's split rows)
+// they are the right ones, else the caller reads them again. e[i]: the entry of row `row` of tile i (positions
+// clamped into the table; past the split's end they go unused). No branch and a short chain from the arguments:
+// these loads must be issued before the first instruction that waits for the length, and ptxas orders them only
+// within a basic block.
+template <int STAGES>
+struct GuessedEntries {
+  int lo;
+  int e[STAGES];
+};
+
+template <int STAGES>
+__device__ __forceinline__ GuessedEntries<STAGES> guess_entries(const DecodeCall& c, int b, int split, int row) {
+  GuessedEntries<STAGES> g;
+  g.lo = split * c.guess_rows;
+  const int table_rows = c.max_pages * c.page_size;
+  const int* table_row = c.block_table + static_cast<size_t>(b) * c.max_pages;
+#pragma unroll
+  for (int i = 0; i < STAGES; ++i) {
+    const int pos = min(g.lo + i * BN + row, table_rows - 1);  // -1 only without a table: then not followed
+    g.e[i] = __ldg(table_rows > 0 ? table_row + page_of(c, pos) : c.seqs);
+  }
+  return g;
 }
 
 // The rows of the next tiles of a paged split, in shared memory: ROW_SLOTS tiles of BN rows (tile i in slot i %
@@ -138,7 +179,7 @@ struct PagedRows {
   // warpgroup's next MMA) for the load's latency, every tile and once per tile before the first copies.
   __device__ __forceinline__ int fetch(const DecodeCall& c, int b, int lo, int hi, int tile, int tid) const {
     const int pos = lo + tile * BN + tid;
-    return tid < BN && pos < hi ? __ldg(c.block_table + static_cast<size_t>(b) * c.max_pages + pos / c.page_size)
+    return tid < BN && pos < hi ? __ldg(c.block_table + static_cast<size_t>(b) * c.max_pages + page_of(c, pos))
                                 : -1;
   }
   // Stores the row of fetch()'s entry: -1 past hi, or where the page lies outside the cache (then flagged bad).
@@ -154,13 +195,14 @@ struct PagedRows {
   __device__ __forceinline__ int at(int tile, int r) const { return rows[(tile % ROW_SLOTS) * BN + r]; }
 
   // The rows of tiles 0 .. STAGES - 1, visible to the whole CTA on return (the loop looks the later ones up a tile
-  // ahead).
+  // ahead); guess: guess_entries' per row, taken where the split starts where it guessed.
   template <int STAGES>
-  __device__ __forceinline__ void first_tiles(const DecodeCall& c, int b, int lo, int hi, int tid) const {
+  __device__ __forceinline__ void first_tiles(const DecodeCall& c, int b, int lo, int hi, int tid,
+                                              const GuessedEntries<STAGES>& guess) const {
     if (tid == 0) *bad = 0;
     int first[STAGES];
 #pragma unroll
-    for (int i = 0; i < STAGES; ++i) first[i] = fetch(c, b, lo, hi, i, tid);
+    for (int i = 0; i < STAGES; ++i) first[i] = lo == guess.lo ? guess.e[i] : fetch(c, b, lo, hi, i, tid);
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < STAGES; ++i) put(c, i, tid, first[i], lo, hi);

@@ -207,7 +207,7 @@ static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
-constexpr int DECODE_CALL_FIELDS = 24;
+constexpr int DECODE_CALL_FIELDS = 27;
 extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
   const size_t layout[DECODE_CALL_FIELDS + 1] = {
@@ -219,6 +219,7 @@ extern "C" void mla_decode_call_layout(int* offsets) {
       offsetof(DecodeCall, total_kv), offsetof(DecodeCall, num_splits), offsetof(DecodeCall, page_size),
       offsetof(DecodeCall, max_pages), offsetof(DecodeCall, num_heads), offsetof(DecodeCall, q_len),
       offsetof(DecodeCall, causal), offsetof(DecodeCall, qk_scale), offsetof(DecodeCall, unit_rows),
+      offsetof(DecodeCall, page_mul), offsetof(DecodeCall, page_shift), offsetof(DecodeCall, guess_rows),
       sizeof(DecodeCall)};
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
@@ -235,7 +236,8 @@ extern "C" int mla_decode(const DecodeCall* c) {
                        !(rows == 64 && kv_format != 0) && c->num_heads > 0 && c->num_heads % rows == 0 &&
                        c->q_len > 0;
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
-  const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table);
+  const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table &&
+                                               c->page_shift >= 31 && c->page_shift < 63);
   if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
     return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) {

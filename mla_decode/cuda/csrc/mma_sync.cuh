@@ -62,12 +62,14 @@ split_kernel(const DecodeCall call) {
   const QueryRows rows = query_rows<H>(call, blockIdx.y);
   const int b = rows.b, unit = rows.unit;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
+  GuessedEntries<STAGES> guess = {-1, {}};  // before the length's load, which it must not wait for
+  if constexpr (paged) guess = guess_entries<STAGES>(call, b, split, tid);
   const SplitRange range = split_range(call, b, split, rows.t);
   const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
-  constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
 
   auto load_tile = [&](int i) {  // rows past hi (and on a page outside the cache) are zero-filled, never read
     uint8_t* dst = ks + (i % STAGES) * BN * KROW;
@@ -80,7 +82,7 @@ split_kernel(const DecodeCall call) {
       asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(row >= 0 ? 16 : 0));
     }
   };
-  if (paged) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid);
+  if (paged) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid, guess);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < ntiles) load_tile(i);

@@ -459,20 +459,22 @@ split_kernel(const DecodeCall call) {
   const int split = blockIdx.x;
   const QueryRows rows = query_rows<H>(call, blockIdx.y);
   const int b = rows.b, unit = rows.unit;
+  constexpr bool paged = LAYOUT != RAGGED, row_pages = LAYOUT == ROW_PAGES;  // the launcher picks the instance
+  GuessedEntries<STAGES> guess = {-1, {}};  // before the length's load, which it must not wait for
+  if constexpr (paged) guess = guess_entries<STAGES>(call, b, split, row_pages ? tid : 0);
   const SplitRange range = split_range(call, b, split, rows.t);
   // Read with the length, not behind the first copies: Q's scale waits for it, a round trip after the L2 flush.
   const float kv_scale = MX ? 1.f : *call.kv_scale;
   const unsigned base = arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
-  constexpr bool paged = LAYOUT != RAGGED, row_pages = LAYOUT == ROW_PAGES;  // the launcher picks the instance
   // A tile's rows are consecutive in the cache (one address per tile) when ragged or in pages of a multiple of BN
   // rows; otherwise each copy looks its row up in paged_rows.
   const bool consecutive = !row_pages || call.page_size % BN == 0;
   // TILE_PAGES: tile i's first row from its page's table entry, which every thread reads itself (one address a
   // warp) a tile ahead of the copies that need it; an entry outside the cache is never followed (bad).
   const int* table_row = call.block_table + static_cast<size_t>(b) * call.max_pages;
-  auto page_entry = [&](int i) { return i < ntiles ? __ldg(table_row + (lo + i * BN) / call.page_size) : 0; };
+  auto page_entry = [&](int i) { return i < ntiles ? __ldg(table_row + page_of(call, lo + i * BN)) : 0; };
   bool bad = false;
   auto first_row = [&](int i, int entry) {
     const int n0 = lo + i * BN;
@@ -503,9 +505,9 @@ split_kernel(const DecodeCall call) {
   int entries[STAGES] = {};  // TILE_PAGES: tiles 0 .. STAGES - 1, all asked for before the first is used
   if constexpr (LAYOUT == TILE_PAGES) {
 #pragma unroll
-    for (int i = 0; i < STAGES; ++i) entries[i] = page_entry(i);
+    for (int i = 0; i < STAGES; ++i) entries[i] = lo == guess.lo ? guess.e[i] : page_entry(i);
   }
-  if (row_pages) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid);
+  if (row_pages) paged_rows.first_tiles<STAGES>(call, b, lo, hi, tid, guess);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) load_group(i, entries[i]);
   int ahead = entries[STAGES - 1];  // TILE_PAGES: the entry of the tile the loop's next copies take
