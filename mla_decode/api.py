@@ -225,10 +225,10 @@ def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype,
     """A plan for paged decodes of `batch_size` sequences: block_table (batch_size, max_pages), pages of page_size
     rows, a cache of kv_dtype (float8_e4m3fn / e4m3fnuz, bfloat16, or uint8 / float4_e2m1fn_x2 for MXFP4 codes with
     kv_scale_dtype block scales). max_seqlen: the longest sequence to size the split plan for (default: what the
-    table holds; the cuda kernels' first table reads are fastest for sequences of that length). precision: "fast" (FP8 score products where the backend has them) or "precise" (fp16 or wider).
-    backend: "auto" or one of mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan). backend_options:
-    passed to the backend's plan (the triton backend's {"plan": TritonPlan}, the cuda backend's {"unit_rows": 16, 32
-    or 64})."""
+    table holds; the cuda kernels' first table reads are fastest for sequences of that length). precision: "fast"
+    (FP8 score products where the backend has them) or "precise" (fp16 or wider). backend: "auto" or one of
+    mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan). backend_options: passed to the backend's plan
+    (the triton backend's {"plan": TritonPlan}, the cuda backend's {"unit_rows": 16, 32 or 64})."""
     problem = make_problem(batch_size, kv_dtype, device, layout="paged", page_size=page_size, max_pages=max_pages,
                            num_heads=num_heads, q_len=q_len, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
                            causal=causal, precision=precision, return_lse=return_lse, scale_dtype=kv_scale_dtype)
