@@ -88,6 +88,29 @@ def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capabi
 
 
 @needs_nvcc
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
+def test_the_launcher_refuses_a_page_divisor_that_is_not_exact(fresh_build, capability):
+    """A paged call whose page_mul and page_shift are not page_divisor's (off by one either way, or a shift too small
+    for the page size) or whose guess_rows is negative is refused before the GPU is touched (cudaErrorInvalidValue,
+    1); the same call with page_divisor's pair is not refused (it fails later: no batch, so nothing is launched)."""
+    lib = C.library(capability)
+
+    def launch(page_size: int, page_mul: int, page_shift: int, guess_rows: int = 0) -> int:
+        call = C.DecodeCall(batch=0, num_splits=1, num_heads=16, q_len=1, unit_rows=16, page_size=page_size,
+                            max_pages=1, block_table=16, page_mul=page_mul, page_shift=page_shift,
+                            guess_rows=guess_rows)
+        return lib.mla_decode(ctypes.addressof(call))
+
+    for size in (1, 48, 64):
+        mul, shift = C.page_divisor(size)
+        assert launch(size, mul, shift) != 1, size
+        short_mul = -(-(1 << (shift - 1)) // size)
+        for bad in [(mul - 1, shift), (mul + 1, shift), (short_mul, shift - 1), (mul, 63)]:
+            assert launch(size, *bad) == 1, (size, bad)
+        assert launch(size, mul, shift, guess_rows=-64) == 1, size
+
+
+@needs_nvcc
 def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, edited_sources, caplog):
     """An nvcc that cannot build the wgmma kernel (before 12.0: no sm_90a) still gives Hopper the mma.sync one."""
     edited_sources(C.MAIN_SOURCE, "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n", line=1)

@@ -224,6 +224,15 @@ extern "C" void mla_decode_call_layout(int* offsets) {
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
+// page_of's multiply and shift are pos / page_size for every pos below 2^31 when page_mul * page_size exceeds
+// 2^page_shift by less than page_size, and page_size <= 2^(page_shift - 31) (mla_decode.cuda.page_divisor).
+static bool page_divisor_exact(const DecodeCall& c) {
+  if (c.page_shift < 31 || c.page_shift > 62) return false;
+  const unsigned long long size = static_cast<unsigned>(c.page_size), power = 1ull << c.page_shift;
+  const unsigned long long product = static_cast<unsigned long long>(c.page_mul) * size;
+  return product >= power && product - power < size && size <= 1ull << (c.page_shift - 31);
+}
+
 // Launches the split kernel (which merges its splits itself) on c->stream.
 // C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
 extern "C" int mla_decode(const DecodeCall* c) {
@@ -237,7 +246,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
                        c->q_len > 0;
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table &&
-                                               c->page_shift >= 31 && c->page_shift < 63);
+                                               page_divisor_exact(*c) && c->guess_rows >= 0);
   if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
     return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) {
