@@ -134,6 +134,10 @@ class DecodePlan:
 
 
 def _expect_buffer(x, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    # Every run checks five of these: a good tensor passes before any message is formatted
+    if (isinstance(x, torch.Tensor) and x.shape == shape and x.dtype == dtype and x.device == device
+            and x.is_contiguous()):
+        return
     expect_tensor(x, name)
     expect(tuple(x.shape) == shape, f"{name}.shape", str(shape), tuple(x.shape))
     expect(x.dtype == dtype, f"{name}.dtype", str(dtype), x.dtype)
