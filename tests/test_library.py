@@ -471,13 +471,17 @@ def test_gpu_paged_is_the_ragged_kernel_over_the_same_rows(kernel, page_size):
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("kernel", [kernel for kernel in GPU_KERNELS if kernel[0] == "cuda"], ids="-".join)
 def test_gpu_cuda_sequences_longer_than_the_plan(kernel, page_size):
-    """A plan made for 100 positions runs on longer and shorter sequences: the kernel's first table reads, asked
-    for the split a sequence of the plan's length would have, are the wrong ones past split 0 and read again; within
-    bounds of the float64 truth, LSE included, with every unowned slot NaN."""
-    pytest.importorskip("mla_decode.cuda")
+    """A plan made for 1000 positions runs on longer and shorter sequences: the kernel's first table reads, asked
+    for the split a sequence of the plan's length would have, are the wrong ones past split 0 of the longest
+    sequence and read again; within bounds of the float64 truth, LSE included, with every unowned slot NaN."""
+    cuda = pytest.importorskip("mla_decode.cuda")
     _, kv_format, precision = kernel
     case = make_paged_case(kv_format, page_size, GPU_LENS, seed=page_size + 1, device="cuda")
-    out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), backend="cuda", precision=precision, max_seqlen=100)
+    decode = mla_decode.plan(len(GPU_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
+                             backend="cuda", precision=precision, max_seqlen=1000, kv_scale_dtype=case.kv_scale.dtype)
+    splits = decode.impl.num_splits  # with one split every split starts at 0, where a guess cannot miss
+    assert splits > 1 and decode.impl.call.guess_rows != cuda.split_rows(max(GPU_LENS), splits)
+    out, lse = decode.run(*case.args())
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", precision))
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
     out_bound, lse_bound = gpu_bounds(kernel)
