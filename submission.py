@@ -2536,29 +2536,34 @@ def _expect_q(q, p: Problem) -> None:
 
 def _expect_cache(kv_cache, kv_scale, p: Problem, page: tuple) -> tuple:
     """(kv, scale): the cache as rows (num_rows, width) and its scale as the kernels read it, after the checks."""
-    expect_tensor(kv_cache, "kv_cache")
     width = ROW_WIDTH[p.kv_format]
     tail = (*page, 1, width)  # after num_pages (paged) or num_rows (ragged)
-    expect(kv_cache.dim() == 1 + len(tail) and tuple(kv_cache.shape[1:]) == tail, "kv_cache.shape",
-           f"({'num_pages' if page else 'num_rows'}, {', '.join(map(str, tail))})", tuple(kv_cache.shape))
-    expect(kv_cache.dtype == p.kv_dtype, "kv_cache.dtype", f"{p.kv_dtype} (the plan's)", kv_cache.dtype)
-    expect_on_device(kv_cache, "kv_cache", p.device)
-    expect(kv_cache.is_contiguous(), "kv_cache", "a contiguous tensor", "a strided view")
+    # Like _expect_buffer: a good cache and scale pass before any message is formatted
+    if not (isinstance(kv_cache, torch.Tensor) and kv_cache.shape[1:] == tail and kv_cache.dim() == 1 + len(tail)
+            and kv_cache.dtype == p.kv_dtype and kv_cache.device == p.device and kv_cache.is_contiguous()):
+        expect_tensor(kv_cache, "kv_cache")
+        expect(kv_cache.dim() == 1 + len(tail) and tuple(kv_cache.shape[1:]) == tail, "kv_cache.shape",
+               f"({'num_pages' if page else 'num_rows'}, {', '.join(map(str, tail))})", tuple(kv_cache.shape))
+        expect(kv_cache.dtype == p.kv_dtype, "kv_cache.dtype", f"{p.kv_dtype} (the plan's)", kv_cache.dtype)
+        expect_on_device(kv_cache, "kv_cache", p.device)
+        expect(kv_cache.is_contiguous(), "kv_cache", "a contiguous tensor", "a strided view")
     kv = kv_cache.view(-1, width)
     if p.kv_format == "bf16":
         expect(kv_scale is None, "kv_scale", "None for a bfloat16 cache", type(kv_scale).__name__)
         return kv, None
-    expect_tensor(kv_scale, "kv_scale")
-    expect_on_device(kv_scale, "kv_scale", p.device)
-    expect(kv_scale.dtype == p.scale_dtype, "kv_scale.dtype", f"{p.scale_dtype} (the plan's)", kv_scale.dtype)
+    if not (isinstance(kv_scale, torch.Tensor) and kv_scale.device == p.device and kv_scale.dtype == p.scale_dtype):
+        expect_tensor(kv_scale, "kv_scale")
+        expect_on_device(kv_scale, "kv_scale", p.device)
+        expect(kv_scale.dtype == p.scale_dtype, "kv_scale.dtype", f"{p.scale_dtype} (the plan's)", kv_scale.dtype)
     if p.kv_format == "fp8":
         expect(kv_scale.numel() == 1, "kv_scale.shape", "(1,) float32", tuple(kv_scale.shape))
         return kv, kv_scale
     rows = kv.shape[0]
     if page:
         want = (*kv_cache.shape[:-1], MXFP4_BLOCKS_PER_ROW)
-        expect(tuple(kv_scale.shape) == want and kv_scale.is_contiguous(), "kv_scale",
-               f"E8M0 block scales of shape {want}, contiguous", f"{tuple(kv_scale.shape)}")
+        if not (kv_scale.shape == want and kv_scale.is_contiguous()):
+            raise ValueError(f"kv_scale: expected E8M0 block scales of shape {want}, contiguous, got "
+                             f"{tuple(kv_scale.shape)}")
         return kv, kv_scale.view(rows, MXFP4_BLOCKS_PER_ROW)
     expect(kv_scale.dim() == 2 and kv_scale.shape[0] >= rows and kv_scale.shape[1] >= MXFP4_BLOCKS_PER_ROW
            and kv_scale.stride(1) == 1 and kv_scale.stride(0) == p.scale_stride, "kv_scale",
