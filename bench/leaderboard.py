@@ -79,6 +79,9 @@ MEMWALK_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MEMWALK_BLOCK_N = (32, 64)
 FI_WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented starting point for the float workspace
 PAGE_SIZES = (64, 16, 1)  # the paged rows' page sizes
+# (backend, format, precision, the method name's tag) of the library's paged rows
+PAGED_KERNELS = (("cuda", "fp8", "fast", ""), ("cuda", "fp8", "precise", "-precise"), ("cuda", "mxfp4", "fast", ""),
+                 ("triton", "fp8", "fast", ""))
 MXFP4_SCALES = 18  # E8M0 scales per row
 
 
@@ -412,7 +415,7 @@ def _paged(data: tuple, kv_format: str, page: int, seed: int = 0, shuffled: bool
     return Paged(q.view(batch, 1, *q.shape[1:]), cache, scale, table.to(kv.device), lens.to(torch.int32).to(kv.device))
 
 
-def _ours_paged(backend: str, kv_format: str, page: int):
+def _ours_paged(backend: str, kv_format: str, page: int, precision: str = "fast"):
     """The library's paged call on the input's cache re-laid in shuffled pages (_paged), through a plan made once
     outside the timing (mla_decode.plan; max_seqlen the shape's length): the timed call is the plan's run, which
     allocates its output and LSE."""
@@ -421,8 +424,8 @@ def _ours_paged(backend: str, kv_format: str, page: int):
         paged = _paged(data, kv_format, page)
         try:
             decode = mla_decode.plan(shape.batch, page, paged.block_table.shape[1], paged.kv_cache.dtype, ctx.device,
-                                     backend=backend, max_seqlen=shape.kv, kv_scale_dtype=torch.uint8 if
-                                     paged.kv_scale is None else paged.kv_scale.dtype)
+                                     backend=backend, precision=precision, max_seqlen=shape.kv,
+                                     kv_scale_dtype=torch.uint8 if paged.kv_scale is None else paged.kv_scale.dtype)
         except RuntimeError as e:
             raise Unavailable(str(e)) from e
         check = _check_attention(data, expected, kv_format)
@@ -521,8 +524,10 @@ METHODS = (
     # same rows in shuffled pages of 64, 16 or 1.
     *(Method(f"{backend}-fp8-ragged", "ours", "fp8", f"ours: mla_decode plan_ragged ({backend}), FP8, LSE written",
              _ours_ragged(backend, "fp8")) for backend in ("cuda", "triton", "torch")),
-    *(Method(f"{backend}-fp8-p{page}", "ours", "fp8", f"ours: mla_decode plan ({backend}), FP8 pages of {page}",
-             _ours_paged(backend, "fp8", page)) for backend in ("cuda", "triton") for page in PAGE_SIZES),
+    *(Method(f"{backend}-{fmt}{tag}-p{page}", "ours", fmt,
+             f"ours: mla_decode plan ({backend}, {precision}), {fmt} pages of {page}",
+             _ours_paged(backend, fmt, page, precision))
+      for backend, fmt, precision, tag in PAGED_KERNELS for page in PAGE_SIZES),
     *(Method(f"flashinfer-{fmt}-p{page}", "peer", fmt, f"FlashInfer MLA decode, {fmt} pages of {page}, plan once",
              _flashinfer_paged(fmt, page)) for fmt in ("bf16", "fp8") for page in PAGE_SIZES),
     *(Method(f"memwalk-fp8-p{page}", "floor", "fp8", f"memory-only walk of the FP8 cache in pages of {page}",
