@@ -1,7 +1,8 @@
 """Experiments on the cuda backend's kernel, on one GPU in one process (one device call).
 
     python3 bench/tune_cuda.py ab --variant now= --variant s4=STAGES_ALONE:4 --variant x=STAGES_SHARED:2@16 \
-        --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40] [--page 64]
+        --source base=/tmp/base/mla_decode/cuda/csrc [--shapes 4x1k,4x8k] [--format fp8] [--iters 40] \
+        [--page 64] [--precision fast]
     python3 bench/tune_cuda.py timeline [--variant ...] [--shapes 4x1k,4x8k] [--runs 9] [--clock] [--page 64]
     python3 bench/tune_cuda.py ab --source ... --serving serving_heads.yml [--rows 32x32k-h128-q1,...] [--iters 10]
     python3 bench/tune_cuda.py phases [--source ...] --serving serving_heads.yml [--rows ...] [--runs 5]
@@ -146,12 +147,12 @@ class Variant:
                              f"mla_decode.cuda's {expected + [ctypes.sizeof(C.DecodeCall)]}")
         self.checked = True
 
-    def paged(self, paged, batch: int, kv_len: int):
+    def paged(self, paged, batch: int, kv_len: int, precision: str = "fast"):
         """The paged call of this variant's library on `paged` (leaderboard.Paged): a plan made now (kept as
         self.paged_plan), its run returned."""
         self.activate_checked()
         decode = mla_decode.plan(batch, paged.kv_cache.shape[1], paged.block_table.shape[1], paged.kv_cache.dtype,
-                                 paged.q.device, backend="cuda", max_seqlen=kv_len,
+                                 paged.q.device, backend="cuda", precision=precision, max_seqlen=kv_len,
                                  kv_scale_dtype=paged.kv_scale.dtype)
         self.paged_plan = decode
         return lambda: decode.run(paged.q, paged.kv_cache, paged.block_table, paged.cache_seqlens, paged.kv_scale)
@@ -194,7 +195,8 @@ def run_ab(args, variants: dict) -> None:
         paged = leaderboard._paged(data, args.format, args.page, shuffled=not args.in_order) if args.page else None
         cells = []
         for name, variant in variants.items():
-            call = variant.paged(paged, batch, kv_len) if paged else lambda variant=variant, data=data: variant(data)
+            call = (variant.paged(paged, batch, kv_len, args.precision) if paged
+                    else lambda variant=variant, data=data: variant(data))
             out = call()
             ok, _ = R.check_implementation(data, out[0].view(batch, *out[0].shape[2:]) if paged else out)
             call()
@@ -202,7 +204,7 @@ def run_ab(args, variants: dict) -> None:
             results[name].append(us)
             cells.append(f"{name} {us:7.1f}{'' if ok else ' FAIL'}")
         print(f"{batch}x{kv_len}: " + "  ".join(cells), flush=True)
-    print(f"geomean {args.format}{f' pages of {args.page}' if args.page else ''}: " + "  ".join(
+    print(f"geomean {args.format} {args.precision}{f' pages of {args.page}' if args.page else ''}: " + "  ".join(
         f"{name} {math.prod(r) ** (1 / len(r)):.1f}" for name, r in results.items()), flush=True)
 
 
@@ -410,6 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--source", action="append", default=[], help="NAME=DIR of a copy of mla_decode/cuda/csrc")
     parser.add_argument("--shapes", help="BATCHxKV[,...] among task.yml's benchmarks (default: all 8)")
     parser.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
+    parser.add_argument("--precision", choices=("fast", "precise"), default="fast",
+                        help="ab over the leaderboard shapes: precise times the mma.sync kernel (MLA_PRECISION)")
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--page", type=int, help="time (ab) or stamp (timeline) the paged plan run over pages of "
                         "this many rows")
@@ -429,7 +433,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("phases: --serving SPEC (the 64-row kernel runs at 64 heads and more)")
     if not torch.cuda.is_available():
         raise SystemExit("tune_cuda.py needs an NVIDIA GPU")
-    os.environ.update(MLA_BACKEND="cuda", MLA_KV_FORMAT=args.format)
+    if args.precision != "fast" and (args.mode != "ab" or args.serving):
+        raise SystemExit("--precision precise: ab over the leaderboard shapes only (the stamps are the fast kernel's)")
+    os.environ.update(MLA_BACKEND="cuda", MLA_KV_FORMAT=args.format, MLA_PRECISION=args.precision)
     with tempfile.TemporaryDirectory(prefix="tune_cuda_") as tmp:
         workdir, variants = Path(tmp), {}
         for text in args.variant or ["now="]:

@@ -88,6 +88,9 @@ split_kernel(const DecodeCall call) {
     if (i < ntiles) load_tile(i);
     asm volatile("cp.async.commit_group;\n");
   }
+  // The loop puts tile i + STAGES's entries an iteration after asking for them: with one CTA an SM, an entry asked
+  // for in the same iteration came late at long lengths in pages of 1, when the loads queue behind the copies.
+  int next_entry = paged ? paged_rows.fetch(call, b, lo, hi, STAGES, tid) : 0;  // put at the end of iteration 0
 
   // Q -> fp16 * sm_scale * log2(e) (bf16 has 8 significant bits, fp16 11; |q| < ~1e6), then into registers as the
   // A operand of every k16 step. Within each 16-dim chunk, lane t4 takes dims 4*t4 + {0,1} as the k-pair t4*2 and
@@ -121,7 +124,7 @@ split_kernel(const DecodeCall call) {
     __syncthreads();  // tile i is visible; every warp is done with tile i - 1 (its stage, P and red)
     if (i + STAGES - 1 < ntiles) load_tile(i + STAGES - 1);
     asm volatile("cp.async.commit_group;\n");
-    const int next_entry = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // put after the products
+    const int later_entry = paged ? paged_rows.fetch(call, b, lo, hi, i + STAGES + 1, tid) : 0;  // put a tile later
     const uint8_t* kt = ks + (i % STAGES) * BN * KROW;
     const int n0 = lo + i * BN;
 
@@ -210,6 +213,7 @@ split_kernel(const DecodeCall call) {
       }
     }
     if (paged) paged_rows.put(call, i + STAGES, tid, next_entry, lo, hi);  // read after the next iteration's barrier
+    next_entry = later_entry;
   }
   asm volatile("cp.async.wait_group 0;\n");
 
