@@ -89,7 +89,7 @@ split_kernel(const DecodeCall call) {
     asm volatile("cp.async.commit_group;\n");
   }
   // The loop puts tile i + STAGES's entries an iteration after asking for them: with one CTA an SM, an entry asked
-  // for in the same iteration came late at long lengths in pages of 1, when the loads queue behind the copies.
+  // for in the same iteration can come after the products at long lengths, its load queued behind the copies.
   int next_entry = paged ? paged_rows.fetch(call, b, lo, hi, STAGES, tid) : 0;  // put at the end of iteration 0
 
   // Q -> fp16 * sm_scale * log2(e) (bf16 has 8 significant bits, fp16 11; |q| < ~1e6), then into registers as the
