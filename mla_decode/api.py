@@ -176,9 +176,9 @@ def _expect_cache(kv_cache, kv_scale, p: Problem, page: tuple) -> tuple:
     rows = kv.shape[0]
     if page:
         want = (*kv_cache.shape[:-1], MXFP4_BLOCKS_PER_ROW)
-        if not (kv_scale.shape == want and kv_scale.is_contiguous()):
-            raise ValueError(f"kv_scale: expected E8M0 block scales of shape {want}, contiguous, got "
-                             f"{tuple(kv_scale.shape)}")
+        good = kv_scale.shape == want and kv_scale.is_contiguous()
+        if not good:
+            expect(good, "kv_scale", f"E8M0 block scales of shape {want}, contiguous", f"{tuple(kv_scale.shape)}")
         return kv, kv_scale.view(rows, MXFP4_BLOCKS_PER_ROW)
     expect(kv_scale.dim() == 2 and kv_scale.shape[0] >= rows and kv_scale.shape[1] >= MXFP4_BLOCKS_PER_ROW
            and kv_scale.stride(1) == 1 and kv_scale.stride(0) == p.scale_stride, "kv_scale",
