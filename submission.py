@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -62,8 +63,6 @@ FP4X2_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch
 E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
 KV_FORMATS = ("fp8", "mxfp4", "bf16")
 ROW_WIDTH = {"fp8": QK_HEAD_DIM, "mxfp4": MXFP4_ROW_BYTES, "bf16": QK_HEAD_DIM}  # a cache row's last dim
-BACKENDS = ("aiter", "cuda", "triton", "torch")
-BACKEND_CHOICES = BACKENDS + ("auto",)
 PRECISIONS = ("fast", "precise")
 LAYOUTS = ("paged", "ragged")
 
@@ -1653,13 +1652,20 @@ def compute_units(device: torch.device) -> int:
 
 
 def aiter_auto_reason(problem: Problem) -> str | None:
-    """aiter_unusable_reason, and for auto also the one-split shapes (all of AITER_SHAPES but the leaderboard's) where
-    that kernel's grid, a workgroup a sequence (a token at 128 heads), is smaller than the GPU's CU count: the triton
-    kernel splits the KV across the CUs there. Neither was timed (no AMD GPU has run this project); a grid that
-    leaves most CUs idle is the risk avoided."""
+    """aiter_unusable_reason, and for auto also: the leaderboard's shapes that AITER_VARIANTS sends to the triton
+    backend (ROCM_TRITON, keyed by batch and max_seqlen, which the leaderboard adapter sets to the config's
+    kv_seq_len); and the one-split shapes (all of AITER_SHAPES but the leaderboard's) where that kernel's grid, a
+    workgroup a sequence (a token at 128 heads), is smaller than the GPU's CU count: the triton kernel splits the KV
+    across the CUs there. Neither was timed (no AMD GPU has run this project); a grid that leaves most CUs idle is
+    the risk avoided."""
     reason = aiter_unusable_reason(problem)
-    if reason is not None or (problem.q_len, problem.num_heads) == (AITER_Q_LEN, AITER_HEADS):
+    if reason is not None:
         return reason
+    if (problem.q_len, problem.num_heads) == (AITER_Q_LEN, AITER_HEADS):
+        if aiter_variant(problem.batch, problem.max_seqlen) == ROCM_TRITON:
+            return (f"aiter backend (auto): AITER_VARIANTS runs the triton backend for batch {problem.batch} x "
+                    f"{problem.max_seqlen} (backend='aiter' takes it anyway)")
+        return None
     workgroups = problem.batch * (problem.q_len if problem.num_heads > AITER_HEADS else 1)
     num_cus = compute_units(problem.device)
     if workgroups < num_cus:
@@ -1830,15 +1836,17 @@ AITER_VARIANTS = {
 
 def aiter_variant(batch: int, kv_seq_len: int | None, forced: str | None = None) -> str:
     """The variant for this shape (or ROCM_TRITON): `forced` if given (the leaderboard adapter's
-    MLA_AITER_VARIANT), else AITER_VARIANTS[(batch, kv_seq_len)], else AITER_DEFAULT_VARIANT. Any other name is an
-    error naming where it came from."""
+    MLA_AITER_VARIANT: an aiter variant; the backend is chosen before, by select_backend), else
+    AITER_VARIANTS[(batch, kv_seq_len)], else AITER_DEFAULT_VARIANT. Any other name is an error naming where it came
+    from."""
     if forced:
-        field, name = "MLA_AITER_VARIANT", forced
+        field, name, names = "MLA_AITER_VARIANT", forced, tuple(AITER_VARIANT_SPECS)
     else:
         field, (name, *_) = f"AITER_VARIANTS[{(batch, kv_seq_len)}]", AITER_VARIANTS.get(
             (batch, kv_seq_len), (AITER_DEFAULT_VARIANT,))
-    if name not in AITER_VARIANT_SPECS and name != ROCM_TRITON:
-        raise ValueError(f"{field}: expected one of {tuple(AITER_VARIANT_SPECS) + (ROCM_TRITON,)}, got {name!r}")
+        names = tuple(AITER_VARIANT_SPECS) + (ROCM_TRITON,)
+    if name not in names:
+        raise ValueError(f"{field}: expected one of {names}, got {name!r}")
     return name
 
 
@@ -2296,9 +2304,10 @@ class AiterDecode:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# mla_decode/select.py
-# Which backend serves a problem: each backend says why it cannot (or None), and `auto` takes the first of an
-# ordered preference that is considered on the device and can. Settings come in as arguments only.
+# mla_decode/backends.py
+# The backend registry: one record per backend, in auto's order of preference. select_backend, the api's plans,
+# the leaderboard adapter and `python -m mla_decode` read these records and nothing else, so the library and
+# custom_kernel choose alike. Adding a backend is its module and one record here. Settings come in as arguments.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -2320,50 +2329,60 @@ def cuda_package():
 
 
 def cuda_unusable_reason(problem: Problem) -> str | None:
-    """None when the cuda backend serves `problem` (mla_decode.cuda.cuda_unusable_reason: an NVIDIA GPU of capability
-    >= 8.0 whose kernels build with the machine's nvcc; MXFP4 only on Hopper, in the fast mode), else why not (the
+    """None when the cuda backend serves `problem` (mla_decode.cuda.cuda_unusable_reason), else why not (the
     package's absence included)."""
     package, missing = cuda_package()
     return missing if package is None else package.cuda_unusable_reason(problem)
 
 
+def on_rocm(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is not None
+
+
+def on_nvidia(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is None
+
+
 @functools.cache
-def _cuda_reason_for_auto(problem: Problem) -> str | None:
-    """cuda_unusable_reason, cached (auto asks it for every new problem), and logged as a warning where an NVIDIA GPU
-    cannot have the cuda backend at all (no package, no nvcc): the triton backend runs there instead."""
+def cuda_auto_reason(problem: Problem) -> str | None:
+    """cuda_unusable_reason, cached (auto asks it for every new problem; a failed build is not retried), and logged
+    as a warning where an NVIDIA GPU cannot have the cuda backend at all (no package, no nvcc): the triton backend
+    runs there instead."""
     reason = cuda_unusable_reason(problem)
     plainest = problem._replace(q_len=1, num_heads=16, kv_format="fp8", kv_dtype=torch.float8_e4m3fn,
                                 scale_dtype=torch.float32, precision="fast")  # what every cuda build serves
-    if reason is not None and _on_nvidia(problem.device) and cuda_unusable_reason(plainest) is not None:
+    if reason is not None and on_nvidia(problem.device) and cuda_unusable_reason(plainest) is not None:
         log.warning("MLA decode: using the triton backend, not cuda: %s", reason)
     return reason
 
 
-def _on_rocm(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.version.hip is not None
+def cuda_decode(problem: Problem, **options):
+    """The cuda backend's plan (mla_decode.cuda.CudaDecode), imported where it is first made."""
+    return cuda_package()[0].CudaDecode(problem, **options)
 
 
-def _on_nvidia(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.version.hip is None
-
-
-class BackendChoice(NamedTuple):
-    """One backend as select_backend weighs it."""
+class Backend(NamedTuple):
+    """One backend: where auto considers it, why it cannot serve a problem, its plan and the options that plan takes.
+    A plan is made as make_plan(problem, **options) and runs as plan.run(q, kv, scale, seqs, table, out, lse)."""
 
     name: str
-    unusable_reason: object  # problem -> None when it serves the problem, else why not
-    auto_on: object  # device -> whether auto considers it on that device
-    forced_reason: object = None  # unusable_reason when asked for by name, where it differs (cuda: not cached; aiter:
-    # no grid check)
+    considered_on: Callable[[torch.device], bool]  # whether auto considers it on a device
+    unusable_reason: Callable[[Problem], str | None]  # asked for by name: None when it serves the problem
+    auto_reason: Callable[[Problem], str | None]  # auto's verdict: the above, and what auto avoids besides
+    make_plan: Callable[..., object]
+    options: tuple[str, ...]  # the keyword arguments make_plan takes after the problem (backend_options)
 
 
 # auto's order of preference: the first that auto considers on the device and that can serve the problem wins.
-BACKEND_PREFERENCE = (
-    BackendChoice("aiter", aiter_auto_reason, _on_rocm, aiter_unusable_reason),
-    BackendChoice("cuda", _cuda_reason_for_auto, _on_nvidia, cuda_unusable_reason),
-    BackendChoice("triton", triton_unusable_reason, lambda device: device.type == "cuda"),
-    BackendChoice("torch", torch_unusable_reason, lambda device: True),
+BACKEND_REGISTRY = (
+    Backend("aiter", on_rocm, aiter_unusable_reason, aiter_auto_reason, AiterDecode, ("variant", "kv_seq_len")),
+    Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode, ("unit_rows",)),
+    Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
+            TritonDecode, ("target", "plan")),
+    Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),
 )
+BACKENDS = tuple(backend.name for backend in BACKEND_REGISTRY)
+BACKEND_CHOICES = BACKENDS + ("auto",)
 
 
 class BackendUnavailable(RuntimeError):
@@ -2375,8 +2394,12 @@ class BackendUnavailable(RuntimeError):
 
 
 class Selection(NamedTuple):
-    backend: str
+    record: Backend
     passed_over: tuple[str, ...]  # "name: reason" of each backend auto considered first and passed over
+
+    @property
+    def backend(self) -> str:
+        return self.record.name
 
 
 _ANNOUNCED: set = set()  # (device, asked, chosen, format, precision) already logged
@@ -2384,28 +2407,38 @@ _ANNOUNCED: set = set()  # (device, asked, chosen, format, precision) already lo
 
 def select_backend(problem: Problem, backend: str = "auto") -> Selection:
     """`backend` by name (BackendUnavailable, a RuntimeError, saying why where it cannot serve the problem), or for
-    "auto" the first of BACKEND_PREFERENCE that is considered on the device and can; the choice and what auto passed
-    over are logged once per kind."""
+    "auto" the first record of BACKEND_REGISTRY that is considered on the device and can; the choice and what auto
+    passed over are logged once per kind."""
     expect_choice(backend, "backend", BACKEND_CHOICES)
     passed_over = []
-    for choice in BACKEND_PREFERENCE:
-        if backend == choice.name:
-            reason = (choice.forced_reason or choice.unusable_reason)(problem)
+    for record in BACKEND_REGISTRY:
+        if backend == record.name:
+            reason = record.unusable_reason(problem)
             if reason is not None:
                 raise BackendUnavailable(backend, reason)
             break
-        if backend == "auto" and choice.auto_on(problem.device):
-            reason = choice.unusable_reason(problem)
+        if backend == "auto" and record.considered_on(problem.device):
+            reason = record.auto_reason(problem)
             if reason is None:
                 break
-            passed_over.append(f"{choice.name}: {reason}")
-    announced = (problem.device, backend, choice.name, problem.kv_format, problem.precision)
+            passed_over.append(f"{record.name}: {reason}")
+    announced = (problem.device, backend, record.name, problem.kv_format, problem.precision)
     if announced not in _ANNOUNCED:
         _ANNOUNCED.add(announced)
         skipped = "; passed over: " + "; ".join(passed_over) if passed_over else ""
-        log.info("MLA decode on %s: %s backend (asked: %s, %s cache, %s)%s", problem.device, choice.name, backend,
+        log.info("MLA decode on %s: %s backend (asked: %s, %s cache, %s)%s", problem.device, record.name, backend,
                  problem.kv_format, problem.precision, skipped)
-    return Selection(choice.name, tuple(passed_over))
+    return Selection(record, tuple(passed_over))
+
+
+def make_backend_plan(record: Backend, problem: Problem, options: dict):
+    """The record's plan for `problem`, after checking that `options` are ones it takes (auto may have picked
+    another backend than the options were written for)."""
+    unknown = sorted(set(options) - set(record.options))
+    if unknown:
+        raise ValueError(f"backend_options: the {record.name} backend takes {list(record.options) or 'none'}, not "
+                         f"{unknown}")
+    return record.make_plan(problem, **options)
 
 
 
@@ -2434,25 +2467,6 @@ def select_backend(problem: Problem, backend: str = "auto") -> Selection:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-# The keyword arguments each backend's plan takes after the problem (backend_options).
-BACKEND_OPTIONS = {"torch": (), "cuda": ("unit_rows",), "triton": ("target", "plan"),
-                   "aiter": ("variant", "kv_seq_len")}
-
-
-def _backend_plan(backend: str, problem: Problem, options: dict):
-    takes = BACKEND_OPTIONS[backend]
-    unknown = sorted(set(options) - set(takes))
-    if unknown:  # options are one backend's: "auto" may have picked another
-        raise ValueError(f"backend_options: the {backend} backend takes {list(takes) or 'none'}, not {unknown}")
-    if backend == "torch":
-        return TorchDecode(problem)
-    if backend == "triton":
-        return TritonDecode(problem, **options)
-    if backend == "aiter":
-        return AiterDecode(problem, **options)
-    return cuda_package()[0].CudaDecode(problem, **options)
-
-
 class DecodePlan:
     """A decode planned for one problem (every shape, dtype and setting of a call but the data) on one backend: its
     workspace allocated, its split plan made. run() checks its arguments against the plan, then launches; on the
@@ -2466,7 +2480,7 @@ class DecodePlan:
         selection = select_backend(problem, backend)
         self.problem, self.backend, self.passed_over = problem, selection.backend, selection.passed_over
         self.check_contents = check_contents and self.backend != "torch"  # the torch backend always checks
-        self.impl = _backend_plan(self.backend, problem, backend_options or {})
+        self.impl = make_backend_plan(selection.record, problem, backend_options or {})
         self._switch_device = problem.device.type == "cuda" and torch.cuda.device_count() > 1
 
     def _outputs(self, q: torch.Tensor, out, lse) -> tuple:
@@ -2948,15 +2962,10 @@ def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
                            max_seqlen=max_seqlen,
                            softmax_scale=float(config["sm_scale"]), precision=precision, return_lse=False,
                            scale_dtype=scale.dtype, scale_stride=scale.stride(0) if kv_format == "mxfp4" else None)
-    chosen = _choose(problem, backend)
+    chosen = _choose(problem, backend)  # as the library chooses: the registry's records
     options = None
-    if chosen == "aiter":
-        variant = aiter_variant(batch, kv_seq_len, _env("MLA_AITER_VARIANT"))
-        if variant == ROCM_TRITON and backend == "auto":  # measured faster here
-            chosen = "triton"
-            log.info("MLA decode: %s x %s runs the triton backend (AITER_VARIANTS)", batch, kv_seq_len)
-        else:
-            options = {"variant": variant, "kv_seq_len": kv_seq_len}  # the uniform-length promise of the config
+    if chosen == "aiter":  # the config's uniform-length promise, and the variant of AITER_VARIANTS or the override
+        options = {"variant": aiter_variant(batch, kv_seq_len, _env("MLA_AITER_VARIANT")), "kv_seq_len": kv_seq_len}
     decode = DecodePlan(problem, chosen, backend_options=options)
     check = decode.backend == "torch" or _env("MLA_VALIDATE") == "1"
     return _Dispatch(decode.backend, kv_format, check, decode)

@@ -11,8 +11,11 @@ or, for a serving loop and CUDA graphs, a plan made once and run many times:
 mla_decode.api's docstring gives the layouts.
 """
 
-from .api import DecodePlan, mla_decode_with_kvcache, plan, plan_ragged
-from .contract import BACKENDS, KV_FORMATS, LAYOUTS, PRECISIONS, Problem
+__version__ = "0.2.0"
 
-__all__ = ["BACKENDS", "KV_FORMATS", "LAYOUTS", "PRECISIONS", "DecodePlan", "Problem", "mla_decode_with_kvcache",
-           "plan", "plan_ragged"]
+from .api import DecodePlan, mla_decode_with_kvcache, plan, plan_ragged
+from .backends import BACKEND_REGISTRY, BACKENDS, select_backend
+from .contract import KV_FORMATS, LAYOUTS, PRECISIONS, Problem
+
+__all__ = ["__version__", "BACKEND_REGISTRY", "BACKENDS", "KV_FORMATS", "LAYOUTS", "PRECISIONS", "DecodePlan",
+           "Problem", "mla_decode_with_kvcache", "plan", "plan_ragged", "select_backend"]

@@ -80,13 +80,20 @@ def compute_units(device: torch.device) -> int:
 
 
 def aiter_auto_reason(problem: Problem) -> str | None:
-    """aiter_unusable_reason, and for auto also the one-split shapes (all of AITER_SHAPES but the leaderboard's) where
-    that kernel's grid, a workgroup a sequence (a token at 128 heads), is smaller than the GPU's CU count: the triton
-    kernel splits the KV across the CUs there. Neither was timed (no AMD GPU has run this project); a grid that
-    leaves most CUs idle is the risk avoided."""
+    """aiter_unusable_reason, and for auto also: the leaderboard's shapes that AITER_VARIANTS sends to the triton
+    backend (ROCM_TRITON, keyed by batch and max_seqlen, which the leaderboard adapter sets to the config's
+    kv_seq_len); and the one-split shapes (all of AITER_SHAPES but the leaderboard's) where that kernel's grid, a
+    workgroup a sequence (a token at 128 heads), is smaller than the GPU's CU count: the triton kernel splits the KV
+    across the CUs there. Neither was timed (no AMD GPU has run this project); a grid that leaves most CUs idle is
+    the risk avoided."""
     reason = aiter_unusable_reason(problem)
-    if reason is not None or (problem.q_len, problem.num_heads) == (AITER_Q_LEN, AITER_HEADS):
+    if reason is not None:
         return reason
+    if (problem.q_len, problem.num_heads) == (AITER_Q_LEN, AITER_HEADS):
+        if aiter_variant(problem.batch, problem.max_seqlen) == ROCM_TRITON:
+            return (f"aiter backend (auto): AITER_VARIANTS runs the triton backend for batch {problem.batch} x "
+                    f"{problem.max_seqlen} (backend='aiter' takes it anyway)")
+        return None
     workgroups = problem.batch * (problem.q_len if problem.num_heads > AITER_HEADS else 1)
     num_cus = compute_units(problem.device)
     if workgroups < num_cus:
@@ -257,15 +264,17 @@ AITER_VARIANTS = {
 
 def aiter_variant(batch: int, kv_seq_len: int | None, forced: str | None = None) -> str:
     """The variant for this shape (or ROCM_TRITON): `forced` if given (the leaderboard adapter's
-    MLA_AITER_VARIANT), else AITER_VARIANTS[(batch, kv_seq_len)], else AITER_DEFAULT_VARIANT. Any other name is an
-    error naming where it came from."""
+    MLA_AITER_VARIANT: an aiter variant; the backend is chosen before, by select_backend), else
+    AITER_VARIANTS[(batch, kv_seq_len)], else AITER_DEFAULT_VARIANT. Any other name is an error naming where it came
+    from."""
     if forced:
-        field, name = "MLA_AITER_VARIANT", forced
+        field, name, names = "MLA_AITER_VARIANT", forced, tuple(AITER_VARIANT_SPECS)
     else:
         field, (name, *_) = f"AITER_VARIANTS[{(batch, kv_seq_len)}]", AITER_VARIANTS.get(
             (batch, kv_seq_len), (AITER_DEFAULT_VARIANT,))
-    if name not in AITER_VARIANT_SPECS and name != ROCM_TRITON:
-        raise ValueError(f"{field}: expected one of {tuple(AITER_VARIANT_SPECS) + (ROCM_TRITON,)}, got {name!r}")
+        names = tuple(AITER_VARIANT_SPECS) + (ROCM_TRITON,)
+    if name not in names:
+        raise ValueError(f"{field}: expected one of {names}, got {name!r}")
     return name
 
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .aiter_backend import AiterDecode
+from .backends import make_backend_plan, select_backend
 from .contract import (
     DEFAULT_SOFTMAX_SCALE,
     E8M0_DTYPES,
@@ -45,27 +45,7 @@ from .contract import (
     kv_format_of_dtype,
     remember,
 )
-from .select import cuda_package, select_backend
-from .torch_backend import TorchDecode, sequence_rows
-from .triton_backend import TritonDecode
-
-# The keyword arguments each backend's plan takes after the problem (backend_options).
-BACKEND_OPTIONS = {"torch": (), "cuda": ("unit_rows",), "triton": ("target", "plan"),
-                   "aiter": ("variant", "kv_seq_len")}
-
-
-def _backend_plan(backend: str, problem: Problem, options: dict):
-    takes = BACKEND_OPTIONS[backend]
-    unknown = sorted(set(options) - set(takes))
-    if unknown:  # options are one backend's: "auto" may have picked another
-        raise ValueError(f"backend_options: the {backend} backend takes {list(takes) or 'none'}, not {unknown}")
-    if backend == "torch":
-        return TorchDecode(problem)
-    if backend == "triton":
-        return TritonDecode(problem, **options)
-    if backend == "aiter":
-        return AiterDecode(problem, **options)
-    return cuda_package()[0].CudaDecode(problem, **options)
+from .torch_backend import sequence_rows
 
 
 class DecodePlan:
@@ -81,7 +61,7 @@ class DecodePlan:
         selection = select_backend(problem, backend)
         self.problem, self.backend, self.passed_over = problem, selection.backend, selection.passed_over
         self.check_contents = check_contents and self.backend != "torch"  # the torch backend always checks
-        self.impl = _backend_plan(self.backend, problem, backend_options or {})
+        self.impl = make_backend_plan(selection.record, problem, backend_options or {})
         self._switch_device = problem.device.type == "cuda" and torch.cuda.device_count() > 1
 
     def _outputs(self, q: torch.Tensor, out, lse) -> tuple:

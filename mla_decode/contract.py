@@ -47,8 +47,6 @@ FP4X2_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch
 E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
 KV_FORMATS = ("fp8", "mxfp4", "bf16")
 ROW_WIDTH = {"fp8": QK_HEAD_DIM, "mxfp4": MXFP4_ROW_BYTES, "bf16": QK_HEAD_DIM}  # a cache row's last dim
-BACKENDS = ("aiter", "cuda", "triton", "torch")
-BACKEND_CHOICES = BACKENDS + ("auto",)
 PRECISIONS = ("fast", "precise")
 LAYOUTS = ("paged", "ragged")
 

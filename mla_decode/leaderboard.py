@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-from .aiter_backend import ROCM_TRITON, aiter_variant
+from .aiter_backend import aiter_variant
 from .api import DecodePlan, make_problem
+from .backends import BACKEND_CHOICES, BackendUnavailable, select_backend
 from .contract import (
-    BACKEND_CHOICES,
     DISPATCH_LIMIT,
     E8M0_DTYPES,
     FP4X2_DTYPES,
@@ -41,10 +41,8 @@ from .contract import (
     V_HEAD_DIM,
     expect,
     expect_tensor,
-    log,
     remember,
 )
-from .select import BackendUnavailable, select_backend
 
 NUM_HEADS = 16
 LEADERBOARD_KV_FORMATS = ("fp8", "mxfp4")
@@ -292,15 +290,10 @@ def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
                            max_seqlen=max_seqlen,
                            softmax_scale=float(config["sm_scale"]), precision=precision, return_lse=False,
                            scale_dtype=scale.dtype, scale_stride=scale.stride(0) if kv_format == "mxfp4" else None)
-    chosen = _choose(problem, backend)
+    chosen = _choose(problem, backend)  # as the library chooses: the registry's records
     options = None
-    if chosen == "aiter":
-        variant = aiter_variant(batch, kv_seq_len, _env("MLA_AITER_VARIANT"))
-        if variant == ROCM_TRITON and backend == "auto":  # measured faster here
-            chosen = "triton"
-            log.info("MLA decode: %s x %s runs the triton backend (AITER_VARIANTS)", batch, kv_seq_len)
-        else:
-            options = {"variant": variant, "kv_seq_len": kv_seq_len}  # the uniform-length promise of the config
+    if chosen == "aiter":  # the config's uniform-length promise, and the variant of AITER_VARIANTS or the override
+        options = {"variant": aiter_variant(batch, kv_seq_len, _env("MLA_AITER_VARIANT")), "kv_seq_len": kv_seq_len}
     decode = DecodePlan(problem, chosen, backend_options=options)
     check = decode.backend == "torch" or _env("MLA_VALIDATE") == "1"
     return _Dispatch(decode.backend, kv_format, check, decode)

@@ -524,13 +524,13 @@ def test_precise_mode_never_runs_aiter(standin, monkeypatch):
         S.leaderboard_backend(CPU)
     monkeypatch.setenv("MLA_BACKEND", "auto")
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    S._cuda_reason_for_auto.cache_clear()
+    S.cuda_auto_reason.cache_clear()
     try:
         assert S.leaderboard_backend(torch.device("cuda", 0), "fp8") in ("triton", "torch")
         monkeypatch.setenv("MLA_PRECISION", "fast")
         assert S.leaderboard_backend(torch.device("cuda", 0), "fp8") == "aiter"
     finally:
-        S._cuda_reason_for_auto.cache_clear()
+        S.cuda_auto_reason.cache_clear()
 
 
 def test_auto_passes_aiter_over_for_mxfp4_and_precise_saying_why(standin, monkeypatch, caplog):
@@ -613,7 +613,7 @@ def test_auto_passes_aiter_over_for_a_shape_it_does_not_serve(standin, monkeypat
     """On ROCm, auto takes aiter for q_len 2 (causal) and passes it over, saying why, for q_len 3 or non-causal (on a
     GPU of 4 CUs, which the 4 sequences' one-split grid fills)."""
     import mla_decode.aiter_backend as AB
-    import mla_decode.select as SEL
+    import mla_decode.backends as SEL
 
     standin()
     monkeypatch.setattr(torch.version, "hip", "6.4")
@@ -640,7 +640,7 @@ def test_auto_takes_the_one_split_kernel_only_where_its_grid_fills_the_gpu(stand
     heads): auto passes it over, saying so, where that is fewer workgroups than the GPU has CUs, and a forced aiter
     takes it anyway; the leaderboard's persistent kernel splits by itself and is taken at any batch."""
     import mla_decode.aiter_backend as AB
-    import mla_decode.select as SEL
+    import mla_decode.backends as SEL
 
     standin()
     monkeypatch.setattr(torch.version, "hip", "6.4")

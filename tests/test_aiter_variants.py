@@ -494,21 +494,24 @@ def test_gpu_every_variant_on_the_real_aiter(monkeypatch, variant, lengths):
 
 
 def test_a_shape_chosen_for_triton_runs_triton_under_auto_only(standin, monkeypatch):
-    """AITER_VARIANTS can send a shape to the triton backend (ROCM_TRITON): auto on ROCm then runs triton there; a
-    forced MLA_BACKEND=aiter runs the default variant."""
+    """AITER_VARIANTS can send a shape to the triton backend (ROCM_TRITON): auto on ROCm then runs triton there, and
+    the library's plan for the same problem chooses as custom_kernel does (both read the registry); a forced
+    MLA_BACKEND=aiter runs the default variant."""
     standin()
     data = make([8] * 4, seed=1)
     monkeypatch.setattr(S, "AITER_VARIANTS", {(4, 8): (S.ROCM_TRITON, "test")})
     S.custom_kernel(data)
     assert [key.variant for key in S._AITER_PLANS] == [S.AITER_DEFAULT_VARIANT]
     monkeypatch.setenv("MLA_BACKEND", "auto")
-    select = S.select_backend
-
-    def as_on_rocm(problem, backend="auto"):  # auto picks aiter, as on ROCm with aiter importable
-        return S.Selection("aiter", ()) if backend == "auto" else select(problem, backend)
-
-    monkeypatch.setattr(S, "select_backend", as_on_rocm)
-    q, kv, scale, _, _, config = S.validate(data, "fp8")
-    decision = S._new_dispatch(q, kv, scale, config, "fp8")
+    registry = tuple(record._replace(considered_on=lambda device: True) if record.name in ("aiter", "triton")
+                     else record for record in S.BACKEND_REGISTRY)  # auto considers both here, as on ROCm
+    monkeypatch.setattr(S, "BACKEND_REGISTRY", registry)
+    decision = S.dispatch(data)[0]
     assert decision.backend == "triton" and isinstance(decision.plan.impl, S.TritonDecode), decision
     assert isinstance(decision.plan.impl.key, S.TritonKey), decision
+    library = S.plan_ragged(4, data[1]["fp8"][0].dtype, "cpu", 8, return_lse=False)
+    assert library.backend == "triton"
+    assert any("AITER_VARIANTS runs the triton backend" in line for line in library.passed_over), library.passed_over
+    monkeypatch.setattr(S, "AITER_VARIANTS", {})
+    again = S.plan_ragged(4, data[1]["fp8"][0].dtype, "cpu", 8, return_lse=False)
+    assert again.backend == "aiter", again.passed_over

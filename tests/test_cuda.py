@@ -320,10 +320,10 @@ def fake_nvidia_gpu(monkeypatch):
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
     monkeypatch.delenv("MLA_PRECISION", raising=False)
     S.cuda_package.cache_clear()
-    S._cuda_reason_for_auto.cache_clear()
+    S.cuda_auto_reason.cache_clear()
     yield torch.device("cuda", 0)
     S.cuda_package.cache_clear()
-    S._cuda_reason_for_auto.cache_clear()
+    S.cuda_auto_reason.cache_clear()
 
 
 def leaderboard_problem(device: torch.device, kv_format: str = "fp8", precision: str = "fast"):
@@ -578,7 +578,7 @@ def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cann
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(C, "capability", lambda device: (9, 0))
     edited_sources(C.MAIN_SOURCE, "\nthis is not C++;\n")
-    S._cuda_reason_for_auto.cache_clear()
+    S.cuda_auto_reason.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
     with caplog.at_level("WARNING", logger="mla_decode"):
@@ -587,7 +587,7 @@ def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cann
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: nvcc failed"):
         S.leaderboard_backend(gpu)
-    S._cuda_reason_for_auto.cache_clear()
+    S.cuda_auto_reason.cache_clear()
 
 
 @needs_nvcc
@@ -599,7 +599,7 @@ def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(fresh_build, monkey
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(C, "capability", lambda device: capability)
-    S._cuda_reason_for_auto.cache_clear()
+    S.cuda_auto_reason.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
     assert S.leaderboard_backend(gpu) == "cuda"
@@ -610,7 +610,7 @@ def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(fresh_build, monkey
         monkeypatch.setenv("MLA_BACKEND", "cuda")
         with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: cuda backend: reads MXFP4 only with its Hopper"):
             S.leaderboard_backend(gpu)
-    S._cuda_reason_for_auto.cache_clear()
+    S.cuda_auto_reason.cache_clear()
 
 
 def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gpu, monkeypatch):

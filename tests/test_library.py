@@ -123,8 +123,8 @@ def test_triton_refuses_a_block_h_the_kernel_cannot_take(block_h):
 
 
 def test_backend_options_name_what_each_plan_takes():
-    """api.BACKEND_OPTIONS (what backend_options may hold) is each backend plan's keyword arguments after the
-    problem."""
+    """Each registry record's options (what backend_options may hold) are its plan class's keyword arguments after
+    the problem."""
     import inspect
 
     from mla_decode.aiter_backend import AiterDecode
@@ -133,10 +133,10 @@ def test_backend_options_name_what_each_plan_takes():
     from mla_decode.triton_backend import TritonDecode
 
     classes = {"torch": TorchDecode, "cuda": CudaDecode, "triton": TritonDecode, "aiter": AiterDecode}
-    assert set(classes) == set(mla_decode.BACKENDS) == set(mla_decode.api.BACKEND_OPTIONS)
-    for backend, plan_class in classes.items():
-        takes = tuple(name for name in inspect.signature(plan_class).parameters if name != "problem")
-        assert mla_decode.api.BACKEND_OPTIONS[backend] == takes, backend
+    assert set(classes) == set(mla_decode.BACKENDS)
+    for record in mla_decode.BACKEND_REGISTRY:
+        takes = tuple(name for name in inspect.signature(classes[record.name]).parameters if name != "problem")
+        assert record.options == takes, record.name
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -167,7 +167,7 @@ def test_grids_past_the_launch_limits_are_refused(monkeypatch):
     """A grid dimension holds at most 65535: the cuda kernels' units of the plan's 16 or 32 query rows (counted once
     the backend serves the device: faked here), the triton kernel's batch and groups. Past them each backend refuses
     with the reason (auto then passes over it) instead of failing at launch."""
-    from mla_decode.select import cuda_unusable_reason, triton_unusable_reason
+    from mla_decode.backends import cuda_unusable_reason, triton_unusable_reason
 
     C = pytest.importorskip("mla_decode.cuda")
     monkeypatch.setattr(C, "unusable_reason", lambda *args: None)

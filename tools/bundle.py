@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mla_decode"
 TARGET = ROOT / "submission.py"
 # The portable modules, each after the modules it imports.
-MODULES = ("contract", "torch_backend", "triton_common", "triton_hopper", "triton_backend", "aiter_backend", "select",
+MODULES = ("contract", "torch_backend", "triton_common", "triton_hopper", "triton_backend", "aiter_backend", "backends",
            "api", "leaderboard")
 HEADER = '''#!POPCORN leaderboard amd-mixed-mla
 #!POPCORN gpu MI355X
