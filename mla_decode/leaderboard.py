@@ -198,10 +198,10 @@ def _env_keys(names: tuple[str, ...]) -> tuple:
 
 
 def _env_values(names: tuple[str, ...]) -> tuple:
-    """os.environ's values of `names`, as it stores them (bytes on POSIX), None where unset. os.environ.get costs ~1.5
-    us for an unset name (Mapping.get raises and catches a KeyError inside os.environ's __getitem__) and a call reads
-    several, while CPython's os.environ keeps its values in a dict, _data, under encoded keys, which this reads in
-    ~0.1 us a name: the same values, since os.environ's own methods write that dict."""
+    """os.environ's values of `names`, as it stores them (bytes on POSIX), None where unset. Every call reads them,
+    and the leaderboard sets none: os.environ.get raises and catches a KeyError for each unset name, so this reads
+    CPython's dict behind os.environ (_data, written by os.environ's own methods) instead, and falls back to the
+    public API elsewhere (docs/design-notes.md, "The leaderboard adapter's host path")."""
     environ = os.environ
     try:
         return tuple(map(environ._data.get, _env_keys(names)))
