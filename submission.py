@@ -2523,13 +2523,29 @@ class DecodePlan:
     def run_ragged(self, q, kv_cache, kv_indptr, kv_scale=None, *, out=None, lse=None):
         """The decode of a ragged cache: sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of kv_cache
         (num_rows, 1, width) -> (out, lse)."""
-        p = self.problem
-        expect(p.layout == "ragged", "run_ragged", "block_table and cache_seqlens (this plan is paged: run)",
-               "kv_indptr")
-        _expect_q(q, p)
-        kv, scale = _expect_cache(kv_cache, kv_scale, p, ())
-        _expect_buffer(kv_indptr, "kv_indptr", (p.batch + 1,), torch.int32, p.device)
+        expect(self.problem.layout == "ragged", "run_ragged",
+               "block_table and cache_seqlens (this plan is paged: run)", "kv_indptr")
+        kv, scale = expect_ragged_inputs(self.problem, q, kv_cache, kv_indptr, kv_scale)
         return self.launch(q, kv, scale, kv_indptr, None, *self._outputs(q, out, lse))
+
+
+class CacheNames(NamedTuple):
+    """What the checks call the cache and its scale: the library's argument names, or the caller's (the leaderboard
+    adapter names the competition tuple's fields)."""
+
+    kv: str = "kv_cache"
+    scale: str = "kv_scale"
+
+
+ARGUMENT_NAMES = CacheNames()
+
+
+def expect_ragged_inputs(p: Problem, q, kv_cache, kv_indptr, kv_scale, names: CacheNames = ARGUMENT_NAMES) -> tuple:
+    """run_ragged's checks of its inputs against a ragged problem -> (kv, scale) as the kernels read them."""
+    _expect_q(q, p)
+    kv, scale = _expect_cache(kv_cache, kv_scale, p, (), names)
+    _expect_buffer(kv_indptr, "kv_indptr", (p.batch + 1,), torch.int32, p.device)
+    return kv, scale
 
 
 def _expect_buffer(x, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -2548,58 +2564,61 @@ def _expect_q(q, p: Problem) -> None:
     _expect_buffer(q, "q", (p.batch, p.q_len, p.num_heads, QK_HEAD_DIM), torch.bfloat16, p.device)
 
 
-def _expect_cache(kv_cache, kv_scale, p: Problem, page: tuple) -> tuple:
+def _expect_cache(kv_cache, kv_scale, p: Problem, page: tuple, names: CacheNames = ARGUMENT_NAMES) -> tuple:
     """(kv, scale): the cache as rows (num_rows, width) and its scale as the kernels read it, after the checks."""
     width = ROW_WIDTH[p.kv_format]
     tail = (*page, 1, width)  # after num_pages (paged) or num_rows (ragged)
     # Like _expect_buffer: a good cache and scale pass before any message is formatted
     if not (isinstance(kv_cache, torch.Tensor) and kv_cache.shape[1:] == tail and kv_cache.dim() == 1 + len(tail)
             and kv_cache.dtype == p.kv_dtype and kv_cache.device == p.device and kv_cache.is_contiguous()):
-        expect_tensor(kv_cache, "kv_cache")
-        expect(kv_cache.dim() == 1 + len(tail) and tuple(kv_cache.shape[1:]) == tail, "kv_cache.shape",
+        expect_tensor(kv_cache, names.kv)
+        expect(kv_cache.dim() == 1 + len(tail) and tuple(kv_cache.shape[1:]) == tail, f"{names.kv}.shape",
                f"({'num_pages' if page else 'num_rows'}, {', '.join(map(str, tail))})", tuple(kv_cache.shape))
-        expect(kv_cache.dtype == p.kv_dtype, "kv_cache.dtype", f"{p.kv_dtype} (the plan's)", kv_cache.dtype)
-        expect_on_device(kv_cache, "kv_cache", p.device)
-        expect(kv_cache.is_contiguous(), "kv_cache", "a contiguous tensor", "a strided view")
+        expect(kv_cache.dtype == p.kv_dtype, f"{names.kv}.dtype", f"{p.kv_dtype} (the plan's)", kv_cache.dtype)
+        expect_on_device(kv_cache, names.kv, p.device)
+        expect(kv_cache.is_contiguous(), names.kv, "a contiguous tensor", "a strided view")
     kv = kv_cache.view(-1, width)
     if p.kv_format == "bf16":
-        expect(kv_scale is None, "kv_scale", "None for a bfloat16 cache", type(kv_scale).__name__)
+        expect(kv_scale is None, names.scale, "None for a bfloat16 cache", type(kv_scale).__name__)
         return kv, None
     if not (isinstance(kv_scale, torch.Tensor) and kv_scale.device == p.device and kv_scale.dtype == p.scale_dtype):
-        expect_tensor(kv_scale, "kv_scale")
-        expect_on_device(kv_scale, "kv_scale", p.device)
-        expect(kv_scale.dtype == p.scale_dtype, "kv_scale.dtype", f"{p.scale_dtype} (the plan's)", kv_scale.dtype)
+        expect_tensor(kv_scale, names.scale)
+        expect_on_device(kv_scale, names.scale, p.device)
+        expect(kv_scale.dtype == p.scale_dtype, f"{names.scale}.dtype", f"{p.scale_dtype} (the plan's)", kv_scale.dtype)
     if p.kv_format == "fp8":
-        expect(kv_scale.numel() == 1, "kv_scale.shape", "(1,) float32", tuple(kv_scale.shape))
+        expect(kv_scale.numel() == 1, f"{names.scale}.shape", "(1,) float32", tuple(kv_scale.shape))
         return kv, kv_scale
     rows = kv.shape[0]
     if page:
         want = (*kv_cache.shape[:-1], MXFP4_BLOCKS_PER_ROW)
         good = kv_scale.shape == want and kv_scale.is_contiguous()
         if not good:
-            expect(good, "kv_scale", f"E8M0 block scales of shape {want}, contiguous", f"{tuple(kv_scale.shape)}")
+            expect(good, names.scale, f"E8M0 block scales of shape {want}, contiguous", f"{tuple(kv_scale.shape)}")
         return kv, kv_scale.view(rows, MXFP4_BLOCKS_PER_ROW)
     expect(kv_scale.dim() == 2 and kv_scale.shape[0] >= rows and kv_scale.shape[1] >= MXFP4_BLOCKS_PER_ROW
-           and kv_scale.stride(1) == 1 and kv_scale.stride(0) == p.scale_stride, "kv_scale",
-           f"(>= {rows}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales with row stride {p.scale_stride}",
+           and kv_scale.stride(1) == 1 and kv_scale.stride(0) == p.scale_stride, names.scale,
+           f"(>= {rows}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales, unit stride along a row, row stride "
+           f"{p.scale_stride}",
            f"shape {tuple(kv_scale.shape)}, strides {kv_scale.stride()}")
     return kv, kv_scale
 
 
-def _scale_dtype(kv_format: str, scale_dtype: torch.dtype | None) -> torch.dtype | None:
+def _scale_dtype(kv_format: str, scale_dtype: torch.dtype | None, name: str) -> torch.dtype | None:
     if kv_format == "fp8":
         return torch.float32
     if kv_format == "bf16":
         return None
-    expect(scale_dtype in E8M0_DTYPES, "kv_scale.dtype", f"one of {E8M0_DTYPES}", scale_dtype)
+    expect(scale_dtype in E8M0_DTYPES, f"{name}.dtype", f"one of {E8M0_DTYPES}", scale_dtype)
     return scale_dtype
 
 
 def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 0, max_pages: int = 0,
                  num_heads: int = 16, q_len: int = 1, max_seqlen: int | None = None, softmax_scale=None,
                  causal: bool = False, precision: str = "fast", return_lse: bool = True,
-                 scale_dtype: torch.dtype | None = torch.uint8, scale_stride: int | None = None) -> Problem:
-    """The Problem of a plan, every argument checked (a ValueError or TypeError naming it)."""
+                 scale_dtype: torch.dtype | None = torch.uint8, scale_stride: int | None = None,
+                 names: CacheNames = ARGUMENT_NAMES) -> Problem:
+    """The Problem of a plan, every argument checked (a ValueError or TypeError naming it; the scale's dtype by
+    `names`)."""
     expect_int(batch_size, "batch_size", 1)
     expect_int(num_heads, "num_heads", 1)
     expect_int(q_len, "q_len", 1)
@@ -2616,7 +2635,7 @@ def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 
     if not isinstance(causal, bool) or not isinstance(return_lse, bool):
         raise TypeError("causal, return_lse: expected bools")
     softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else expect_softmax_scale(softmax_scale)
-    scale_dtype = _scale_dtype(kv_format, scale_dtype)
+    scale_dtype = _scale_dtype(kv_format, scale_dtype, names.scale)
     if kv_format != "mxfp4":
         scale_stride = 0
     elif scale_stride is None:
@@ -2774,67 +2793,51 @@ def _validate_config(config, batch: int) -> None:
            "config['sm_scale']", "a positive finite float", repr(sm))
 
 
-def _validate_indptr(x, field: str, length: int | None, device: torch.device) -> torch.Tensor:
-    x = expect_tensor(x, field)
-    expect(x.dtype == torch.int32, f"{field}.dtype", "torch.int32", x.dtype)
-    expect(x.dim() == 1 and x.shape[0] >= 2, f"{field}.shape", "(batch + 1,) with batch >= 1", tuple(x.shape))
-    if length is not None:
-        expect(x.shape[0] == length, f"{field}.shape", f"({length},) like qo_indptr", tuple(x.shape))
-    _expect_same_device(x, field, device)
-    expect(x.is_contiguous(), field, "a contiguous tensor", "a strided view")
+def _validate_qo_indptr(x, device: torch.device) -> torch.Tensor:
+    x = expect_tensor(x, "qo_indptr")
+    expect(x.dtype == torch.int32, "qo_indptr.dtype", "torch.int32", x.dtype)
+    expect(x.dim() == 1 and x.shape[0] >= 2, "qo_indptr.shape", "(batch + 1,) with batch >= 1", tuple(x.shape))
+    _expect_same_device(x, "qo_indptr", device)
+    expect(x.is_contiguous(), "qo_indptr", "a contiguous tensor", "a strided view")
     return x
 
 
-# What the two elements of each KV format's (tensor, scale) pair are, as the validation messages name them.
-_KV_NAMES = {"fp8": ("the FP8 cache (kv_data['fp8'][0])", "the FP8 scale (kv_data['fp8'][1])"),
-             "mxfp4": ("the MXFP4 cache (kv_data['mxfp4'][0])", "the MXFP4 block scales (kv_data['mxfp4'][1])")}
+# What the checks call the two elements of each KV format's (tensor, scale) pair.
+_KV_NAMES = {"fp8": CacheNames("the FP8 cache (kv_data['fp8'][0])", "the FP8 scale (kv_data['fp8'][1])"),
+             "mxfp4": CacheNames("the MXFP4 cache (kv_data['mxfp4'][0])",
+                                 "the MXFP4 block scales (kv_data['mxfp4'][1])")}
 
 
-def _validate_kv(kv_data, kv_format: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (kv, scale) of the format that will be read."""
+def _validate_kv(kv_data, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv, scale) of the format that will be read, a pair whose cache holds that format; the api checks the rest
+    (_new_dispatch)."""
     if not isinstance(kv_data, dict):
         raise TypeError(f"kv_data: expected a dict of KV formats, got {type(kv_data).__name__}")
     expect(kv_format in kv_data, "kv_data", f"a {kv_format!r} entry", f"keys {sorted(kv_data)}")
-    kv_name, scale_name = _KV_NAMES[kv_format]
-    kv, scale = _expect_pair(kv_data[kv_format], f"kv_data[{kv_format!r}]", kv_name, scale_name)
-    width = QK_HEAD_DIM if kv_format == "fp8" else QK_HEAD_DIM // 2
-    dtypes = FP8_DTYPES if kv_format == "fp8" else FP4X2_DTYPES
-    expect(kv.dim() == 3 and kv.shape[1] == NUM_KV_HEADS and kv.shape[2] == width, f"{kv_name}.shape",
-           f"(total_kv, {NUM_KV_HEADS}, {width})", tuple(kv.shape))
-    expect(kv.dtype in dtypes, f"{kv_name}.dtype", f"one of {dtypes}", kv.dtype)
-    expect(kv.is_contiguous(), kv_name, "a contiguous tensor", "a strided view")
-    _expect_same_device(kv, kv_name, device)
-    _expect_same_device(scale, scale_name, device)
-    if kv_format == "fp8":
-        expect(scale.dtype == torch.float32, f"{scale_name}.dtype", "torch.float32", scale.dtype)
-        expect(scale.numel() == 1, f"{scale_name}.shape", "(1,)", tuple(scale.shape))
-    else:
-        expect(scale.dtype in E8M0_DTYPES, f"{scale_name}.dtype", f"one of {E8M0_DTYPES}", scale.dtype)
-        expect(scale.dim() == 2 and scale.shape[0] >= kv.shape[0] and scale.shape[1] >= MXFP4_BLOCKS_PER_ROW,
-               f"{scale_name}.shape", f"(>= {kv.shape[0]}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales",
-               tuple(scale.shape))
-        expect(scale.stride(1) == 1, scale_name, "unit stride along blocks", scale.stride())
+    names = _KV_NAMES[kv_format]
+    kv, scale = _expect_pair(kv_data[kv_format], f"kv_data[{kv_format!r}]", names.kv, names.scale)
+    expect(kv_format_of_dtype(kv.dtype, f"{names.kv}.dtype") == kv_format, f"{names.kv}.dtype",
+           f"one of {FP8_DTYPES if kv_format == 'fp8' else FP4X2_DTYPES}", kv.dtype)
     return kv, scale
 
 
 def validate(data, kv_format: str) -> tuple:
-    """Checks everything that can be checked without a device sync; returns (q, kv, kv_scale, qo_indptr, kv_indptr,
-    config) for the chosen KV format."""
+    """The competition tuple's own checks, without reading device memory (no host sync): its structure, q's shape,
+    qo_indptr, the config and the format's pair. The tensors the library's ragged call takes (q, the cache and its
+    scale, kv_indptr) are checked by the api's own checks where the call is planned (_new_dispatch). Returns (q, kv,
+    kv_scale, qo_indptr, kv_indptr, config) for the chosen KV format."""
     if not (isinstance(data, (tuple, list)) and len(data) == 5):
         raise TypeError("data: expected (q, kv_data, qo_indptr, kv_indptr, config)")
     q, kv_data, qo_indptr, kv_indptr, config = data
     q = expect_tensor(q, "q")
-    expect(q.dtype == torch.bfloat16, "q.dtype", "torch.bfloat16", q.dtype)
     expect(q.dim() == 3 and q.shape[1] == NUM_HEADS and q.shape[2] == QK_HEAD_DIM, "q.shape",
            f"(total_q, {NUM_HEADS}, {QK_HEAD_DIM})", tuple(q.shape))
-    expect(q.is_contiguous(), "q", "a contiguous tensor", "a strided view")
-    qo_indptr = _validate_indptr(qo_indptr, "qo_indptr", None, q.device)
-    kv_indptr = _validate_indptr(kv_indptr, "kv_indptr", qo_indptr.shape[0], q.device)
+    qo_indptr = _validate_qo_indptr(qo_indptr, q.device)
     batch = qo_indptr.shape[0] - 1
     _validate_config(config, batch)
     q_len = config["q_seq_len"]
     expect(q.shape[0] == batch * q_len, "q.shape[0]", f"{batch * q_len} (batch x q_seq_len)", q.shape[0])
-    kv, scale = _validate_kv(kv_data, kv_format, q.device)
+    kv, scale = _validate_kv(kv_data, kv_format)
     return q, kv, scale, qo_indptr, kv_indptr, config
 
 
@@ -2953,15 +2956,18 @@ def leaderboard_backend(device: torch.device, kv_format: str | None = None, prec
     return _choose(problem, select_backend_setting())
 
 
-def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
+def _new_dispatch(q, kv, scale, kv_indptr, config, kv_format: str) -> _Dispatch:
+    """The plan of a validated kind of input, its tensors checked by the api's checks against the problem first."""
     precision, backend = select_precision(), select_backend_setting()
     q_len, kv_seq_len = config["q_seq_len"], config["kv_seq_len"]
     batch = q.shape[0] // q_len
     max_seqlen = kv_seq_len if kv_seq_len is not None else -(-kv.shape[0] // batch)
+    names = _KV_NAMES[kv_format]
     problem = make_problem(batch, kv.dtype, q.device, layout="ragged", q_len=q_len, causal=q_len > 1,
-                           max_seqlen=max_seqlen,
-                           softmax_scale=float(config["sm_scale"]), precision=precision, return_lse=False,
-                           scale_dtype=scale.dtype, scale_stride=scale.stride(0) if kv_format == "mxfp4" else None)
+                           max_seqlen=max_seqlen, softmax_scale=float(config["sm_scale"]), precision=precision,
+                           return_lse=False, scale_dtype=scale.dtype, names=names,
+                           scale_stride=scale.stride(0) if kv_format == "mxfp4" and scale.dim() == 2 else None)
+    expect_ragged_inputs(problem, q.unflatten(0, (batch, q_len)), kv, kv_indptr, scale, names)
     chosen = _choose(problem, backend)  # as the library chooses: the registry's records
     options = None
     if chosen == "aiter":  # the config's uniform-length promise, and the variant of AITER_VARIANTS or the override
@@ -2996,7 +3002,7 @@ def dispatch(data) -> tuple:
         key = decision = None
     if decision is None:
         q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
-        decision = _new_dispatch(q, kv, scale, config, kv_format)
+        decision = _new_dispatch(q, kv, scale, kv_indptr, config, kv_format)
         if key is not None:
             remember(_DISPATCH, key, decision, DISPATCH_LIMIT)
     return decision, q, kv, scale, qo_indptr, kv_indptr, config

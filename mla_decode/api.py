@@ -104,13 +104,29 @@ class DecodePlan:
     def run_ragged(self, q, kv_cache, kv_indptr, kv_scale=None, *, out=None, lse=None):
         """The decode of a ragged cache: sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of kv_cache
         (num_rows, 1, width) -> (out, lse)."""
-        p = self.problem
-        expect(p.layout == "ragged", "run_ragged", "block_table and cache_seqlens (this plan is paged: run)",
-               "kv_indptr")
-        _expect_q(q, p)
-        kv, scale = _expect_cache(kv_cache, kv_scale, p, ())
-        _expect_buffer(kv_indptr, "kv_indptr", (p.batch + 1,), torch.int32, p.device)
+        expect(self.problem.layout == "ragged", "run_ragged",
+               "block_table and cache_seqlens (this plan is paged: run)", "kv_indptr")
+        kv, scale = expect_ragged_inputs(self.problem, q, kv_cache, kv_indptr, kv_scale)
         return self.launch(q, kv, scale, kv_indptr, None, *self._outputs(q, out, lse))
+
+
+class CacheNames(NamedTuple):
+    """What the checks call the cache and its scale: the library's argument names, or the caller's (the leaderboard
+    adapter names the competition tuple's fields)."""
+
+    kv: str = "kv_cache"
+    scale: str = "kv_scale"
+
+
+ARGUMENT_NAMES = CacheNames()
+
+
+def expect_ragged_inputs(p: Problem, q, kv_cache, kv_indptr, kv_scale, names: CacheNames = ARGUMENT_NAMES) -> tuple:
+    """run_ragged's checks of its inputs against a ragged problem -> (kv, scale) as the kernels read them."""
+    _expect_q(q, p)
+    kv, scale = _expect_cache(kv_cache, kv_scale, p, (), names)
+    _expect_buffer(kv_indptr, "kv_indptr", (p.batch + 1,), torch.int32, p.device)
+    return kv, scale
 
 
 def _expect_buffer(x, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -129,58 +145,61 @@ def _expect_q(q, p: Problem) -> None:
     _expect_buffer(q, "q", (p.batch, p.q_len, p.num_heads, QK_HEAD_DIM), torch.bfloat16, p.device)
 
 
-def _expect_cache(kv_cache, kv_scale, p: Problem, page: tuple) -> tuple:
+def _expect_cache(kv_cache, kv_scale, p: Problem, page: tuple, names: CacheNames = ARGUMENT_NAMES) -> tuple:
     """(kv, scale): the cache as rows (num_rows, width) and its scale as the kernels read it, after the checks."""
     width = ROW_WIDTH[p.kv_format]
     tail = (*page, 1, width)  # after num_pages (paged) or num_rows (ragged)
     # Like _expect_buffer: a good cache and scale pass before any message is formatted
     if not (isinstance(kv_cache, torch.Tensor) and kv_cache.shape[1:] == tail and kv_cache.dim() == 1 + len(tail)
             and kv_cache.dtype == p.kv_dtype and kv_cache.device == p.device and kv_cache.is_contiguous()):
-        expect_tensor(kv_cache, "kv_cache")
-        expect(kv_cache.dim() == 1 + len(tail) and tuple(kv_cache.shape[1:]) == tail, "kv_cache.shape",
+        expect_tensor(kv_cache, names.kv)
+        expect(kv_cache.dim() == 1 + len(tail) and tuple(kv_cache.shape[1:]) == tail, f"{names.kv}.shape",
                f"({'num_pages' if page else 'num_rows'}, {', '.join(map(str, tail))})", tuple(kv_cache.shape))
-        expect(kv_cache.dtype == p.kv_dtype, "kv_cache.dtype", f"{p.kv_dtype} (the plan's)", kv_cache.dtype)
-        expect_on_device(kv_cache, "kv_cache", p.device)
-        expect(kv_cache.is_contiguous(), "kv_cache", "a contiguous tensor", "a strided view")
+        expect(kv_cache.dtype == p.kv_dtype, f"{names.kv}.dtype", f"{p.kv_dtype} (the plan's)", kv_cache.dtype)
+        expect_on_device(kv_cache, names.kv, p.device)
+        expect(kv_cache.is_contiguous(), names.kv, "a contiguous tensor", "a strided view")
     kv = kv_cache.view(-1, width)
     if p.kv_format == "bf16":
-        expect(kv_scale is None, "kv_scale", "None for a bfloat16 cache", type(kv_scale).__name__)
+        expect(kv_scale is None, names.scale, "None for a bfloat16 cache", type(kv_scale).__name__)
         return kv, None
     if not (isinstance(kv_scale, torch.Tensor) and kv_scale.device == p.device and kv_scale.dtype == p.scale_dtype):
-        expect_tensor(kv_scale, "kv_scale")
-        expect_on_device(kv_scale, "kv_scale", p.device)
-        expect(kv_scale.dtype == p.scale_dtype, "kv_scale.dtype", f"{p.scale_dtype} (the plan's)", kv_scale.dtype)
+        expect_tensor(kv_scale, names.scale)
+        expect_on_device(kv_scale, names.scale, p.device)
+        expect(kv_scale.dtype == p.scale_dtype, f"{names.scale}.dtype", f"{p.scale_dtype} (the plan's)", kv_scale.dtype)
     if p.kv_format == "fp8":
-        expect(kv_scale.numel() == 1, "kv_scale.shape", "(1,) float32", tuple(kv_scale.shape))
+        expect(kv_scale.numel() == 1, f"{names.scale}.shape", "(1,) float32", tuple(kv_scale.shape))
         return kv, kv_scale
     rows = kv.shape[0]
     if page:
         want = (*kv_cache.shape[:-1], MXFP4_BLOCKS_PER_ROW)
         good = kv_scale.shape == want and kv_scale.is_contiguous()
         if not good:
-            expect(good, "kv_scale", f"E8M0 block scales of shape {want}, contiguous", f"{tuple(kv_scale.shape)}")
+            expect(good, names.scale, f"E8M0 block scales of shape {want}, contiguous", f"{tuple(kv_scale.shape)}")
         return kv, kv_scale.view(rows, MXFP4_BLOCKS_PER_ROW)
     expect(kv_scale.dim() == 2 and kv_scale.shape[0] >= rows and kv_scale.shape[1] >= MXFP4_BLOCKS_PER_ROW
-           and kv_scale.stride(1) == 1 and kv_scale.stride(0) == p.scale_stride, "kv_scale",
-           f"(>= {rows}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales with row stride {p.scale_stride}",
+           and kv_scale.stride(1) == 1 and kv_scale.stride(0) == p.scale_stride, names.scale,
+           f"(>= {rows}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales, unit stride along a row, row stride "
+           f"{p.scale_stride}",
            f"shape {tuple(kv_scale.shape)}, strides {kv_scale.stride()}")
     return kv, kv_scale
 
 
-def _scale_dtype(kv_format: str, scale_dtype: torch.dtype | None) -> torch.dtype | None:
+def _scale_dtype(kv_format: str, scale_dtype: torch.dtype | None, name: str) -> torch.dtype | None:
     if kv_format == "fp8":
         return torch.float32
     if kv_format == "bf16":
         return None
-    expect(scale_dtype in E8M0_DTYPES, "kv_scale.dtype", f"one of {E8M0_DTYPES}", scale_dtype)
+    expect(scale_dtype in E8M0_DTYPES, f"{name}.dtype", f"one of {E8M0_DTYPES}", scale_dtype)
     return scale_dtype
 
 
 def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 0, max_pages: int = 0,
                  num_heads: int = 16, q_len: int = 1, max_seqlen: int | None = None, softmax_scale=None,
                  causal: bool = False, precision: str = "fast", return_lse: bool = True,
-                 scale_dtype: torch.dtype | None = torch.uint8, scale_stride: int | None = None) -> Problem:
-    """The Problem of a plan, every argument checked (a ValueError or TypeError naming it)."""
+                 scale_dtype: torch.dtype | None = torch.uint8, scale_stride: int | None = None,
+                 names: CacheNames = ARGUMENT_NAMES) -> Problem:
+    """The Problem of a plan, every argument checked (a ValueError or TypeError naming it; the scale's dtype by
+    `names`)."""
     expect_int(batch_size, "batch_size", 1)
     expect_int(num_heads, "num_heads", 1)
     expect_int(q_len, "q_len", 1)
@@ -197,7 +216,7 @@ def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 
     if not isinstance(causal, bool) or not isinstance(return_lse, bool):
         raise TypeError("causal, return_lse: expected bools")
     softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else expect_softmax_scale(softmax_scale)
-    scale_dtype = _scale_dtype(kv_format, scale_dtype)
+    scale_dtype = _scale_dtype(kv_format, scale_dtype, names.scale)
     if kv_format != "mxfp4":
         scale_stride = 0
     elif scale_stride is None:

@@ -27,20 +27,19 @@ from typing import NamedTuple
 import torch
 
 from .aiter_backend import aiter_variant
-from .api import DecodePlan, make_problem
+from .api import CacheNames, DecodePlan, expect_ragged_inputs, make_problem
 from .backends import BACKEND_CHOICES, BackendUnavailable, select_backend
 from .contract import (
     DISPATCH_LIMIT,
-    E8M0_DTYPES,
     FP4X2_DTYPES,
     FP8_DTYPES,
-    MXFP4_BLOCKS_PER_ROW,
     NUM_KV_HEADS,
     PRECISIONS,
     QK_HEAD_DIM,
     V_HEAD_DIM,
     expect,
     expect_tensor,
+    kv_format_of_dtype,
     remember,
 )
 
@@ -102,67 +101,51 @@ def _validate_config(config, batch: int) -> None:
            "config['sm_scale']", "a positive finite float", repr(sm))
 
 
-def _validate_indptr(x, field: str, length: int | None, device: torch.device) -> torch.Tensor:
-    x = expect_tensor(x, field)
-    expect(x.dtype == torch.int32, f"{field}.dtype", "torch.int32", x.dtype)
-    expect(x.dim() == 1 and x.shape[0] >= 2, f"{field}.shape", "(batch + 1,) with batch >= 1", tuple(x.shape))
-    if length is not None:
-        expect(x.shape[0] == length, f"{field}.shape", f"({length},) like qo_indptr", tuple(x.shape))
-    _expect_same_device(x, field, device)
-    expect(x.is_contiguous(), field, "a contiguous tensor", "a strided view")
+def _validate_qo_indptr(x, device: torch.device) -> torch.Tensor:
+    x = expect_tensor(x, "qo_indptr")
+    expect(x.dtype == torch.int32, "qo_indptr.dtype", "torch.int32", x.dtype)
+    expect(x.dim() == 1 and x.shape[0] >= 2, "qo_indptr.shape", "(batch + 1,) with batch >= 1", tuple(x.shape))
+    _expect_same_device(x, "qo_indptr", device)
+    expect(x.is_contiguous(), "qo_indptr", "a contiguous tensor", "a strided view")
     return x
 
 
-# What the two elements of each KV format's (tensor, scale) pair are, as the validation messages name them.
-_KV_NAMES = {"fp8": ("the FP8 cache (kv_data['fp8'][0])", "the FP8 scale (kv_data['fp8'][1])"),
-             "mxfp4": ("the MXFP4 cache (kv_data['mxfp4'][0])", "the MXFP4 block scales (kv_data['mxfp4'][1])")}
+# What the checks call the two elements of each KV format's (tensor, scale) pair.
+_KV_NAMES = {"fp8": CacheNames("the FP8 cache (kv_data['fp8'][0])", "the FP8 scale (kv_data['fp8'][1])"),
+             "mxfp4": CacheNames("the MXFP4 cache (kv_data['mxfp4'][0])",
+                                 "the MXFP4 block scales (kv_data['mxfp4'][1])")}
 
 
-def _validate_kv(kv_data, kv_format: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (kv, scale) of the format that will be read."""
+def _validate_kv(kv_data, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv, scale) of the format that will be read, a pair whose cache holds that format; the api checks the rest
+    (_new_dispatch)."""
     if not isinstance(kv_data, dict):
         raise TypeError(f"kv_data: expected a dict of KV formats, got {type(kv_data).__name__}")
     expect(kv_format in kv_data, "kv_data", f"a {kv_format!r} entry", f"keys {sorted(kv_data)}")
-    kv_name, scale_name = _KV_NAMES[kv_format]
-    kv, scale = _expect_pair(kv_data[kv_format], f"kv_data[{kv_format!r}]", kv_name, scale_name)
-    width = QK_HEAD_DIM if kv_format == "fp8" else QK_HEAD_DIM // 2
-    dtypes = FP8_DTYPES if kv_format == "fp8" else FP4X2_DTYPES
-    expect(kv.dim() == 3 and kv.shape[1] == NUM_KV_HEADS and kv.shape[2] == width, f"{kv_name}.shape",
-           f"(total_kv, {NUM_KV_HEADS}, {width})", tuple(kv.shape))
-    expect(kv.dtype in dtypes, f"{kv_name}.dtype", f"one of {dtypes}", kv.dtype)
-    expect(kv.is_contiguous(), kv_name, "a contiguous tensor", "a strided view")
-    _expect_same_device(kv, kv_name, device)
-    _expect_same_device(scale, scale_name, device)
-    if kv_format == "fp8":
-        expect(scale.dtype == torch.float32, f"{scale_name}.dtype", "torch.float32", scale.dtype)
-        expect(scale.numel() == 1, f"{scale_name}.shape", "(1,)", tuple(scale.shape))
-    else:
-        expect(scale.dtype in E8M0_DTYPES, f"{scale_name}.dtype", f"one of {E8M0_DTYPES}", scale.dtype)
-        expect(scale.dim() == 2 and scale.shape[0] >= kv.shape[0] and scale.shape[1] >= MXFP4_BLOCKS_PER_ROW,
-               f"{scale_name}.shape", f"(>= {kv.shape[0]}, >= {MXFP4_BLOCKS_PER_ROW}) E8M0 block scales",
-               tuple(scale.shape))
-        expect(scale.stride(1) == 1, scale_name, "unit stride along blocks", scale.stride())
+    names = _KV_NAMES[kv_format]
+    kv, scale = _expect_pair(kv_data[kv_format], f"kv_data[{kv_format!r}]", names.kv, names.scale)
+    expect(kv_format_of_dtype(kv.dtype, f"{names.kv}.dtype") == kv_format, f"{names.kv}.dtype",
+           f"one of {FP8_DTYPES if kv_format == 'fp8' else FP4X2_DTYPES}", kv.dtype)
     return kv, scale
 
 
 def validate(data, kv_format: str) -> tuple:
-    """Checks everything that can be checked without a device sync; returns (q, kv, kv_scale, qo_indptr, kv_indptr,
-    config) for the chosen KV format."""
+    """The competition tuple's own checks, without reading device memory (no host sync): its structure, q's shape,
+    qo_indptr, the config and the format's pair. The tensors the library's ragged call takes (q, the cache and its
+    scale, kv_indptr) are checked by the api's own checks where the call is planned (_new_dispatch). Returns (q, kv,
+    kv_scale, qo_indptr, kv_indptr, config) for the chosen KV format."""
     if not (isinstance(data, (tuple, list)) and len(data) == 5):
         raise TypeError("data: expected (q, kv_data, qo_indptr, kv_indptr, config)")
     q, kv_data, qo_indptr, kv_indptr, config = data
     q = expect_tensor(q, "q")
-    expect(q.dtype == torch.bfloat16, "q.dtype", "torch.bfloat16", q.dtype)
     expect(q.dim() == 3 and q.shape[1] == NUM_HEADS and q.shape[2] == QK_HEAD_DIM, "q.shape",
            f"(total_q, {NUM_HEADS}, {QK_HEAD_DIM})", tuple(q.shape))
-    expect(q.is_contiguous(), "q", "a contiguous tensor", "a strided view")
-    qo_indptr = _validate_indptr(qo_indptr, "qo_indptr", None, q.device)
-    kv_indptr = _validate_indptr(kv_indptr, "kv_indptr", qo_indptr.shape[0], q.device)
+    qo_indptr = _validate_qo_indptr(qo_indptr, q.device)
     batch = qo_indptr.shape[0] - 1
     _validate_config(config, batch)
     q_len = config["q_seq_len"]
     expect(q.shape[0] == batch * q_len, "q.shape[0]", f"{batch * q_len} (batch x q_seq_len)", q.shape[0])
-    kv, scale = _validate_kv(kv_data, kv_format, q.device)
+    kv, scale = _validate_kv(kv_data, kv_format)
     return q, kv, scale, qo_indptr, kv_indptr, config
 
 
@@ -281,15 +264,18 @@ def leaderboard_backend(device: torch.device, kv_format: str | None = None, prec
     return _choose(problem, select_backend_setting())
 
 
-def _new_dispatch(q, kv, scale, config, kv_format: str) -> _Dispatch:
+def _new_dispatch(q, kv, scale, kv_indptr, config, kv_format: str) -> _Dispatch:
+    """The plan of a validated kind of input, its tensors checked by the api's checks against the problem first."""
     precision, backend = select_precision(), select_backend_setting()
     q_len, kv_seq_len = config["q_seq_len"], config["kv_seq_len"]
     batch = q.shape[0] // q_len
     max_seqlen = kv_seq_len if kv_seq_len is not None else -(-kv.shape[0] // batch)
+    names = _KV_NAMES[kv_format]
     problem = make_problem(batch, kv.dtype, q.device, layout="ragged", q_len=q_len, causal=q_len > 1,
-                           max_seqlen=max_seqlen,
-                           softmax_scale=float(config["sm_scale"]), precision=precision, return_lse=False,
-                           scale_dtype=scale.dtype, scale_stride=scale.stride(0) if kv_format == "mxfp4" else None)
+                           max_seqlen=max_seqlen, softmax_scale=float(config["sm_scale"]), precision=precision,
+                           return_lse=False, scale_dtype=scale.dtype, names=names,
+                           scale_stride=scale.stride(0) if kv_format == "mxfp4" and scale.dim() == 2 else None)
+    expect_ragged_inputs(problem, q.unflatten(0, (batch, q_len)), kv, kv_indptr, scale, names)
     chosen = _choose(problem, backend)  # as the library chooses: the registry's records
     options = None
     if chosen == "aiter":  # the config's uniform-length promise, and the variant of AITER_VARIANTS or the override
@@ -324,7 +310,7 @@ def dispatch(data) -> tuple:
         key = decision = None
     if decision is None:
         q, kv, scale, qo_indptr, kv_indptr, config = validate(data, kv_format)
-        decision = _new_dispatch(q, kv, scale, config, kv_format)
+        decision = _new_dispatch(q, kv, scale, kv_indptr, config, kv_format)
         if key is not None:
             remember(_DISPATCH, key, decision, DISPATCH_LIMIT)
     return decision, q, kv, scale, qo_indptr, kv_indptr, config

@@ -156,22 +156,25 @@ BAD_INPUTS = {
     "fp8 scale float64": (with_kv("fp8", lambda v: (v[0], v[1].double())), ValueError,
                           "the FP8 scale (kv_data['fp8'][1]).dtype"),
     "fp8 scale bf16": (with_kv("fp8", lambda v: (v[0], v[1].bfloat16())), ValueError,
-                       "the FP8 scale (kv_data['fp8'][1]).dtype: expected torch.float32, got torch.bfloat16"),
+                       "the FP8 scale (kv_data['fp8'][1]).dtype: expected torch.float32 (the plan's), got "
+                       "torch.bfloat16"),
     "fp8 scale 2 values": (with_kv("fp8", lambda v: (v[0], v[1].repeat(2))), ValueError,
                            "the FP8 scale (kv_data['fp8'][1]).shape"),
     "fp8 scale not a tensor": (with_kv("fp8", lambda v: (v[0], 0.01)), TypeError,
                                "the FP8 scale (kv_data['fp8'][1]): expected a torch.Tensor, got float"),
     "fp8 not a pair": (with_kv("fp8", lambda v: v[0]), TypeError, "kv_data['fp8']"),
     "fp8 kv on another device": (with_kv("fp8", lambda v: (v[0].to("meta"), v[1])), ValueError,
-                                 "q and the FP8 cache (kv_data['fp8'][0]) are on different devices (cpu, meta)"),
+                                 "the FP8 cache (kv_data['fp8'][0]): expected a tensor on cpu (q's device), got one "
+                                 "on meta"),
     "fp8 scale on another device": (with_kv("fp8", lambda v: (v[0], v[1].to("meta"))), ValueError,
-                                    "q and the FP8 scale (kv_data['fp8'][1]) are on different devices (cpu, meta)"),
+                                    "the FP8 scale (kv_data['fp8'][1]): expected a tensor on cpu (q's device), got "
+                                    "one on meta"),
     "q on another device": (with_q(lambda q: q.to("meta")), ValueError,
                             "q and qo_indptr are on different devices (meta, cpu)"),
     "qo_indptr on another device": (with_indptr(qo_fn=lambda x: x.to("meta")), ValueError,
                                     "q and qo_indptr are on different devices (cpu, meta)"),
     "kv_indptr on another device": (with_indptr(kv_fn=lambda x: x.to("meta")), ValueError,
-                                    "q and kv_indptr are on different devices (cpu, meta)"),
+                                    "kv_indptr: expected a tensor on cpu (q's device), got one on meta"),
     "qo_indptr int64": (with_indptr(qo_fn=lambda x: x.long()), ValueError, "qo_indptr.dtype"),
     "kv_indptr int64": (with_indptr(kv_fn=lambda x: x.long()), ValueError, "kv_indptr.dtype"),
     "kv_indptr short": (with_indptr(kv_fn=lambda x: x[:-1].contiguous()), ValueError, "kv_indptr.shape"),
@@ -249,17 +252,19 @@ MXFP4_BAD = {
                           "the MXFP4 cache (kv_data['mxfp4'][0]).shape"),
     "mxfp4 kv fp8": (lambda v: (v[0].view(torch.float8_e4m3fn), v[1]), "the MXFP4 cache (kv_data['mxfp4'][0]).dtype"),
     "mxfp4 scales too few rows": (lambda v: (v[0], v[1][:3].contiguous()),
-                                  "the MXFP4 block scales (kv_data['mxfp4'][1]).shape"),
+                                  "the MXFP4 block scales (kv_data['mxfp4'][1]): expected (>= 15, >= 18) E8M0"),
     "mxfp4 scales too few blocks": (lambda v: (v[0], v[1][:, :17].contiguous()),
-                                    "the MXFP4 block scales (kv_data['mxfp4'][1]).shape"),
+                                    "the MXFP4 block scales (kv_data['mxfp4'][1]): expected (>= 15, >= 18) E8M0"),
     "mxfp4 scales float32": (lambda v: (v[0], v[1].view(torch.uint8).float()),
                              "the MXFP4 block scales (kv_data['mxfp4'][1]).dtype"),
     "mxfp4 kv on another device": (lambda v: (v[0].to("meta"), v[1]),
-                                   "q and the MXFP4 cache (kv_data['mxfp4'][0]) are on different devices (cpu, meta)"),
-    "mxfp4 scales on another device": (lambda v: (v[0], v[1].to("meta")), "q and the MXFP4 block scales "
-                                       "(kv_data['mxfp4'][1]) are on different devices (cpu, meta)"),
+                                   "the MXFP4 cache (kv_data['mxfp4'][0]): expected a tensor on cpu (q's device), "
+                                   "got one on meta"),
+    "mxfp4 scales on another device": (lambda v: (v[0], v[1].to("meta")), "the MXFP4 block scales "
+                                       "(kv_data['mxfp4'][1]): expected a tensor on cpu (q's device), got one on meta"),
     "mxfp4 scales blocks strided": (lambda v: (v[0], v[1].t().contiguous().t()),
-                                    "the MXFP4 block scales (kv_data['mxfp4'][1]): expected unit stride"),
+                                    "the MXFP4 block scales (kv_data['mxfp4'][1]): expected (>= 15, >= 18) E8M0 "
+                                    "block scales, unit stride along a row"),
 }
 
 
