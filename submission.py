@@ -67,6 +67,7 @@ PRECISIONS = ("fast", "precise")
 LAYOUTS = ("paged", "ragged")
 
 log = logging.getLogger("mla_decode")
+Device = torch.device | str | int  # what torch.device() takes
 
 
 class Problem(NamedTuple):
@@ -96,19 +97,19 @@ class Problem(NamedTuple):
         return self.softmax_scale * LOG2E
 
 
-def expect(cond: bool, field: str, expected: str, got) -> None:
+def expect(cond: bool, field: str, expected: str, got: object) -> None:
     """A ValueError naming the argument, what was expected and what came, when cond is false."""
     if not cond:
         raise ValueError(f"{field}: expected {expected}, got {got}")
 
 
-def expect_tensor(x, field: str) -> torch.Tensor:
+def expect_tensor(x: object, field: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{field}: expected a torch.Tensor, got {type(x).__name__}")
     return x
 
 
-def expect_int(x, field: str, minimum: int | None = None) -> int:
+def expect_int(x: object, field: str, minimum: int | None = None) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{field}: expected an int, got {type(x).__name__}")
     if minimum is not None:
@@ -116,7 +117,7 @@ def expect_int(x, field: str, minimum: int | None = None) -> int:
     return x
 
 
-def expect_choice(x, field: str, choices: tuple) -> str:
+def expect_choice(x: object, field: str, choices: tuple) -> str:
     expect(x in choices, field, f"one of {choices}", repr(x))
     return x
 
@@ -126,13 +127,13 @@ def expect_on_device(x: torch.Tensor, name: str, device: torch.device) -> None:
         raise ValueError(f"{name}: expected a tensor on {device} (q's device), got one on {x.device}")
 
 
-def expect_softmax_scale(x) -> float:
+def expect_softmax_scale(x: object) -> float:
     ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
     expect(ok, "softmax_scale", "a positive finite float", repr(x))
     return float(x)
 
 
-def kv_format_of_dtype(dtype, field: str = "kv_dtype") -> str:
+def kv_format_of_dtype(dtype: torch.dtype, field: str = "kv_dtype") -> str:
     """The format a cache of this dtype holds: FP8, BF16, or MXFP4 codes (uint8 / float4_e2m1fn_x2)."""
     if dtype in FP8_DTYPES:
         return "fp8"
@@ -158,7 +159,7 @@ PLAN_CACHE_LIMIT = 64  # plans of the one-shot call and the backends' launch pla
 DISPATCH_LIMIT = 256  # kinds of call of the leaderboard adapter; the leaderboard makes 8 or so
 
 
-def remember(cache: dict, key, value, limit: int):
+def remember(cache: dict, key: object, value: object, limit: int) -> object:
     """cache[key] = value, after evicting the oldest entries (a dict keeps insertion order) until fewer than `limit`
     remain; returns value."""
     while cache and len(cache) >= limit:
@@ -227,7 +228,7 @@ def sequence_rows(problem: Problem, seqs: torch.Tensor, table: torch.Tensor | No
     return rows
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, state):
+def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, state: tuple | None) -> tuple:
     """Online softmax over one chunk of keys. q (tokens * heads, 576) fp32, keys (n, 576) fp32, visible (tokens *
     heads, n) bool; state (acc, m, l) or None -> the merged state."""
     scores = (q @ keys.T) * scale
@@ -250,7 +251,8 @@ class TorchDecode:
     def __init__(self, problem: Problem):
         self.problem = problem
 
-    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """q (batch, q_len, heads, 576) bf16; kv (num_rows, width) rows of the cache's format, scale as the format
         has it (MXFP4: (num_rows, >= 18)); seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,)
         (ragged); table (batch, max_pages) or None; writes out (batch, q_len, heads, 512) bf16 and lse (batch,
@@ -2316,7 +2318,7 @@ CUDA_PACKAGE_MISSING = ("cuda backend: the mla_decode.cuda package is not import
 
 
 @functools.cache
-def cuda_package():
+def cuda_package() -> tuple[object, str | None]:
     """(the mla_decode.cuda module, None), or (None, why it cannot be imported): imported the first time the backend
     is considered. The leaderboard file alone has no such package: NVIDIA GPUs then get the triton backend."""
     try:
@@ -2356,7 +2358,7 @@ def cuda_auto_reason(problem: Problem) -> str | None:
     return reason
 
 
-def cuda_decode(problem: Problem, **options):
+def cuda_decode(problem: Problem, **options: object) -> object:
     """The cuda backend's plan (mla_decode.cuda.CudaDecode), imported where it is first made."""
     return cuda_package()[0].CudaDecode(problem, **options)
 
@@ -2431,7 +2433,7 @@ def select_backend(problem: Problem, backend: str = "auto") -> Selection:
     return Selection(record, tuple(passed_over))
 
 
-def make_backend_plan(record: Backend, problem: Problem, options: dict):
+def make_backend_plan(record: Backend, problem: Problem, options: dict) -> object:
     """The record's plan for `problem`, after checking that `options` are ones it takes (auto may have picked
     another backend than the options were written for)."""
     unknown = sorted(set(options) - set(record.options))
@@ -2497,7 +2499,9 @@ class DecodePlan:
             _expect_buffer(lse, "lse", (p.batch, p.num_heads, p.q_len), torch.float32, p.device)
         return out, lse
 
-    def launch(self, q, kv, scale, seqs, table, out, lse):
+    def launch(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
+               table: torch.Tensor | None, out: torch.Tensor,
+               lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """run's launch, on arguments it does not check: as the backends take them (TritonDecode.run), for a caller
         that checked them once per kind of call (the leaderboard adapter)."""
         if self.check_contents:
@@ -2509,7 +2513,9 @@ class DecodePlan:
             self.impl.run(q, kv, scale, seqs, table, out, lse)
         return out, lse
 
-    def run(self, q, kv_cache, block_table, cache_seqlens, kv_scale=None, *, out=None, lse=None):
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+            kv_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode of a paged cache (the module's docstring gives the layouts) -> (out, lse); lse is None when
         the plan was made with return_lse=False. out, lse: buffers to write (else allocated)."""
         p = self.problem
@@ -2520,7 +2526,9 @@ class DecodePlan:
         _expect_buffer(cache_seqlens, "cache_seqlens", (p.batch,), torch.int32, p.device)
         return self.launch(q, kv, scale, cache_seqlens, block_table, *self._outputs(q, out, lse))
 
-    def run_ragged(self, q, kv_cache, kv_indptr, kv_scale=None, *, out=None, lse=None):
+    def run_ragged(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                   kv_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode of a ragged cache: sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of kv_cache
         (num_rows, 1, width) -> (out, lse)."""
         expect(self.problem.layout == "ragged", "run_ragged",
@@ -2540,7 +2548,9 @@ class CacheNames(NamedTuple):
 ARGUMENT_NAMES = CacheNames()
 
 
-def expect_ragged_inputs(p: Problem, q, kv_cache, kv_indptr, kv_scale, names: CacheNames = ARGUMENT_NAMES) -> tuple:
+def expect_ragged_inputs(p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                         kv_scale: torch.Tensor | None, names: CacheNames = ARGUMENT_NAMES) -> tuple[torch.Tensor,
+                         torch.Tensor | None]:
     """run_ragged's checks of its inputs against a ragged problem -> (kv, scale) as the kernels read them."""
     _expect_q(q, p)
     kv, scale = _expect_cache(kv_cache, kv_scale, p, (), names)
@@ -2612,8 +2622,9 @@ def _scale_dtype(kv_format: str, scale_dtype: torch.dtype | None, name: str) -> 
     return scale_dtype
 
 
-def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 0, max_pages: int = 0,
-                 num_heads: int = 16, q_len: int = 1, max_seqlen: int | None = None, softmax_scale=None,
+def make_problem(batch_size: int, kv_dtype: torch.dtype, device: Device, *, layout: str, page_size: int = 0,
+                 max_pages: int = 0, num_heads: int = 16, q_len: int = 1, max_seqlen: int | None = None,
+                 softmax_scale: float | None = None,
                  causal: bool = False, precision: str = "fast", return_lse: bool = True,
                  scale_dtype: torch.dtype | None = torch.uint8, scale_stride: int | None = None,
                  names: CacheNames = ARGUMENT_NAMES) -> Problem:
@@ -2645,10 +2656,11 @@ def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 
                    softmax_scale, precision, return_lse)
 
 
-def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype, device, *, num_heads: int = 16,
+def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype, device: Device, *, num_heads: int = 16,
          q_len: int = 1, max_seqlen: int | None = None, softmax_scale: float | None = None, causal: bool = False,
-         backend: str = "auto", precision: str = "fast", return_lse: bool = True, kv_scale_dtype=torch.uint8,
-         check_contents: bool = False, backend_options: dict | None = None) -> DecodePlan:
+         backend: str = "auto", precision: str = "fast", return_lse: bool = True,
+         kv_scale_dtype: torch.dtype = torch.uint8, check_contents: bool = False,
+         backend_options: dict | None = None) -> DecodePlan:
     """A plan for paged decodes of `batch_size` sequences: block_table (batch_size, max_pages), pages of page_size
     rows, a cache of kv_dtype (float8_e4m3fn / e4m3fnuz, bfloat16, or uint8 / float4_e2m1fn_x2 for MXFP4 codes with
     kv_scale_dtype block scales). max_seqlen: the longest sequence to size the split plan for (default: what the
@@ -2662,9 +2674,9 @@ def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype,
     return DecodePlan(problem, backend, check_contents, backend_options)
 
 
-def plan_ragged(batch_size: int, kv_dtype: torch.dtype, device, max_seqlen: int, *, num_heads: int = 16,
+def plan_ragged(batch_size: int, kv_dtype: torch.dtype, device: Device, max_seqlen: int, *, num_heads: int = 16,
                 q_len: int = 1, softmax_scale: float | None = None, causal: bool = False, backend: str = "auto",
-                precision: str = "fast", return_lse: bool = True, kv_scale_dtype=torch.uint8,
+                precision: str = "fast", return_lse: bool = True, kv_scale_dtype: torch.dtype = torch.uint8,
                 kv_scale_stride: int | None = None, check_contents: bool = False,
                 backend_options: dict | None = None) -> DecodePlan:
     """A plan for ragged decodes (run_ragged): sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of a cache
@@ -2685,9 +2697,12 @@ class _CallKey(NamedTuple):
 _PLANS: dict = {}
 
 
-def mla_decode_with_kvcache(q, kv_cache, block_table, cache_seqlens, kv_scale=None, softmax_scale=None,
-                            causal=False, backend="auto", precision="fast", *, return_lse=True, max_seqlen=None,
-                            check_contents=False, out=None, lse=None):
+def mla_decode_with_kvcache(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            cache_seqlens: torch.Tensor, kv_scale: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False, backend: str = "auto",
+                            precision: str = "fast", *, return_lse: bool = True, max_seqlen: int | None = None,
+                            check_contents: bool = False, out: torch.Tensor | None = None,
+                            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MLA decode over a paged cache in one call -> (out, lse): the module's docstring gives the layouts, plan() the
     settings. The plan is made at the first call of each kind and kept (bounded); its runs share a workspace, so
     calls of one kind must be issued in order on one queue."""
@@ -2821,7 +2836,7 @@ def _validate_kv(kv_data, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     return kv, scale
 
 
-def validate(data, kv_format: str) -> tuple:
+def validate(data: object, kv_format: str) -> tuple:
     """The competition tuple's own checks, without reading device memory (no host sync): its structure, q's shape,
     qo_indptr, the config and the format's pair. The tensors the library's ragged call takes (q, the cache and its
     scale, kv_indptr) are checked by the api's own checks where the call is planned (_new_dispatch). Returns (q, kv,
@@ -2977,7 +2992,7 @@ def _new_dispatch(q, kv, scale, kv_indptr, config, kv_format: str) -> _Dispatch:
     return _Dispatch(decode.backend, kv_format, check, decode)
 
 
-def dispatch(data) -> tuple:
+def dispatch(data: object) -> tuple:
     """(decision, q, kv, kv_scale, qo_indptr, kv_indptr, config): custom_kernel's first half, everything before a
     backend runs. The first call of a kind (the settings, each tensor's shape, dtype, device and contiguity, the
     scale's strides, the config's items and their types) validates it and plans it; later calls of that kind look
@@ -3008,7 +3023,8 @@ def dispatch(data) -> tuple:
     return decision, q, kv, scale, qo_indptr, kv_indptr, config
 
 
-def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
+def forward(decision: _Dispatch, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, qo_indptr: torch.Tensor,
+            kv_indptr: torch.Tensor, config: dict) -> torch.Tensor:
     """custom_kernel's second half: the decided plan, run on dispatch's outputs (checked by kind already)."""
     if decision.check_contents:
         validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"], config["q_seq_len"])
@@ -3019,6 +3035,6 @@ def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> 
     return out.view(batch * q_len, NUM_HEADS, V_HEAD_DIM)
 
 
-def custom_kernel(data):
+def custom_kernel(data: tuple) -> torch.Tensor:
     """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
     return forward(*dispatch(data))

@@ -18,7 +18,7 @@ import yaml
 from . import __version__
 from .api import DecodePlan, make_problem
 from .backends import BACKEND_REGISTRY, cuda_package, select_backend
-from .contract import MXFP4_BLOCKS_PER_ROW, ROW_WIDTH, V_HEAD_DIM
+from .contract import MXFP4_BLOCKS_PER_ROW, ROW_WIDTH, V_HEAD_DIM, Problem
 from .torch_backend import dequantized_rows, sequence_rows
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "mxfp4": torch.uint8}
@@ -61,7 +61,7 @@ def environment(device: torch.device) -> list[str]:
 
 
 def problem_for(device: torch.device, kv_format: str, num_heads: int, q_len: int = 1, batch: int = 8,
-                max_seqlen: int = 4096, page_size: int = 64):
+                max_seqlen: int = 4096, page_size: int = 64) -> Problem:
     return make_problem(batch, KV_DTYPES[kv_format], device, layout="paged", page_size=page_size,
                         max_pages=-(-max_seqlen // page_size), num_heads=num_heads, q_len=q_len, causal=q_len > 1)
 
@@ -217,7 +217,7 @@ def bench(rows: list[dict], device: torch.device, backend: str, iters: int) -> l
     return lines
 
 
-def grid_rows(args) -> list[dict]:
+def grid_rows(args: argparse.Namespace) -> list[dict]:
     """The rows to bench: the grid file's (serving.yml's form: a `rows` list of batch, kv, heads, q_len, page, seed;
     format and spread default to the command line's), or the one shape of the command line."""
     defaults = {"batch": args.batch, "kv": args.seqlen, "heads": args.heads, "q_len": args.q_len,

@@ -34,6 +34,7 @@ from .contract import (
     QK_HEAD_DIM,
     ROW_WIDTH,
     V_HEAD_DIM,
+    Device,
     Problem,
     expect,
     expect_choice,
@@ -78,7 +79,9 @@ class DecodePlan:
             _expect_buffer(lse, "lse", (p.batch, p.num_heads, p.q_len), torch.float32, p.device)
         return out, lse
 
-    def launch(self, q, kv, scale, seqs, table, out, lse):
+    def launch(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
+               table: torch.Tensor | None, out: torch.Tensor,
+               lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """run's launch, on arguments it does not check: as the backends take them (TritonDecode.run), for a caller
         that checked them once per kind of call (the leaderboard adapter)."""
         if self.check_contents:
@@ -90,7 +93,9 @@ class DecodePlan:
             self.impl.run(q, kv, scale, seqs, table, out, lse)
         return out, lse
 
-    def run(self, q, kv_cache, block_table, cache_seqlens, kv_scale=None, *, out=None, lse=None):
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+            kv_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode of a paged cache (the module's docstring gives the layouts) -> (out, lse); lse is None when
         the plan was made with return_lse=False. out, lse: buffers to write (else allocated)."""
         p = self.problem
@@ -101,7 +106,9 @@ class DecodePlan:
         _expect_buffer(cache_seqlens, "cache_seqlens", (p.batch,), torch.int32, p.device)
         return self.launch(q, kv, scale, cache_seqlens, block_table, *self._outputs(q, out, lse))
 
-    def run_ragged(self, q, kv_cache, kv_indptr, kv_scale=None, *, out=None, lse=None):
+    def run_ragged(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                   kv_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode of a ragged cache: sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of kv_cache
         (num_rows, 1, width) -> (out, lse)."""
         expect(self.problem.layout == "ragged", "run_ragged",
@@ -121,7 +128,9 @@ class CacheNames(NamedTuple):
 ARGUMENT_NAMES = CacheNames()
 
 
-def expect_ragged_inputs(p: Problem, q, kv_cache, kv_indptr, kv_scale, names: CacheNames = ARGUMENT_NAMES) -> tuple:
+def expect_ragged_inputs(p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                         kv_scale: torch.Tensor | None, names: CacheNames = ARGUMENT_NAMES) -> tuple[torch.Tensor,
+                         torch.Tensor | None]:
     """run_ragged's checks of its inputs against a ragged problem -> (kv, scale) as the kernels read them."""
     _expect_q(q, p)
     kv, scale = _expect_cache(kv_cache, kv_scale, p, (), names)
@@ -193,8 +202,9 @@ def _scale_dtype(kv_format: str, scale_dtype: torch.dtype | None, name: str) -> 
     return scale_dtype
 
 
-def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 0, max_pages: int = 0,
-                 num_heads: int = 16, q_len: int = 1, max_seqlen: int | None = None, softmax_scale=None,
+def make_problem(batch_size: int, kv_dtype: torch.dtype, device: Device, *, layout: str, page_size: int = 0,
+                 max_pages: int = 0, num_heads: int = 16, q_len: int = 1, max_seqlen: int | None = None,
+                 softmax_scale: float | None = None,
                  causal: bool = False, precision: str = "fast", return_lse: bool = True,
                  scale_dtype: torch.dtype | None = torch.uint8, scale_stride: int | None = None,
                  names: CacheNames = ARGUMENT_NAMES) -> Problem:
@@ -226,10 +236,11 @@ def make_problem(batch_size, kv_dtype, device, *, layout: str, page_size: int = 
                    softmax_scale, precision, return_lse)
 
 
-def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype, device, *, num_heads: int = 16,
+def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype, device: Device, *, num_heads: int = 16,
          q_len: int = 1, max_seqlen: int | None = None, softmax_scale: float | None = None, causal: bool = False,
-         backend: str = "auto", precision: str = "fast", return_lse: bool = True, kv_scale_dtype=torch.uint8,
-         check_contents: bool = False, backend_options: dict | None = None) -> DecodePlan:
+         backend: str = "auto", precision: str = "fast", return_lse: bool = True,
+         kv_scale_dtype: torch.dtype = torch.uint8, check_contents: bool = False,
+         backend_options: dict | None = None) -> DecodePlan:
     """A plan for paged decodes of `batch_size` sequences: block_table (batch_size, max_pages), pages of page_size
     rows, a cache of kv_dtype (float8_e4m3fn / e4m3fnuz, bfloat16, or uint8 / float4_e2m1fn_x2 for MXFP4 codes with
     kv_scale_dtype block scales). max_seqlen: the longest sequence to size the split plan for (default: what the
@@ -243,9 +254,9 @@ def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype,
     return DecodePlan(problem, backend, check_contents, backend_options)
 
 
-def plan_ragged(batch_size: int, kv_dtype: torch.dtype, device, max_seqlen: int, *, num_heads: int = 16,
+def plan_ragged(batch_size: int, kv_dtype: torch.dtype, device: Device, max_seqlen: int, *, num_heads: int = 16,
                 q_len: int = 1, softmax_scale: float | None = None, causal: bool = False, backend: str = "auto",
-                precision: str = "fast", return_lse: bool = True, kv_scale_dtype=torch.uint8,
+                precision: str = "fast", return_lse: bool = True, kv_scale_dtype: torch.dtype = torch.uint8,
                 kv_scale_stride: int | None = None, check_contents: bool = False,
                 backend_options: dict | None = None) -> DecodePlan:
     """A plan for ragged decodes (run_ragged): sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of a cache
@@ -266,9 +277,12 @@ class _CallKey(NamedTuple):
 _PLANS: dict = {}
 
 
-def mla_decode_with_kvcache(q, kv_cache, block_table, cache_seqlens, kv_scale=None, softmax_scale=None,
-                            causal=False, backend="auto", precision="fast", *, return_lse=True, max_seqlen=None,
-                            check_contents=False, out=None, lse=None):
+def mla_decode_with_kvcache(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            cache_seqlens: torch.Tensor, kv_scale: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False, backend: str = "auto",
+                            precision: str = "fast", *, return_lse: bool = True, max_seqlen: int | None = None,
+                            check_contents: bool = False, out: torch.Tensor | None = None,
+                            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MLA decode over a paged cache in one call -> (out, lse): the module's docstring gives the layouts, plan() the
     settings. The plan is made at the first call of each kind and kept (bounded); its runs share a workspace, so
     calls of one kind must be issued in order on one queue."""

@@ -18,7 +18,7 @@ CUDA_PACKAGE_MISSING = ("cuda backend: the mla_decode.cuda package is not import
 
 
 @functools.cache
-def cuda_package():
+def cuda_package() -> tuple[object, str | None]:
     """(the mla_decode.cuda module, None), or (None, why it cannot be imported): imported the first time the backend
     is considered. The leaderboard file alone has no such package: NVIDIA GPUs then get the triton backend."""
     try:
@@ -58,7 +58,7 @@ def cuda_auto_reason(problem: Problem) -> str | None:
     return reason
 
 
-def cuda_decode(problem: Problem, **options):
+def cuda_decode(problem: Problem, **options: object) -> object:
     """The cuda backend's plan (mla_decode.cuda.CudaDecode), imported where it is first made."""
     return cuda_package()[0].CudaDecode(problem, **options)
 
@@ -133,7 +133,7 @@ def select_backend(problem: Problem, backend: str = "auto") -> Selection:
     return Selection(record, tuple(passed_over))
 
 
-def make_backend_plan(record: Backend, problem: Problem, options: dict):
+def make_backend_plan(record: Backend, problem: Problem, options: dict) -> object:
     """The record's plan for `problem`, after checking that `options` are ones it takes (auto may have picked
     another backend than the options were written for)."""
     unknown = sorted(set(options) - set(record.options))

@@ -51,6 +51,7 @@ PRECISIONS = ("fast", "precise")
 LAYOUTS = ("paged", "ragged")
 
 log = logging.getLogger("mla_decode")
+Device = torch.device | str | int  # what torch.device() takes
 
 
 class Problem(NamedTuple):
@@ -80,19 +81,19 @@ class Problem(NamedTuple):
         return self.softmax_scale * LOG2E
 
 
-def expect(cond: bool, field: str, expected: str, got) -> None:
+def expect(cond: bool, field: str, expected: str, got: object) -> None:
     """A ValueError naming the argument, what was expected and what came, when cond is false."""
     if not cond:
         raise ValueError(f"{field}: expected {expected}, got {got}")
 
 
-def expect_tensor(x, field: str) -> torch.Tensor:
+def expect_tensor(x: object, field: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{field}: expected a torch.Tensor, got {type(x).__name__}")
     return x
 
 
-def expect_int(x, field: str, minimum: int | None = None) -> int:
+def expect_int(x: object, field: str, minimum: int | None = None) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{field}: expected an int, got {type(x).__name__}")
     if minimum is not None:
@@ -100,7 +101,7 @@ def expect_int(x, field: str, minimum: int | None = None) -> int:
     return x
 
 
-def expect_choice(x, field: str, choices: tuple) -> str:
+def expect_choice(x: object, field: str, choices: tuple) -> str:
     expect(x in choices, field, f"one of {choices}", repr(x))
     return x
 
@@ -110,13 +111,13 @@ def expect_on_device(x: torch.Tensor, name: str, device: torch.device) -> None:
         raise ValueError(f"{name}: expected a tensor on {device} (q's device), got one on {x.device}")
 
 
-def expect_softmax_scale(x) -> float:
+def expect_softmax_scale(x: object) -> float:
     ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
     expect(ok, "softmax_scale", "a positive finite float", repr(x))
     return float(x)
 
 
-def kv_format_of_dtype(dtype, field: str = "kv_dtype") -> str:
+def kv_format_of_dtype(dtype: torch.dtype, field: str = "kv_dtype") -> str:
     """The format a cache of this dtype holds: FP8, BF16, or MXFP4 codes (uint8 / float4_e2m1fn_x2)."""
     if dtype in FP8_DTYPES:
         return "fp8"
@@ -142,7 +143,7 @@ PLAN_CACHE_LIMIT = 64  # plans of the one-shot call and the backends' launch pla
 DISPATCH_LIMIT = 256  # kinds of call of the leaderboard adapter; the leaderboard makes 8 or so
 
 
-def remember(cache: dict, key, value, limit: int):
+def remember(cache: dict, key: object, value: object, limit: int) -> object:
     """cache[key] = value, after evicting the oldest entries (a dict keeps insertion order) until fewer than `limit`
     remain; returns value."""
     while cache and len(cache) >= limit:

@@ -129,7 +129,7 @@ def _validate_kv(kv_data, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     return kv, scale
 
 
-def validate(data, kv_format: str) -> tuple:
+def validate(data: object, kv_format: str) -> tuple:
     """The competition tuple's own checks, without reading device memory (no host sync): its structure, q's shape,
     qo_indptr, the config and the format's pair. The tensors the library's ragged call takes (q, the cache and its
     scale, kv_indptr) are checked by the api's own checks where the call is planned (_new_dispatch). Returns (q, kv,
@@ -285,7 +285,7 @@ def _new_dispatch(q, kv, scale, kv_indptr, config, kv_format: str) -> _Dispatch:
     return _Dispatch(decode.backend, kv_format, check, decode)
 
 
-def dispatch(data) -> tuple:
+def dispatch(data: object) -> tuple:
     """(decision, q, kv, kv_scale, qo_indptr, kv_indptr, config): custom_kernel's first half, everything before a
     backend runs. The first call of a kind (the settings, each tensor's shape, dtype, device and contiguity, the
     scale's strides, the config's items and their types) validates it and plans it; later calls of that kind look
@@ -316,7 +316,8 @@ def dispatch(data) -> tuple:
     return decision, q, kv, scale, qo_indptr, kv_indptr, config
 
 
-def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> torch.Tensor:
+def forward(decision: _Dispatch, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, qo_indptr: torch.Tensor,
+            kv_indptr: torch.Tensor, config: dict) -> torch.Tensor:
     """custom_kernel's second half: the decided plan, run on dispatch's outputs (checked by kind already)."""
     if decision.check_contents:
         validate_indptr_contents(qo_indptr, kv_indptr, kv.shape[0], config["kv_seq_len"], config["q_seq_len"])
@@ -327,7 +328,7 @@ def forward(decision: _Dispatch, q, kv, scale, qo_indptr, kv_indptr, config) -> 
     return out.view(batch * q_len, NUM_HEADS, V_HEAD_DIM)
 
 
-def custom_kernel(data):
+def custom_kernel(data: tuple) -> torch.Tensor:
     """data = (q, kv_data, qo_indptr, kv_indptr, config) -> (total_q, 16, 512) bfloat16."""
     return forward(*dispatch(data))
 

@@ -58,7 +58,7 @@ def sequence_rows(problem: Problem, seqs: torch.Tensor, table: torch.Tensor | No
     return rows
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, state):
+def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, state: tuple | None) -> tuple:
     """Online softmax over one chunk of keys. q (tokens * heads, 576) fp32, keys (n, 576) fp32, visible (tokens *
     heads, n) bool; state (acc, m, l) or None -> the merged state."""
     scores = (q @ keys.T) * scale
@@ -81,7 +81,8 @@ class TorchDecode:
     def __init__(self, problem: Problem):
         self.problem = problem
 
-    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """q (batch, q_len, heads, 576) bf16; kv (num_rows, width) rows of the cache's format, scale as the format
         has it (MXFP4: (num_rows, >= 18)); seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,)
         (ragged); table (batch, max_pages) or None; writes out (batch, q_len, heads, 512) bf16 and lse (batch,
