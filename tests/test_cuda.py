@@ -73,6 +73,54 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     assert list(layout) == fields + [ctypes.sizeof(B.DecodeCall)]
 
 
+LAYOUT = B.decode_call_layout()  # the ctypes DecodeCall's field offsets, then its size
+
+
+def field_shifted(layout: list[int], field: int, by: int) -> list[int]:
+    """`layout` with one field's offset moved `by` bytes."""
+    return layout[:field] + [layout[field] + by] + layout[field + 1:]
+
+
+# (the stand-in library's DecodeCall layout, or None for no layout exports; what the refusal names): the first field
+# that differs, a field too few or too many, another size, a library that cannot say
+@pytest.mark.parametrize("layout,named", [
+    (field_shifted(LAYOUT, 4, 8), r"field 4 \(seqs\) lies at byte 40 there, 32 here"),
+    (field_shifted(field_shifted(LAYOUT, 22, 4), 24, -4), r"field 22 \(qk_scale\) lies at byte"),
+    (LAYOUT[:26] + LAYOUT[-1:], r"26 fields, not 27 \(the first unmatched: guess_rows\)"),
+    (LAYOUT[:27] + [160, 164], r"28 fields, not 27 \(the first unmatched: its field 27\)"),
+    (LAYOUT[:27] + [168], "its size is 168 bytes there, 160 here"),
+    (None, "does not report its DecodeCall's layout"),
+], ids=["offset", "first-of-two", "fewer", "more", "size", "no-export"])
+def test_a_library_whose_decode_call_differs_is_refused_naming_the_field(layout, named):
+    """check_decode_call compares the library's DecodeCall (mla_decode_call_layout) with the ctypes one field by
+    field (negative controls; the real library's layout is checked in test_source_builds_and_exports_the_launcher)."""
+    lib = standin_library(layout=layout)
+    if layout is None:
+        del lib.mla_decode_call_layout
+    with pytest.raises(B.DecodeCallMismatch, match=named):
+        B.check_decode_call(lib)
+
+
+def test_a_library_whose_decode_call_matches_passes_the_check():
+    assert LAYOUT[-1] == ctypes.sizeof(B.DecodeCall) == 160
+    B.check_decode_call(standin_library())
+
+
+def test_the_load_refuses_a_library_whose_decode_call_differs_and_remembers(fresh_build, monkeypatch):
+    """library() checks the DecodeCall of what it loads: a mismatch is raised as build errors are, and raised again
+    without another build or load; a library that matches is loaded with its exports typed."""
+    builds, layouts = [], {"lib_80": field_shifted(LAYOUT, 26, 4), "lib_86": None}
+    monkeypatch.setattr(B, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(B, "build_library", lambda nvcc, arch, wgmma, csrc=None: builds.append(arch) or f"lib_{arch}")
+    monkeypatch.setattr(B.ctypes, "CDLL", lambda path: standin_library(path, layouts[path]))
+    for _ in range(2):
+        with pytest.raises(B.DecodeCallMismatch, match=r"field 26 \(guess_rows\)"):
+            B.library((8, 0))
+    assert builds == ["80"]
+    lib = B.library((8, 6))
+    assert lib.path == "lib_86" and lib.mla_decode.restype is ctypes.c_int and B.library((8, 6)) is lib
+
+
 @needs_nvcc
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
 def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capability):
@@ -286,6 +334,50 @@ def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, batch,
                 P.plan_unit_rows(problem, facts, asked)
     with pytest.raises(ValueError, match="unit_rows 128"):
         P.plan_unit_rows(problem, facts, 128)
+
+
+# (num_heads, precision, kv_format, the library's widest unit, the rows a unit can take)
+@pytest.mark.parametrize("num_heads,precision,kv_format,widest,served", [
+    (128, "fast", "fp8", 64, [16, 32, 64]), (64, "fast", "fp8", 64, [16, 32, 64]), (96, "fast", "fp8", 64, [16, 32]),
+    (128, "fast", "mxfp4", 64, [16, 32]), (128, "fast", "fp8", 32, [16, 32]), (128, "fast", "fp8", 16, [16]),
+    (48, "fast", "fp8", 64, [16]), (16, "fast", "fp8", 64, [16]), (128, "precise", "fp8", 64, [16])])
+def test_served_unit_rows(fake_nvidia_gpu, num_heads, precision, kv_format, widest, served):
+    """Wider units only in the fast mode, where the heads come in 32s (64s, and the FP8 cache, for 64 rows) and the
+    library takes them."""
+    dtype = torch.float8_e4m3fn if kv_format == "fp8" else torch.uint8
+    problem = mla_decode.api.make_problem(8, dtype, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
+                                          num_heads=num_heads, precision=precision)
+    assert P.served_unit_rows(problem, widest) == served
+
+
+def test_the_unit_rows_follow_the_gpu_s_facts(fake_nvidia_gpu):
+    """The same problem (128 x 2 tokens x 128 heads, 1024 positions) in 64-row units on 132 SMs, where its 512 unsplit
+    64-row CTAs fill the GPU, and in 16-row units on 1024 SMs, where they would not and a 32-row CTA would walk 8
+    tiles; 16 where the heads do not come in 32s whatever the GPU; a unit the kernel does not take is refused by its
+    backend option's name."""
+    problem = mla_decode.api.make_problem(128, torch.float8_e4m3fn, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
+                                          num_heads=128, q_len=2, causal=True)
+    hopper = P.DeviceFacts(132, lambda unit_rows: 1 if unit_rows == 64 else 2, 64)
+    assert P.plan_unit_rows(problem, hopper) == 64
+    assert P.plan_unit_rows(problem, hopper._replace(sms=1024)) == 16
+    assert P.plan_unit_rows(problem._replace(num_heads=48), hopper) == 16
+    with pytest.raises(ValueError, match=r"^backend_options: unit_rows 32: this problem's cuda kernel takes \[16\] "
+                                         r"query rows a CTA \(48 heads, fp8, fast mode\)$"):
+        P.plan_unit_rows(problem._replace(num_heads=48), hopper, 32)
+
+
+def test_device_facts_are_the_gpu_s_and_its_library_s(fake_nvidia_gpu, monkeypatch):
+    """decode.device_facts reads the SM count and the library of the problem's mode (built by then): what the plan
+    and launch_splits are given."""
+    libraries = {False: standin_library("fast", mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 2),
+                 True: standin_library("precise")}
+    monkeypatch.setattr(D, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(D, "library", lambda capability, precise=False: libraries[precise])
+    for precise, lib in libraries.items():
+        assert D.device_facts(fake_nvidia_gpu, precise) == (132, lib.mla_unit_ctas_per_sm, lib.mla_max_unit_rows())
+    key = P.LaunchKey(fake_nvidia_gpu, 32, 8192, "fp8", False)  # 8 splits with 2 CTAs an SM, 4 with 1
+    assert D.launch_splits(key) == P.cuda_plan(32, 8192, 132, 2) == 8
+    assert D.launch_splits(key._replace(precise=True)) == P.cuda_plan(32, 8192, 132, 1) == 4
 
 
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
