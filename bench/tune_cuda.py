@@ -14,8 +14,8 @@ constants replaced (`NAME=CONST:VALUE;CONST:VALUE`, every `constexpr int CONST =
 optionally a forced split count (`@SPLITS`); `--source NAME=DIR` builds a frozen copy of the csrc folder instead (e.g.
 `mkdir /tmp/base && git archive HEAD mla_decode/cuda/csrc | tar x -C /tmp/base`). Each variant has its own library
 cache and its own plans (submission's custom_kernel decisions, each holding a CudaDecode of the variant's library and
-split count), swapped into the mla_decode.cuda module and submission around its calls. Nothing here is read by the
-submission or the tests' GPU runs.
+split count), swapped into mla_decode.cuda's build and plan modules and submission around its calls. Nothing here is
+read by the submission or the tests' GPU runs.
 
 ab: every variant's output is checked with reference.check_implementation, then timed the leaderboard's way
 (utils.Timer, as leaderboard.py times: L2 flushed, events around the one call; median of --iters after 2 warm-up calls),
@@ -57,13 +57,13 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
 import mla_decode  # noqa: E402
-import mla_decode.cuda as C  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
 from bench import leaderboard, serving  # noqa: E402
+from mla_decode.cuda import build, plan  # noqa: E402
 from utils import Timer, clear_l2_cache  # noqa: E402
 
-PLAN = C.cuda_plan
+PLAN = plan.cuda_plan
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int], int | None]:
@@ -82,14 +82,14 @@ def parse_variant(text: str) -> tuple[str, dict[str, int], int | None]:
 def copy_sources(src: Path, dst: Path) -> Path:
     """A copy of the csrc folder `src` (its .cu and .cuh files) as the new folder `dst`."""
     dst.mkdir(parents=True)
-    for path in C.source_files(src):
+    for path in build.source_files(src):
         shutil.copy2(path, dst / path.name)
     return dst
 
 
 def patch_constants(csrc: Path, consts: dict[str, int]) -> None:
     """Sets every `constexpr int CONST = ...;` line of the sources in `csrc` (a copy) to the constant's value."""
-    files = {path: path.read_text().splitlines(keepends=True) for path in C.source_files(csrc)}
+    files = {path: path.read_text().splitlines(keepends=True) for path in build.source_files(csrc)}
     for const, value in consts.items():
         hits = [(path, i) for path, lines in files.items() for i, line in enumerate(lines)
                 if line.startswith(f"constexpr int {const} = ")]
@@ -105,9 +105,10 @@ def patch_constants(csrc: Path, consts: dict[str, int]) -> None:
 
 class Variant:
     """One configuration of the cuda backend: its sources, library cache, plans and split plan, swapped in by
-    activate(): the sources, libraries and split plan into the mla_decode.cuda module, the plans as submission's
-    _DISPATCH (custom_kernel's decision per kind of input, whose plan is a CudaDecode holding the library and split
-    count it was made with). The caches are per variant, so nothing is rebuilt or planned again."""
+    activate(): the sources and libraries into mla_decode.cuda.build, the split plan into mla_decode.cuda.plan, the
+    plans as submission's _DISPATCH (custom_kernel's decision per kind of input, whose plan is a CudaDecode holding
+    the library and split count it was made with). The caches are per variant, so nothing is rebuilt or planned
+    again."""
 
     def __init__(self, name: str, csrc: Path, splits: int | None):
         self.name, self.csrc, self.splits = name, csrc, splits
@@ -117,8 +118,8 @@ class Variant:
         self.paged_plan = None  # paged(): the plan of the last paged call
 
     def activate(self) -> None:
-        C.CSRC, C._LIBS, S._DISPATCH = self.csrc, self.libs, self.dispatch
-        C.cuda_plan = (lambda *args: self.splits) if self.splits else PLAN
+        build.CSRC, build._LIBS, S._DISPATCH = self.csrc, self.libs, self.dispatch
+        plan.cuda_plan = (lambda *args: self.splits) if self.splits else PLAN
 
     def __call__(self, data):
         self.activate_checked()
@@ -131,20 +132,13 @@ class Variant:
             self.check_layout()
 
     def check_layout(self) -> None:
-        """The variant's library (built now, for this GPU) reads the DecodeCall that mla_decode.cuda passes: the same
-        fields at the same offsets (a --source copied from before a change to the struct would read garbage)."""
-        lib = C.library(torch.cuda.get_device_capability())
-        fields = len(C.DecodeCall._fields_)
-        count = getattr(lib, "mla_decode_call_fields", None)
-        if count is None or count() != fields:
-            raise SystemExit(f"variant {self.name!r} ({self.csrc}): its DecodeCall is not mla_decode.cuda's "
-                             f"({fields} fields)")
-        layout = (ctypes.c_int * (fields + 1))()
-        lib.mla_decode_call_layout(layout)
-        expected = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]
-        if list(layout) != expected + [ctypes.sizeof(C.DecodeCall)]:
-            raise SystemExit(f"variant {self.name!r} ({self.csrc}): its DecodeCall's layout {list(layout)} is not "
-                             f"mla_decode.cuda's {expected + [ctypes.sizeof(C.DecodeCall)]}")
+        """The variant's library, built now for this GPU and loaded: the load refuses one whose DecodeCall is not the
+        one mla_decode.cuda passes (build.check_decode_call; a --source copied from before a change to the struct
+        would read garbage), here naming the variant."""
+        try:
+            build.library(torch.cuda.get_device_capability())
+        except build.DecodeCallMismatch as e:
+            raise SystemExit(f"variant {self.name!r} ({self.csrc}): {e}") from None
         self.checked = True
 
     def paged(self, paged, batch: int, kv_len: int, precision: str = "fast"):
@@ -240,7 +234,7 @@ MARK_SLOTS, SLOTS = _mark_slots()
 def add_timeline(csrc: Path, clock: bool = False) -> None:
     """Stamps the MARKS (%globaltimer, or %clock64 with clock) into the sources in `csrc` (a copy) and exports them
     (mla_timeline_get). A ValueError names a mark whose `// TUNE: name` line is missing, repeated or in another file."""
-    texts = {path.name: path.read_text() for path in C.source_files(csrc)}
+    texts = {path.name: path.read_text() for path in build.source_files(csrc)}
     block = f"static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x) * {SLOTS}"
     decl = f"__device__ unsigned long long mla_timeline[16384 * {SLOTS}];\nconstexpr int TILE_MARKS = {TILE_MARKS};\n"
     if texts[DECLARED_IN].count("namespace mla {\n") != 1:
@@ -263,7 +257,7 @@ def add_timeline(csrc: Path, clock: bool = False) -> None:
                  f" : \"=l\"(t_)); mla_timeline[{block} + {index}] = t_; }}\n")
         file = mark_file(name)
         texts[file] = anchor.sub(lambda m, stamp=stamp: m.group(0) + m.group(1) + stamp, texts[file])
-    texts[C.MAIN_SOURCE] += ('\nextern "C" int mla_timeline_get(void* dst) {\n  return static_cast<int>('
+    texts[build.MAIN_SOURCE] += ('\nextern "C" int mla_timeline_get(void* dst) {\n  return static_cast<int>('
                              'cudaMemcpyFromSymbol(dst, mla::mla_timeline, sizeof(mla::mla_timeline)));\n}\n')
     for file, text in texts.items():
         (csrc / file).write_text(text)
@@ -284,7 +278,7 @@ def run_timeline(args, variants: dict, workdir: Path) -> None:
             torch.cuda.synchronize()
             lib = stamped.libs[(torch.cuda.get_device_capability(), False)]  # the fast kernel's library
             splits = stamped.num_splits(paged is not None)
-            ctas, tiles = batch * splits, -(-kv_len // splits // C.BLOCK_N)
+            ctas, tiles = batch * splits, -(-kv_len // splits // plan.BLOCK_N)
             cols = []
             for name in MARKS:
                 if name == "tile":
@@ -352,7 +346,7 @@ def add_phases(csrc: Path) -> None:
         text = anchor.sub(lambda m, stamp=stamp: m.group(0) + "".join(m.group(1) + line + "\n"
                                                                      for line in stamp.split("\n")), text)
     path.write_text(text)
-    main_source = csrc / C.MAIN_SOURCE
+    main_source = csrc / build.MAIN_SOURCE
     main_source.write_text(main_source.read_text() + (
         '\n#if MLA_WGMMA\nextern "C" int mla_phases_get(void* dst) {\n'
         '  return static_cast<int>(cudaMemcpyFromSymbol(dst, mla::mla_phases, sizeof(mla::mla_phases)));\n}\n'
@@ -440,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         workdir, variants = Path(tmp), {}
         for text in args.variant or ["now="]:
             name, consts, splits = parse_variant(text)
-            csrc = copy_sources(C.CSRC, workdir / f"variant_{name}")
+            csrc = copy_sources(build.CSRC, workdir / f"variant_{name}")
             patch_constants(csrc, consts)
             variants[name] = Variant(name, csrc, splits)
         for text in args.source:

@@ -154,7 +154,7 @@ def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) ->
         return "+Q+P", Tiling(plan.num_splits, plan.block_n, torch.float32)
     import mla_decode.cuda as C
 
-    return emulation, Tiling(num_splits=C.plan_splits(C.LaunchKey(q.device, q.shape[0], seq_len, kv_format, False)))
+    return emulation, Tiling(num_splits=C.launch_splits(C.LaunchKey(q.device, q.shape[0], seq_len, kv_format, False)))
 
 
 def emulate(data: input_t, backend: str, kv_format: str, precision: str) -> torch.Tensor:

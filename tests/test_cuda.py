@@ -12,22 +12,25 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from cuda_standin import standin_library
 
 import mla_decode
-import mla_decode.cuda as C
+import mla_decode.cuda.build as B
+import mla_decode.cuda.decode as D
+import mla_decode.cuda.plan as P
 import reference as R
 import submission as S
 from testkit.attention import assert_grid_match, nan_outside
 from testkit.emulation import E4M3_P_RANDOM_BOUND, emulate, kernel_emulation
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_nvcc = pytest.mark.skipif(C.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+needs_nvcc = pytest.mark.skipif(B.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path))
-    monkeypatch.setattr(C, "_LIBS", {})
+    monkeypatch.setattr(B, "_LIBS", {})
     return tmp_path
 
 
@@ -36,8 +39,8 @@ def edited_sources(monkeypatch, tmp_path):
     """edit(file, text, line=None): a copy of the sources with `text` inserted before 1-based `line` of `file` (appended
     when None), which the build then uses; returns the edited file's path."""
     csrc = tmp_path / "csrc"
-    shutil.copytree(C.CSRC, csrc)
-    monkeypatch.setattr(C, "CSRC", csrc)
+    shutil.copytree(B.CSRC, csrc)
+    monkeypatch.setattr(B, "CSRC", csrc)
 
     def edit(file: str, text: str, line: int | None = None):
         path = csrc / file
@@ -53,21 +56,69 @@ def edited_sources(monkeypatch, tmp_path):
 @pytest.mark.parametrize("capability,suffix,ctas_per_sm", [((9, 0), "sm90a", 2), ((8, 0), "sm80", 1)],
                          ids=["wgmma", "mma_sync"])
 def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix, ctas_per_sm):
-    lib = C.library(capability)
+    lib = B.library(capability)
     assert lib.mla_decode.restype is not None
     assert lib.mla_unit_ctas_per_sm(16) == ctas_per_sm  # which kernel the library holds
-    assert lib.mla_supports_mxfp4() == (capability == C.WGMMA_CAPABILITY)
-    assert lib.mla_max_unit_rows() == (64 if capability == C.WGMMA_CAPABILITY else 16)
+    assert lib.mla_supports_mxfp4() == (capability == B.WGMMA_CAPABILITY)
+    assert lib.mla_max_unit_rows() == (64 if capability == B.WGMMA_CAPABILITY else 16)
     # the cooperative launch needs every CTA resident: the 64-row kernel's CTA takes an SM
     assert [lib.mla_unit_ctas_per_sm(rows) for rows in (16, 32, 64)] == (
-        [2, 2, 1] if capability == C.WGMMA_CAPABILITY else [1, 1, 1])
+        [2, 2, 1] if capability == B.WGMMA_CAPABILITY else [1, 1, 1])
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
-    assert C.library(capability) is lib  # built once, then reused
-    assert lib.mla_decode_call_fields() == len(C.DecodeCall._fields_) == 27
+    assert B.library(capability) is lib  # built once, then reused
+    assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 27
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
-    fields = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_]
-    assert list(layout) == fields + [ctypes.sizeof(C.DecodeCall)]
+    fields = [getattr(B.DecodeCall, name).offset for name, _ in B.DecodeCall._fields_]
+    assert list(layout) == fields + [ctypes.sizeof(B.DecodeCall)]
+
+
+LAYOUT = B.decode_call_layout()  # the ctypes DecodeCall's field offsets, then its size
+
+
+def field_shifted(layout: list[int], field: int, by: int) -> list[int]:
+    """`layout` with one field's offset moved `by` bytes."""
+    return layout[:field] + [layout[field] + by] + layout[field + 1:]
+
+
+# (the stand-in library's DecodeCall layout, or None for no layout exports; what the refusal names): the first field
+# that differs, a field too few or too many, another size, a library that cannot say
+@pytest.mark.parametrize("layout,named", [
+    (field_shifted(LAYOUT, 4, 8), r"field 4 \(seqs\) lies at byte 40 there, 32 here"),
+    (field_shifted(field_shifted(LAYOUT, 22, 4), 24, -4), r"field 22 \(qk_scale\) lies at byte"),
+    (LAYOUT[:26] + LAYOUT[-1:], r"26 fields, not 27 \(the first unmatched: guess_rows\)"),
+    (LAYOUT[:27] + [160, 164], r"28 fields, not 27 \(the first unmatched: its field 27\)"),
+    (LAYOUT[:27] + [168], "its size is 168 bytes there, 160 here"),
+    (None, "does not report its DecodeCall's layout"),
+], ids=["offset", "first-of-two", "fewer", "more", "size", "no-export"])
+def test_a_library_whose_decode_call_differs_is_refused_naming_the_field(layout, named):
+    """check_decode_call compares the library's DecodeCall (mla_decode_call_layout) with the ctypes one field by
+    field (negative controls; the real library's layout is checked in test_source_builds_and_exports_the_launcher)."""
+    lib = standin_library(layout=layout)
+    if layout is None:
+        del lib.mla_decode_call_layout
+    with pytest.raises(B.DecodeCallMismatch, match=named):
+        B.check_decode_call(lib)
+
+
+def test_a_library_whose_decode_call_matches_passes_the_check():
+    assert LAYOUT[-1] == ctypes.sizeof(B.DecodeCall) == 160
+    B.check_decode_call(standin_library())
+
+
+def test_the_load_refuses_a_library_whose_decode_call_differs_and_remembers(fresh_build, monkeypatch):
+    """library() checks the DecodeCall of what it loads: a mismatch is raised as build errors are, and raised again
+    without another build or load; a library that matches is loaded with its exports typed."""
+    builds, layouts = [], {"lib_80": field_shifted(LAYOUT, 26, 4), "lib_86": None}
+    monkeypatch.setattr(B, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(B, "build_library", lambda nvcc, arch, wgmma, csrc=None: builds.append(arch) or f"lib_{arch}")
+    monkeypatch.setattr(B.ctypes, "CDLL", lambda path: standin_library(path, layouts[path]))
+    for _ in range(2):
+        with pytest.raises(B.DecodeCallMismatch, match=r"field 26 \(guess_rows\)"):
+            B.library((8, 0))
+    assert builds == ["80"]
+    lib = B.library((8, 6))
+    assert lib.path == "lib_86" and lib.mla_decode.restype is ctypes.c_int and B.library((8, 6)) is lib
 
 
 @needs_nvcc
@@ -76,14 +127,14 @@ def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capabi
     """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 and (the FP8 cache)
     64 in the wgmma build, and whole units of one token (num_heads a multiple of them); otherwise
     cudaErrorInvalidValue (1)."""
-    lib = C.library(capability)
+    lib = B.library(capability)
     widest = lib.mla_max_unit_rows()
     refused = [(0, 16, 0), (8, 16, 0), (24, 48, 0), (48, 96, 0), (widest * 2, 256, 0), (32, 48, 0), (16, 40, 0),
                (64, 96, 0), (64, 128, 1)]  # the last: MXFP4 in 64-row units
     if widest < 64:
         refused.append((64, 128, 0))
     for rows, num_heads, kv_format in refused:
-        call = C.DecodeCall(batch=1, num_splits=1, num_heads=num_heads, q_len=1, unit_rows=rows, kv_format=kv_format)
+        call = B.DecodeCall(batch=1, num_splits=1, num_heads=num_heads, q_len=1, unit_rows=rows, kv_format=kv_format)
         assert lib.mla_decode(ctypes.addressof(call)) == 1, (rows, num_heads, kv_format)
 
 
@@ -93,16 +144,16 @@ def test_the_launcher_refuses_a_page_divisor_that_is_not_exact(fresh_build, capa
     """A paged call whose page_mul and page_shift are not page_divisor's (off by one either way, or a shift too small
     for the page size) or whose guess_rows is negative is refused before the GPU is touched (cudaErrorInvalidValue,
     1); the same call with page_divisor's pair is not refused (it fails later: no batch, so nothing is launched)."""
-    lib = C.library(capability)
+    lib = B.library(capability)
 
     def launch(page_size: int, page_mul: int, page_shift: int, guess_rows: int = 0) -> int:
-        call = C.DecodeCall(batch=0, num_splits=1, num_heads=16, q_len=1, unit_rows=16, page_size=page_size,
+        call = B.DecodeCall(batch=0, num_splits=1, num_heads=16, q_len=1, unit_rows=16, page_size=page_size,
                             max_pages=1, block_table=16, page_mul=page_mul, page_shift=page_shift,
                             guess_rows=guess_rows)
         return lib.mla_decode(ctypes.addressof(call))
 
     for size in (1, 48, 64):
-        mul, shift = C.page_divisor(size)
+        mul, shift = P.page_divisor(size)
         assert launch(size, mul, shift) != 1, size
         short_mul = -(-(1 << (shift - 1)) // size)
         for bad in [(mul - 1, shift), (mul + 1, shift), (short_mul, shift - 1), (mul, 63)]:
@@ -113,9 +164,9 @@ def test_the_launcher_refuses_a_page_divisor_that_is_not_exact(fresh_build, capa
 @needs_nvcc
 def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, edited_sources, caplog):
     """An nvcc that cannot build the wgmma kernel (before 12.0: no sm_90a) still gives Hopper the mma.sync one."""
-    edited_sources(C.MAIN_SOURCE, "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n", line=1)
+    edited_sources(B.MAIN_SOURCE, "#if MLA_WGMMA\n#error no sm_90a here\n#endif\n", line=1)
     with caplog.at_level("WARNING", logger="mla_decode"):
-        lib = C.library((9, 0))
+        lib = B.library((9, 0))
     assert lib.mla_unit_ctas_per_sm(16) == 1 and not lib.mla_supports_mxfp4() and lib.mla_max_unit_rows() == 16
     assert "the Hopper (wgmma) kernel did not build" in caplog.text and "no sm_90a here" in caplog.text
     assert [p.name.split("_")[2] for p in fresh_build.glob("*.so")] == ["sm90"]
@@ -123,22 +174,22 @@ def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, ed
 
 @needs_nvcc
 def test_a_failed_build_is_reported_with_nvcc_output_and_remembered(fresh_build, edited_sources):
-    edited_sources(C.MAIN_SOURCE, "\nthis is not C++;\n")
+    edited_sources(B.MAIN_SOURCE, "\nthis is not C++;\n")
     with pytest.raises(RuntimeError, match="nvcc failed"):
-        C.library((9, 0))
+        B.library((9, 0))
     with pytest.raises(RuntimeError, match="nvcc failed"):  # remembered: no second compile
-        C.library((9, 0))
+        B.library((9, 0))
     assert not list(fresh_build.glob("*.so"))
 
 
 @needs_nvcc
-@pytest.mark.parametrize("file,line", [("wgmma.cuh", 47), ("merge.cuh", 12), (C.MAIN_SOURCE, 29)])
+@pytest.mark.parametrize("file,line", [("wgmma.cuh", 47), ("merge.cuh", 12), (B.MAIN_SOURCE, 29)])
 def test_a_compiler_error_names_the_real_file_and_line(fresh_build, edited_sources, file, line):
     """nvcc compiles the package's files where they lie: its message points at the line to fix."""
     path = edited_sources(file, "this is not C++;\n", line)
     arch, wgmma = ("90a", True) if file == "wgmma.cuh" else ("80", False)
     with pytest.raises(RuntimeError, match="nvcc failed") as failure:
-        C.build_library(C.find_nvcc(), arch, wgmma)
+        B.build_library(B.find_nvcc(), arch, wgmma)
     assert re.search(rf"{re.escape(str(path))}\({line}\): error", str(failure.value)), str(failure.value)
 
 
@@ -152,16 +203,16 @@ def test_the_build_hash_covers_every_source_file(fresh_build, edited_sources, mo
         Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
         return SimpleNamespace(returncode=0, stderr="")
 
-    monkeypatch.setattr(C.subprocess, "run", fake_nvcc)
-    first = C.build_library("/opt/nvcc", "80", False)
-    assert C.build_library("/opt/nvcc", "80", False) == first and len(runs) == 1
-    assert runs[0][-1] == str(C.CSRC / C.MAIN_SOURCE) and runs[0][runs[0].index("-I") + 1] == str(C.CSRC)
+    monkeypatch.setattr(B.subprocess, "run", fake_nvcc)
+    first = B.build_library("/opt/nvcc", "80", False)
+    assert B.build_library("/opt/nvcc", "80", False) == first and len(runs) == 1
+    assert runs[0][-1] == str(B.CSRC / B.MAIN_SOURCE) and runs[0][runs[0].index("-I") + 1] == str(B.CSRC)
     names = {first}
-    for path in C.source_files(C.CSRC):
+    for path in B.source_files(B.CSRC):
         edited_sources(path.name, "// an edit\n")
-        names.add(C.build_library("/opt/nvcc", "80", False))
-    names |= {C.build_library("/opt/nvcc", "90a", True), C.build_library("/opt/other/nvcc", "80", False)}
-    assert len(names) == len(C.source_files(C.CSRC)) + 3 == len(runs)
+        names.add(B.build_library("/opt/nvcc", "80", False))
+    names |= {B.build_library("/opt/nvcc", "90a", True), B.build_library("/opt/other/nvcc", "80", False)}
+    assert len(names) == len(B.source_files(B.CSRC)) + 3 == len(runs)
 
 
 # (batch, seq_len, splits with 1 CTA per SM (mma.sync), with 2 (wgmma)): the measured best counts on the H200
@@ -170,12 +221,12 @@ def test_the_build_hash_covers_every_source_file(fresh_build, edited_sources, mo
                                                    (256, 1024, 1, 1), (256, 8192, 1, 1), (1, 1, 1, 1), (3, 0, 1, 1),
                                                    (1000, 50, 1, 1), (1, 100_000, 128, 256)])
 def test_plan_fills_the_sms(batch, seq_len, one, two):
-    assert C.cuda_plan(batch, seq_len, 132, 1) == one
-    assert C.cuda_plan(batch, seq_len, 132, 2) == two
+    assert P.cuda_plan(batch, seq_len, 132, 1) == one
+    assert P.cuda_plan(batch, seq_len, 132, 2) == two
 
 
 def test_plan_stays_within_what_the_merge_takes():
-    assert C.cuda_plan(1, 10_000_000, 1000, 2) == C.MAX_SPLITS == 512
+    assert P.cuda_plan(1, 10_000_000, 1000, 2) == P.MAX_SPLITS == 512
 
 
 # (units, seq_len, page_size, kv_format, precise, unit_rows, splits) on 132 SMs, two CTAs per SM: FP8 pages under 64
@@ -191,13 +242,9 @@ def test_plan_stays_within_what_the_merge_takes():
                           (32, 1024, 128, "fp8", False, 16, 4), (32, 1024, 1, "mxfp4", False, 16, 4),
                           (32, 1024, 1, "fp8", True, 16, 4), (32, 512, 0, "fp8", False, 16, 4),
                           (32, 1024, 1, "fp8", False, 32, 4)])
-def test_gathered_pages_keep_finer_splits(monkeypatch, units, seq_len, page_size, kv_format, precise, rows, splits):
-    monkeypatch.setattr(C, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(C, "library", lambda capability, precise=False: SimpleNamespace(
-        mla_unit_ctas_per_sm=lambda unit_rows: 2))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    key = C.LaunchKey(torch.device("cuda", 0), units, seq_len, kv_format, precise, rows, page_size)
-    assert C.plan_splits(key) == splits
+def test_gathered_pages_keep_finer_splits(units, seq_len, page_size, kv_format, precise, rows, splits):
+    key = P.LaunchKey(torch.device("cuda", 0), units, seq_len, kv_format, precise, rows, page_size)
+    assert P.plan_splits(key, P.DeviceFacts(132, lambda unit_rows: 2, 64)) == splits
 
 
 def test_page_divisor_is_the_division_below_2_31():
@@ -209,7 +256,7 @@ def test_page_divisor_is_the_division_below_2_31():
     top = (1 << 31) - 1
     inexact = 0
     for size in sizes:
-        mul, shift = C.page_divisor(size)
+        mul, shift = P.page_divisor(size)
         assert 0 < mul < 1 << 32 and 31 <= shift < 63, size
         last = top // size * size
         positions = {0, 1, size - 1, size, size + 1, top, top - 1, last, last - 1, last - size, last - size - 1}
@@ -221,8 +268,8 @@ def test_page_divisor_is_the_division_below_2_31():
 
 def test_split_rows_are_whole_tiles_covering_the_sequence():
     for length, splits in [(0, 1), (1, 1), (64, 1), (65, 1), (1024, 16), (1000, 16), (8191, 32), (8192, 64), (3, 4)]:
-        rows = C.split_rows(length, splits)
-        assert rows % C.BLOCK_N == 0 and rows * splits >= length and (rows - C.BLOCK_N) * splits < max(length, 1)
+        rows = P.split_rows(length, splits)
+        assert rows % P.BLOCK_N == 0 and rows * splits >= length and (rows - P.BLOCK_N) * splits < max(length, 1)
 
 
 # (batch, q_len, num_heads, max_seqlen, kv format, precision, the library's widest unit, the plan's unit rows); 132 SMs.
@@ -258,44 +305,79 @@ def test_split_rows_are_whole_tiles_covering_the_sequence():
                           (256, 1, 64, 1024, "fp8", "fast", 64, 64), (128, 1, 64, 1024, "fp8", "fast", 64, 64),
                           (2, 1, 64, 1024, "fp8", "fast", 64, 16),
                           (256, 1, 64, 512, "fp8", "fast", 64, 64)])  # 256 CTAs of 8 tiles, no split
-def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, monkeypatch, batch, q_len, num_heads,
-                                                         max_seqlen, kv_format, precision, widest, rows):
-    """plan_unit_rows: in the fast mode's wgmma library (its mla_max_unit_rows; 16 in Hopper's mma.sync fallback),
+def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, batch, q_len, num_heads, max_seqlen,
+                                                         kv_format, precision, widest, rows):
+    """plan_unit_rows, on the CPU with the GPU's facts given (132 SMs, 2 CTAs an SM, 1 for 64-row units): in the fast
+    mode's wgmma library (its mla_max_unit_rows; 16 in Hopper's mma.sync fallback),
     64 query rows a CTA where served (heads in 64s, FP8) and a 64-row CTA walks at least 16 tiles, the unsplit
     64-row grid fills the SMs, or it walks at least 4 tiles where the 16-row plan splits too; else 32 where the heads
     come in 32s, the 32-row grid has more CTAs than SMs and a 32-row CTA walks at least 16 tiles, or 8 where the
     16-row plan splits too; else 16. The units (the grid's y, the split plan's and the workspace's count) are of
     those rows. The backend option unit_rows asks for what the kernel serves (64: heads in 64s, the FP8 cache) and is
     refused otherwise, naming what it takes."""
-    libraries = []
-
-    def library(capability, precise=False):
-        libraries.append((capability, precise))
-        return SimpleNamespace(mla_max_unit_rows=lambda: widest,
-                               mla_unit_ctas_per_sm=lambda unit_rows: 1 if unit_rows == 64 else 2)
-
-    monkeypatch.setattr(C, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(C, "library", library)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    facts = P.DeviceFacts(132, lambda unit_rows: 1 if unit_rows == 64 else 2, widest)
     dtype = torch.float8_e4m3fn if kv_format == "fp8" else torch.uint8
     problem = mla_decode.api.make_problem(batch, dtype, fake_nvidia_gpu, layout="ragged", max_seqlen=max_seqlen,
                                           num_heads=num_heads, q_len=q_len, causal=q_len > 1, precision=precision)
-    assert C.plan_unit_rows(problem) == rows
-    assert C.query_units(problem) == batch * q_len * num_heads // rows
-    assert all(precise is False for _, precise in libraries)  # the precise mode's kernel takes 16 rows unasked
-    assert C.plan_unit_rows(problem, 16) == 16
+    assert P.plan_unit_rows(problem, facts) == rows
+    assert P.query_units(problem, rows) == batch * q_len * num_heads // rows
+    assert P.plan_unit_rows(problem, facts, 16) == 16
     fast = precision == "fast"
     served = [16] + [r for r in (32, 64) if fast and num_heads % r == 0 and widest >= r and (r < 64 or kv_format ==
                                                                                                  "fp8")]
     for asked in (32, 64):
         if asked in served:
-            assert C.plan_unit_rows(problem, asked) == asked
+            assert P.plan_unit_rows(problem, facts, asked) == asked
         else:
             with pytest.raises(ValueError, match=rf"unit_rows {asked}: this problem's cuda kernel takes "
                                                  rf"\[{', '.join(map(str, served))}\] query rows"):
-                C.plan_unit_rows(problem, asked)
+                P.plan_unit_rows(problem, facts, asked)
     with pytest.raises(ValueError, match="unit_rows 128"):
-        C.plan_unit_rows(problem, 128)
+        P.plan_unit_rows(problem, facts, 128)
+
+
+# (num_heads, precision, kv_format, the library's widest unit, the rows a unit can take)
+@pytest.mark.parametrize("num_heads,precision,kv_format,widest,served", [
+    (128, "fast", "fp8", 64, [16, 32, 64]), (64, "fast", "fp8", 64, [16, 32, 64]), (96, "fast", "fp8", 64, [16, 32]),
+    (128, "fast", "mxfp4", 64, [16, 32]), (128, "fast", "fp8", 32, [16, 32]), (128, "fast", "fp8", 16, [16]),
+    (48, "fast", "fp8", 64, [16]), (16, "fast", "fp8", 64, [16]), (128, "precise", "fp8", 64, [16])])
+def test_served_unit_rows(fake_nvidia_gpu, num_heads, precision, kv_format, widest, served):
+    """Wider units only in the fast mode, where the heads come in 32s (64s, and the FP8 cache, for 64 rows) and the
+    library takes them."""
+    dtype = torch.float8_e4m3fn if kv_format == "fp8" else torch.uint8
+    problem = mla_decode.api.make_problem(8, dtype, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
+                                          num_heads=num_heads, precision=precision)
+    assert P.served_unit_rows(problem, widest) == served
+
+
+def test_the_unit_rows_follow_the_gpu_s_facts(fake_nvidia_gpu):
+    """The same problem (128 x 2 tokens x 128 heads, 1024 positions) in 64-row units on 132 SMs, where its 512 unsplit
+    64-row CTAs fill the GPU, and in 16-row units on 1024 SMs, where they would not and a 32-row CTA would walk 8
+    tiles; 16 where the heads do not come in 32s whatever the GPU; a unit the kernel does not take is refused by its
+    backend option's name."""
+    problem = mla_decode.api.make_problem(128, torch.float8_e4m3fn, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
+                                          num_heads=128, q_len=2, causal=True)
+    hopper = P.DeviceFacts(132, lambda unit_rows: 1 if unit_rows == 64 else 2, 64)
+    assert P.plan_unit_rows(problem, hopper) == 64
+    assert P.plan_unit_rows(problem, hopper._replace(sms=1024)) == 16
+    assert P.plan_unit_rows(problem._replace(num_heads=48), hopper) == 16
+    with pytest.raises(ValueError, match=r"^backend_options: unit_rows 32: this problem's cuda kernel takes \[16\] "
+                                         r"query rows a CTA \(48 heads, fp8, fast mode\)$"):
+        P.plan_unit_rows(problem._replace(num_heads=48), hopper, 32)
+
+
+def test_device_facts_are_the_gpu_s_and_its_library_s(fake_nvidia_gpu, monkeypatch):
+    """decode.device_facts reads the SM count and the library of the problem's mode (built by then): what the plan
+    and launch_splits are given."""
+    libraries = {False: standin_library("fast", mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 2),
+                 True: standin_library("precise")}
+    monkeypatch.setattr(D, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(D, "library", lambda capability, precise=False: libraries[precise])
+    for precise, lib in libraries.items():
+        assert D.device_facts(fake_nvidia_gpu, precise) == (132, lib.mla_unit_ctas_per_sm, lib.mla_max_unit_rows())
+    key = P.LaunchKey(fake_nvidia_gpu, 32, 8192, "fp8", False)  # 8 splits with 2 CTAs an SM, 4 with 1
+    assert D.launch_splits(key) == P.cuda_plan(32, 8192, 132, 2) == 8
+    assert D.launch_splits(key._replace(precise=True)) == P.cuda_plan(32, 8192, 132, 1) == 4
 
 
 def test_forced_cuda_off_nvidia_fails_clearly(monkeypatch):
@@ -313,9 +395,10 @@ def test_the_package_needs_nothing_from_submission():
 
 @pytest.fixture
 def fake_nvidia_gpu(monkeypatch):
-    """An NVIDIA GPU as leaderboard_backend sees it, on the CPU; the cached package import and auto's cached
-    verdicts are dropped before and after."""
+    """An NVIDIA GPU as leaderboard_backend sees it (with the SM count the plan reads), on the CPU; the cached
+    package import and auto's cached verdicts are dropped before and after."""
     monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
     monkeypatch.delenv("MLA_PRECISION", raising=False)
@@ -350,9 +433,9 @@ def test_without_the_package_auto_takes_triton_and_forced_cuda_says_how_to_insta
 def test_auto_warns_only_where_the_cuda_backend_serves_nothing(fake_nvidia_gpu, monkeypatch, caplog):
     """A GPU whose cuda kernels build but do not read MXFP4 (not Hopper): auto takes triton for an MXFP4 cache with no
     warning (the reason is only logged among what auto passed over), and cuda for FP8."""
-    package = S.cuda_package()[0]
-    monkeypatch.setattr(package, "unusable_reason", lambda device, kv_format="fp8", precise=False: (
+    monkeypatch.setattr(D, "unusable_reason", lambda device, kv_format="fp8", precise=False: (
         "cuda backend: reads MXFP4 only with its Hopper (sm_90a) kernel" if kv_format == "mxfp4" else None))
+    monkeypatch.setattr(D, "device_facts", lambda device, precise: P.DeviceFacts(132, lambda unit_rows: 1, 16))
     with caplog.at_level("WARNING", logger="mla_decode"):
         assert S.leaderboard_backend(fake_nvidia_gpu, "mxfp4") == ("triton" if S.triton is not None else "torch")
         assert S.leaderboard_backend(fake_nvidia_gpu, "fp8") == "cuda"
@@ -381,7 +464,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hi
                                reason="needs an NVIDIA GPU")
 
 def on_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == C.WGMMA_CAPABILITY
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == B.WGMMA_CAPABILITY
 
 
 # (kernel, KV format, shared-memory limit per block, the stages the mma.sync kernel then runs with): the wgmma kernel
@@ -429,11 +512,11 @@ def cuda_backend(monkeypatch, request):
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     monkeypatch.setenv("MLA_KV_FORMAT", kv_format)
     monkeypatch.delenv("MLA_PRECISION", raising=False)
-    monkeypatch.setattr(C, "_LIBS", {})
+    monkeypatch.setattr(B, "_LIBS", {})
     monkeypatch.setattr(S, "_DISPATCH", {})  # custom_kernel's plans: they depend on the kernel's CTAs per SM
     if kernel == "mma_sync":
-        monkeypatch.setattr(C, "WGMMA_CAPABILITY", None)
-    lib = C.library(torch.cuda.get_device_capability())
+        monkeypatch.setattr(B, "WGMMA_CAPABILITY", None)
+    lib = B.library(torch.cuda.get_device_capability())
     assert lib.mla_unit_ctas_per_sm(16) == (2 if kernel == "wgmma" else 1)
     if lib.mla_limit_shared_memory(0) < stages:  # the mma.sync kernel on a GPU with less shared memory
         pytest.skip(f"this GPU's shared memory per block holds fewer than {stages} stages")
@@ -484,7 +567,7 @@ def test_gpu_every_split_count(cuda_backend, monkeypatch, splits):
     owes nothing to the first's partials. (cuda_plan is patched before custom_kernel makes its first plan: the
     fixture emptied submission._DISPATCH.)"""
     bound = cuda_backend.random_bound
-    monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
+    monkeypatch.setattr(P, "cuda_plan", lambda *args: splits)
     for seed in (splits, splits + 100):
         data = R.generate_varlen_input([1, 777, 0, 3001], seed=seed)
         out = S.custom_kernel(data)
@@ -510,7 +593,7 @@ def test_gpu_barrier_counts_every_arrival_and_an_oversized_grid_fails_to_launch(
     assert len(counts) == 2 and all(count == [3 * splits] * 4 and splits > 1 for count, splits in counts)
     data = R.generate_input(4, 1, 1024, seed=1)
     for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
-        monkeypatch.setattr(C, "cuda_plan", lambda *args, n=splits: n)  # or too many
+        monkeypatch.setattr(P, "cuda_plan", lambda *args, n=splits: n)  # or too many
         monkeypatch.setattr(S, "_DISPATCH", {})  # a new plan, with that split count
         with pytest.raises(RuntimeError, match=f"launch failed with cudaError {error}$"):
             S.custom_kernel(data)
@@ -576,8 +659,8 @@ def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cann
     build is broken on purpose; MLA_BACKEND=cuda raises the build error instead."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(C, "capability", lambda device: (9, 0))
-    edited_sources(C.MAIN_SOURCE, "\nthis is not C++;\n")
+    monkeypatch.setattr(D, "capability", lambda device: (9, 0))
+    edited_sources(B.MAIN_SOURCE, "\nthis is not C++;\n")
     S.cuda_auto_reason.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.delenv("MLA_KV_FORMAT", raising=False)
@@ -598,7 +681,8 @@ def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(fresh_build, monkey
     with MXFP4 elsewhere fails naming why."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(C, "capability", lambda device: capability)
+    monkeypatch.setattr(D, "capability", lambda device: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     S.cuda_auto_reason.cache_clear()
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
@@ -624,18 +708,14 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
         return f"lib_{arch}"
 
     def fake_cdll(path):
-        exports = ("mla_decode", "mla_decode_call_layout", "mla_limit_shared_memory", "mla_limit_wide_ctas",
-                   "mla_supports_mxfp4", "mla_max_unit_rows", "mla_unit_ctas_per_sm")
-        lib = SimpleNamespace(path=path, **{name: SimpleNamespace() for name in exports})
-        lib.mla_supports_mxfp4 = lambda: path.endswith("a")
-        return lib
+        return standin_library(path, mla_supports_mxfp4=lambda: int(path.endswith("a")))
 
-    monkeypatch.setattr(C, "_LIBS", {})
-    monkeypatch.setattr(C, "find_nvcc", lambda: "/opt/nvcc")
-    monkeypatch.setattr(C, "build_library", fake_build)
-    monkeypatch.setattr(C.ctypes, "CDLL", fake_cdll)
-    monkeypatch.setattr(C, "capability", lambda device: (9, 0))
-    assert C.library((9, 0)).path == "lib_90a" and C.library((9, 0), precise=True).path == "lib_90"
+    monkeypatch.setattr(B, "_LIBS", {})
+    monkeypatch.setattr(B, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(B, "build_library", fake_build)
+    monkeypatch.setattr(B.ctypes, "CDLL", fake_cdll)
+    monkeypatch.setattr(D, "capability", lambda device: (9, 0))
+    assert B.library((9, 0)).path == "lib_90a" and B.library((9, 0), precise=True).path == "lib_90"
     assert built == [("90a", True), ("90", False)]
     assert S.cuda_unusable_reason(leaderboard_problem(fake_nvidia_gpu, "fp8", "precise")) is None
     assert "precise mode reads the FP8 cache only" in S.cuda_unusable_reason(

@@ -169,14 +169,15 @@ def test_grids_past_the_launch_limits_are_refused(monkeypatch):
     with the reason (auto then passes over it) instead of failing at launch."""
     from mla_decode.backends import cuda_unusable_reason, triton_unusable_reason
 
-    C = pytest.importorskip("mla_decode.cuda")
-    monkeypatch.setattr(C, "unusable_reason", lambda *args: None)
-    monkeypatch.setattr(C, "plan_unit_rows", lambda problem: 16)
+    D = pytest.importorskip("mla_decode.cuda.decode")
+    P = pytest.importorskip("mla_decode.cuda.plan")
+    monkeypatch.setattr(D, "unusable_reason", lambda *args: None)
+    monkeypatch.setattr(D, "device_facts", lambda device, precise: P.DeviceFacts(132, lambda rows: 1, 16))  # 16 rows
     big = mla_decode.api.make_problem(2048, torch.float8_e4m3fn, "cpu", layout="paged", page_size=64, max_pages=4,
                                       q_len=4, num_heads=128, causal=True)  # 65536 units of 16 rows
     assert "/ 16 = 65536 units of query rows, more than the grid's 65535" in cuda_unusable_reason(big)
     assert cuda_unusable_reason(big._replace(batch=2047)) is None
-    monkeypatch.setattr(C, "plan_unit_rows", lambda problem: 32)  # the Hopper kernel's units: half as many
+    monkeypatch.setattr(D, "plan_unit_rows", lambda problem, facts: 32)  # the Hopper kernel's units: half as many
     assert cuda_unusable_reason(big) is None
     assert "/ 32 = 65536 units of query rows" in cuda_unusable_reason(big._replace(batch=4096))
     if mla_decode.contract.triton is not None:
@@ -474,13 +475,13 @@ def test_gpu_cuda_sequences_longer_than_the_plan(kernel, page_size):
     """A plan made for 1000 positions runs on longer and shorter sequences: the kernel's first table reads, asked
     for the split a sequence of the plan's length would have, are the wrong ones past split 0 of the longest
     sequence and read again; within bounds of the float64 truth, LSE included, with every unowned slot NaN."""
-    cuda = pytest.importorskip("mla_decode.cuda")
+    plan = pytest.importorskip("mla_decode.cuda.plan")
     _, kv_format, precision = kernel
     case = make_paged_case(kv_format, page_size, GPU_LENS, seed=page_size + 1, device="cuda")
     decode = mla_decode.plan(len(GPU_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
                              backend="cuda", precision=precision, max_seqlen=1000, kv_scale_dtype=case.kv_scale.dtype)
     splits = decode.impl.num_splits  # with one split every split starts at 0, where a guess cannot miss
-    assert splits > 1 and decode.impl.call.guess_rows != cuda.split_rows(max(GPU_LENS), splits)
+    assert splits > 1 and decode.impl.call.guess_rows != plan.split_rows(max(GPU_LENS), splits)
     out, lse = decode.run(*case.args())
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", precision))
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
@@ -520,8 +521,9 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
         # the plan's rule (plan_unit_rows, checked on the CPU); on the H200 the serving lengths' plans at (1, 128)
         # and (2, 128) take 64-row CTAs of 8 and 16 tiles with the FP8 cache (the 16-row plan splitting too), and
         # 32-row ones with MXFP4; at (2, 32) a 32-row CTA would walk 4 tiles
-        C = pytest.importorskip("mla_decode.cuda")
-        assert twin.impl.call.unit_rows == C.plan_unit_rows(twin.problem)
+        D = pytest.importorskip("mla_decode.cuda.decode")
+        facts = D.device_facts(twin.problem.device, precision == "precise")
+        assert twin.impl.call.unit_rows == D.plan_unit_rows(twin.problem, facts)
         if _hopper_takes_32_rows(precision) and num_heads == 128:
             assert twin.impl.call.unit_rows == (64 if kv_format == "fp8" else 32)
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
@@ -652,10 +654,10 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     truth and (up to 32 splits) against the same plan in units of 16 rows: every head's sums are the same products
     (only the merge groups its splits otherwise at 32 splits), so a layout slip shows far above a tenth of the
     bounds."""
-    C = pytest.importorskip("mla_decode.cuda")
+    P = pytest.importorskip("mla_decode.cuda.plan")
     if not _hopper_takes_32_rows("fast"):
         pytest.skip("units of 32 rows are the Hopper kernel's")
-    monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
+    monkeypatch.setattr(P, "cuda_plan", lambda *args: splits)
     lens = [0, 1, 3001]
     case = make_paged_case(kv_format, 16, lens, seed=splits, num_heads=32, device="cuda")
     decode = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=32,
@@ -710,13 +712,13 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_s
     wrong. Against 16-row units P's e4m3 rounding differs (scaled by a pair's running max, not a tile's: 0.6-1.7e-2
     apart on random data in testkit's emulation of both walks), so half the output bound; the LSE (both sum the
     unrounded P) within a quarter of its bound."""
-    C = pytest.importorskip("mla_decode.cuda")
+    P = pytest.importorskip("mla_decode.cuda.plan")
     _needs_units_of_64()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lens = [3001, 1, 0][:sms // (splits * num_heads // 64)]  # a cooperative grid of 64-row CTAs: one an SM
     if not lens:
         pytest.skip(f"{splits} splits of {num_heads // 64} units of 64 rows exceed {sms} SMs")
-    monkeypatch.setattr(C, "cuda_plan", lambda *args: splits)
+    monkeypatch.setattr(P, "cuda_plan", lambda *args: splits)
     case = make_paged_case("fp8", page_size, lens, seed=splits + num_heads + page_size, num_heads=num_heads,
                            device="cuda")
     decode = _cuda_plan_in_units_of(64, case, max(lens))
@@ -762,7 +764,7 @@ def test_gpu_cuda_units_of_64_rows_rising_logits(monkeypatch):
     split, 24 pairs of tiles): the kernel's rule, replayed here on the float64 logits, moves the max on some pairs
     and keeps it on others whose max lies above it (P up to 2^LAZY_MAX times larger), and the result meets the
     float64 truth. A kernel that stopped rescaling after the first pair fails it (checked on the H200)."""
-    C = pytest.importorskip("mla_decode.cuda")
+    P = pytest.importorskip("mla_decode.cuda.plan")
     _needs_units_of_64()
     lens = [3001, 1, 0]
     case = _rising_logits_case(lens, rise=40.0, seed=64)
@@ -776,7 +778,7 @@ def test_gpu_cuda_units_of_64_rows_rising_logits(monkeypatch):
         kept_above += int(((pair_max[:, j] > running) & ~up).sum())
         running = torch.where(up, pair_max[:, j], running)
     assert moved >= 64 and kept_above >= 64, (moved, kept_above)
-    monkeypatch.setattr(C, "cuda_plan", lambda *args: 1)
+    monkeypatch.setattr(P, "cuda_plan", lambda *args: 1)
     device_case = case._replace(**{name: getattr(case, name).cuda() for name in
                                    ("q", "kv_cache", "kv_scale", "block_table", "cache_seqlens")})
     decode = _cuda_plan_in_units_of(64, device_case, max(lens))
@@ -856,9 +858,9 @@ def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, page_size, 
     cache, which only its token 1 reaches), pages of 16 and 64. The output and the LSE equal the grid of one unit a
     CTA bit for bit, NaN rows alike (a unit that kept the last one's sums, max or bad-page flag, or copied another's
     pair, would not), and meet the float64 truth."""
-    C = pytest.importorskip("mla_decode.cuda")
+    P = pytest.importorskip("mla_decode.cuda.plan")
     _needs_units_of_64()
-    monkeypatch.setattr(C, "cuda_plan", lambda *args: 1)
+    monkeypatch.setattr(P, "cuda_plan", lambda *args: 1)
     lens = [77, 0, 4097, 1, 3, 1025, 200, 0, 130]
     case = make_paged_case("fp8", page_size, lens, seed=ctas + page_size, q_len=2, num_heads=128, device="cuda")
     table = case.block_table.clone()
@@ -866,7 +868,7 @@ def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, page_size, 
     args = (case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale)
     decode = _cuda_plan_in_units_of(64, case, max(lens))
     assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (1, 64)
-    lib = C.library(torch.cuda.get_device_capability())
+    lib = pytest.importorskip("mla_decode.cuda.build").library(torch.cuda.get_device_capability())
     one_a_cta = [x.clone() for x in decode.run(*args)]  # 36 CTAs
     try:
         lib.mla_limit_wide_ctas(ctas)

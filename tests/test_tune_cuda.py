@@ -2,36 +2,35 @@
 all be in the kernel sources as they stand, so an edit that drops or moves one fails here, not on a GPU), its stamped
 sources built by nvcc, and both modes run on an NVIDIA GPU."""
 
-import ctypes
 import difflib
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from cuda_standin import standin_library
 
-import mla_decode.cuda as C
+import mla_decode.cuda.build as B
 from bench import tune_cuda as tune
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNE = ROOT / "bench" / "tune_cuda.py"
-needs_nvcc = pytest.mark.skipif(C.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+needs_nvcc = pytest.mark.skipif(B.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
 
 
 @pytest.fixture
 def csrc(tmp_path):
     """A copy of the package's sources, as the tool patches them."""
-    return tune.copy_sources(C.CSRC, tmp_path / "csrc")
+    return tune.copy_sources(B.CSRC, tmp_path / "csrc")
 
 
 def changed_lines(before: Path, after: Path) -> list[tuple[str, str, str]]:
     """(file, old line, new line) for every line that differs between two copies of the sources."""
     changes = []
-    for path in C.source_files(before):
+    for path in B.source_files(before):
         old, new = path.read_text().splitlines(), (after / path.name).read_text().splitlines()
         assert len(old) == len(new), path.name
         changes += [(path.name, a, b) for a, b in zip(old, new, strict=True) if a != b]
@@ -55,14 +54,14 @@ def test_a_malformed_variant_is_refused(text):
 
 
 def test_the_copy_holds_every_source_file(csrc):
-    assert [p.name for p in C.source_files(csrc)] == [p.name for p in C.source_files(C.CSRC)]
-    assert C.MAIN_SOURCE in [p.name for p in C.source_files(csrc)]
-    assert changed_lines(C.CSRC, csrc) == []
+    assert [p.name for p in B.source_files(csrc)] == [p.name for p in B.source_files(B.CSRC)]
+    assert B.MAIN_SOURCE in [p.name for p in B.source_files(csrc)]
+    assert changed_lines(B.CSRC, csrc) == []
 
 
 def test_patched_sources_change_only_the_named_constants(csrc):
     tune.patch_constants(csrc, {"STAGES_ALONE": 7})
-    assert changed_lines(C.CSRC, csrc) == [("wgmma.cuh", "constexpr int STAGES_ALONE = 3;",
+    assert changed_lines(B.CSRC, csrc) == [("wgmma.cuh", "constexpr int STAGES_ALONE = 3;",
                                             "constexpr int STAGES_ALONE = 7;")]
     with pytest.raises(ValueError, match="NO_SUCH_CONSTANT"):
         tune.patch_constants(csrc, {"NO_SUCH_CONSTANT": 1})
@@ -71,13 +70,13 @@ def test_patched_sources_change_only_the_named_constants(csrc):
 @pytest.mark.parametrize("clock", [False, True])
 def test_every_timeline_mark_finds_its_place(csrc, clock):
     tune.add_timeline(csrc, clock)
-    stamped = "".join(p.read_text() for p in C.source_files(csrc))
+    stamped = "".join(p.read_text() for p in B.source_files(csrc))
     assert stamped.count("%%clock64" if clock else "%%globaltimer") == len(tune.MARKS)
-    assert 'extern "C" int mla_timeline_get' in (csrc / C.MAIN_SOURCE).read_text()
+    assert 'extern "C" int mla_timeline_get' in (csrc / B.MAIN_SOURCE).read_text()
     assert sorted(tune.MARK_SLOTS.values()) == sorted(set(tune.MARK_SLOTS.values()))
     assert max(tune.MARK_SLOTS.values()) == tune.SLOTS - 1
     # each stamp sits right after its anchor: the rest of the sources is untouched
-    added = [line for p in C.source_files(C.CSRC) for line in difflib.ndiff(
+    added = [line for p in B.source_files(B.CSRC) for line in difflib.ndiff(
         p.read_text().splitlines(), (csrc / p.name).read_text().splitlines()) if line.startswith(("+ ", "- "))]
     assert not [line for line in added if line.startswith("- ")]
     assert len(added) == len(tune.MARKS) + 2 + 4  # the stamps, the timeline's declaration (2 lines), the export
@@ -100,30 +99,28 @@ def test_a_kernel_edit_that_loses_a_timeline_anchor_fails(csrc, edit):
         tune.add_timeline(csrc)
 
 
-@pytest.mark.parametrize("library", ["same", "fields", "offsets", "no export"])
-def test_a_variant_whose_decode_call_differs_is_refused(monkeypatch, library):
+@pytest.mark.parametrize("library,refusal", [("same", None), ("fields", "26 fields, not 27"),
+                                             ("offsets", r"field 4 \(seqs\)"), ("no export", "does not report")])
+def test_a_variant_whose_decode_call_differs_is_refused(monkeypatch, library, refusal):
     """A variant's library must read the DecodeCall mla_decode.cuda passes (a --source from before a change to the
-    struct would read garbage): one whose field count or offsets differ, or that cannot say, is refused."""
-    fields = len(C.DecodeCall._fields_)
-    offsets = [getattr(C.DecodeCall, name).offset for name, _ in C.DecodeCall._fields_] + [ctypes.sizeof(C.DecodeCall)]
-    if library == "offsets":
-        offsets[4] += 8
-
-    def layout(out):
-        for i, offset in enumerate(offsets):
-            out[i] = offset
-
-    lib = SimpleNamespace(mla_decode_call_layout=layout, mla_decode_call_fields=lambda: fields - (library == "fields"))
+    struct would read garbage): one whose field count or offsets differ, or that cannot say, is refused at its load
+    (build.check_decode_call), naming the variant. The build and the load are faked (tests/cuda_standin.py)."""
+    layout = B.decode_call_layout()
+    lib = standin_library(layout={"same": layout, "fields": layout[:26] + layout[-1:], "no export": layout,
+                                  "offsets": layout[:4] + [layout[4] + 8] + layout[5:]}[library])
     if library == "no export":
         del lib.mla_decode_call_fields
-    monkeypatch.setattr(C, "library", lambda capability, precise=False: lib)
+    monkeypatch.setattr(B, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(B, "build_library", lambda nvcc, arch, wgmma, csrc=None: "libvariant.so")
+    monkeypatch.setattr(B.ctypes, "CDLL", lambda path: lib)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     variant = tune.Variant("old", Path("/nowhere"), None)
-    if library == "same":
+    monkeypatch.setattr(B, "_LIBS", variant.libs)  # as variant.activate() sets it, restored after the test
+    if refusal is None:
         variant.check_layout()
-        assert variant.checked
+        assert variant.checked and variant.libs[((9, 0), False)] is lib
     else:
-        with pytest.raises(SystemExit, match="variant 'old' .*DecodeCall"):
+        with pytest.raises(SystemExit, match=f"^variant 'old' \\(/nowhere\\): cuda backend: .*{refusal}"):
             variant.check_layout()
         assert not variant.checked
 
@@ -133,9 +130,9 @@ def test_a_variant_whose_decode_call_differs_is_refused(monkeypatch, library):
 def test_the_stamped_sources_build(csrc, monkeypatch, tmp_path, clock):
     monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path / "cache"))
     tune.add_timeline(csrc, clock)
-    monkeypatch.setattr(C, "CSRC", csrc)
-    monkeypatch.setattr(C, "_LIBS", {})
-    assert C.library((9, 0)).mla_timeline_get is not None
+    monkeypatch.setattr(B, "CSRC", csrc)
+    monkeypatch.setattr(B, "_LIBS", {})
+    assert B.library((9, 0)).mla_timeline_get is not None
 
 
 @pytest.mark.gpu
@@ -143,7 +140,7 @@ def test_the_stamped_sources_build(csrc, monkeypatch, tmp_path, clock):
 @pytest.mark.parametrize("mode", ["ab", "timeline", "timeline --clock"])
 def test_gpu_both_modes_run(mode, tmp_path):
     base = tmp_path / "base"
-    shutil.copytree(C.CSRC, base)
+    shutil.copytree(B.CSRC, base)
     args = [sys.executable, str(TUNE), *mode.split(), "--shapes", "4x1k", "--iters", "3", "--runs", "3",
             "--variant", "now=", "--variant", "s2=STAGES_ALONE:2@8"]
     out = subprocess.run(args + ["--source", f"base={base}"], capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -168,9 +165,9 @@ def test_every_phase_mark_finds_its_place(csrc):
     kernel = (csrc / tune.PHASES_IN).read_text()
     assert kernel.count("clock64()") == len(tune.PHASE_MARKS) + 1  # the marks and the loop's start
     assert kernel.count(f"ph_[{tune.PHASE_SLOTS - 1}] += 1;") == 1  # a pair counted once
-    assert 'extern "C" int mla_phases_get' in (csrc / C.MAIN_SOURCE).read_text()
+    assert 'extern "C" int mla_phases_get' in (csrc / B.MAIN_SOURCE).read_text()
     # only lines added, each after its anchor: the declaration, the sums' start (2), the marks, the write (2), export
-    added = [line for p in C.source_files(C.CSRC) for line in difflib.ndiff(
+    added = [line for p in B.source_files(B.CSRC) for line in difflib.ndiff(
         p.read_text().splitlines(), (csrc / p.name).read_text().splitlines()) if line.startswith(("+ ", "- "))]
     assert not [line for line in added if line.startswith("- ")]
     assert len(added) == 1 + 2 + len(tune.PHASE_MARKS) + 2 + 11
@@ -190,9 +187,9 @@ def test_a_kernel_edit_that_loses_a_phase_anchor_fails(csrc, anchor):
 def test_the_phase_stamped_sources_build(csrc, monkeypatch, tmp_path):
     monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path / "cache"))
     tune.add_phases(csrc)
-    monkeypatch.setattr(C, "CSRC", csrc)
-    monkeypatch.setattr(C, "_LIBS", {})
-    lib = C.library((9, 0))
+    monkeypatch.setattr(B, "CSRC", csrc)
+    monkeypatch.setattr(B, "_LIBS", {})
+    lib = B.library((9, 0))
     assert lib.mla_phases_get is not None and lib.mla_phases_clear is not None
 
 
@@ -200,7 +197,7 @@ def test_the_phase_stamped_sources_build(csrc, monkeypatch, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
 def test_gpu_ab_over_serving_rows(tmp_path):
     base = tmp_path / "base"
-    shutil.copytree(C.CSRC, base)
+    shutil.copytree(B.CSRC, base)
     args = [sys.executable, str(TUNE), "ab", "--serving", "serving_heads.yml", "--rows", "8x8k-h64-q1,1x8k-h128-q2",
             "--iters", "3", "--source", f"base={base}"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -1,0 +1,154 @@
+"""The cuda backend on a device: whether it serves a problem there, the facts of the GPU and its library that the plan
+reads, and CudaDecode, a problem's plan and its one launch."""
+
+import ctypes
+import functools
+
+import torch
+
+from .build import DecodeCall, library
+from .plan import (
+    MAX_UNITS,
+    QUERY_ROWS,
+    DeviceFacts,
+    LaunchKey,
+    page_divisor,
+    plan_splits,
+    plan_unit_rows,
+    query_units,
+    split_rows,
+)
+
+V_HEAD_DIM = 512  # value width (DV in the source)
+KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
+MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
+
+
+@functools.cache
+def capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool = False) -> str | None:
+    """None when the cuda backend reads `kv_format` ("fp8" or "mxfp4") on `device` in the fast or the precise mode
+    (an NVIDIA GPU of capability >= 8.0 whose kernel library builds with the machine's nvcc, once per machine; MXFP4
+    only with the Hopper kernel, so not in the precise mode), else why not."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"cuda backend: needs an NVIDIA GPU; device is {device}"
+    if capability(device) < MIN_CAPABILITY:
+        return f"cuda backend: needs compute capability >= 8.0, this GPU has {capability(device)}"
+    if kv_format == "mxfp4" and precise:
+        return "cuda backend: the precise mode reads the FP8 cache only (its mma.sync kernel has no MXFP4 path)"
+    try:
+        lib = library(capability(device), precise)
+    except RuntimeError as e:
+        return str(e)
+    if kv_format == "mxfp4" and not lib.mla_supports_mxfp4():
+        return (f"cuda backend: reads MXFP4 only with its Hopper (sm_90a) kernel; this GPU has capability "
+                f"{capability(device)}")
+    return None
+
+
+def device_facts(device: torch.device, precise: bool) -> DeviceFacts:
+    """What the plan reads of `device` and of its kernel library in that mode (built and loaded by now: called where
+    the backend serves the device)."""
+    lib = library(capability(device), precise)
+    return DeviceFacts(torch.cuda.get_device_properties(device).multi_processor_count, lib.mla_unit_ctas_per_sm,
+                       lib.mla_max_unit_rows())
+
+
+def launch_splits(key: LaunchKey) -> int:
+    """The splits per sequence of the launch plan of `key` on its GPU (plan_splits)."""
+    return plan_splits(key, device_facts(key.device, key.precise))
+
+
+def cuda_unusable_reason(problem) -> str | None:
+    """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): a multiple of 16 heads, the
+    FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build, in at most MAX_UNITS units of the
+    plan's rows; else why not."""
+    if problem.num_heads % QUERY_ROWS:
+        return f"cuda backend: serves multiples of {QUERY_ROWS} heads, not {problem.num_heads}"
+    if problem.kv_format not in KV_FORMATS:
+        return f"cuda backend: reads the FP8 and MXFP4 caches, not {problem.kv_format}"
+    if problem.kv_format == "fp8" and problem.kv_dtype != torch.float8_e4m3fn:
+        return f"cuda backend: reads float8_e4m3fn caches, not {problem.kv_dtype}"
+    precise = problem.precision == "precise"
+    reason = unusable_reason(problem.device, problem.kv_format, precise)
+    if reason is not None:
+        return reason
+    rows = plan_unit_rows(problem, device_facts(problem.device, precise))  # known once the library is
+    units = query_units(problem, rows)
+    if units > MAX_UNITS:
+        return (f"cuda backend: batch x q_len x heads / {rows} = {units} units of query rows, more than the grid's "
+                f"{MAX_UNITS}")
+    return None
+
+
+_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The current stream's handle on that GPU, through the private call Triton and Inductor make:
+    torch.cuda.current_stream(device).cuda_stream builds a Stream object each call, several times the host time of
+    the raw handle (docs/design-notes.md)."""
+    if _GET_RAW_STREAM is not None:
+        return _GET_RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+class CudaDecode:
+    """The cuda backend's plan for a problem: the kernel library, the unit rows and split count, the workspace (the
+    splits' partials, part_o (units x splits, unit_rows, 512) bf16 and part_lse (units x splits, unit_rows) fp32, and
+    the per-unit barrier's counters (units,) int32, all empty with one split) and one DecodeCall with the plan's
+    fields set. run() sets the inputs' fields and makes one ctypes call: no allocation, no host read. Runs of one
+    plan share its workspace: they must be issued in order on one stream."""
+
+    def __init__(self, problem, unit_rows: int | None = None):
+        device, batch = problem.device, problem.batch
+        precise = problem.precision == "precise"
+        facts = device_facts(device, precise)
+        rows = plan_unit_rows(problem, facts, unit_rows)
+        units = query_units(problem, rows)
+        if units > MAX_UNITS:
+            raise ValueError(f"cuda backend: {units} units of {rows} query rows, more than the grid's {MAX_UNITS}")
+        self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise, rows, problem.page_size)
+        self.decode = library(capability(device), precise).mla_decode
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.num_splits = splits = plan_splits(self.key, facts)
+        page_mul, page_shift = page_divisor(problem.page_size) if problem.page_size else (0, 0)
+        # The split the kernel's first table reads guess at (guess_entries): a sequence of the plan's length.
+        guess_rows = split_rows(min(problem.max_seqlen, problem.max_pages * problem.page_size), splits)
+        parts = units * splits if splits > 1 else 0
+        self.part_o = torch.empty((parts, rows, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+        self.part_lse = torch.empty((parts, rows), dtype=torch.float32, device=device)
+        self.sync = torch.zeros((units if splits > 1 else 0,), dtype=torch.int32, device=device)
+        self.call = DecodeCall(part_o=self.part_o.data_ptr(), part_lse=self.part_lse.data_ptr(),
+                               sync=self.sync.data_ptr(), batch=batch, num_splits=splits,
+                               kv_format=int(problem.kv_format == "mxfp4"), page_size=problem.page_size,
+                               max_pages=problem.max_pages, num_heads=problem.num_heads, q_len=problem.q_len,
+                               causal=int(problem.causal and problem.q_len > 1), qk_scale=problem.qk_scale,
+                               unit_rows=rows, page_mul=page_mul, page_shift=page_shift, guess_rows=guess_rows)
+        self.address = ctypes.addressof(self.call)
+
+    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+        """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes, scale (1,) fp32 or
+        (num_rows, >= 18) E8M0; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,) (ragged); table
+        (batch, max_pages) or None; out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len) fp32 or
+        None. q, kv, seqs and table start on 16-byte boundaries."""
+        q_ptr, kv_ptr, seqs_ptr = q.data_ptr(), kv.data_ptr(), seqs.data_ptr()
+        table_ptr = 0 if table is None else table.data_ptr()
+        if (q_ptr | kv_ptr | seqs_ptr | table_ptr) % 16:
+            raise ValueError(f"cuda backend: q, the KV cache ({kv.dtype}), the sequence lengths or offsets and the "
+                             "page table must start on 16-byte boundaries")
+        call = self.call
+        call.q, call.kv, call.seqs, call.block_table = q_ptr, kv_ptr, seqs_ptr, table_ptr
+        call.out, call.lse = out.data_ptr(), 0 if lse is None else lse.data_ptr()
+        if call.kv_format:
+            call.kv_block_scales, call.scale_stride = scale.data_ptr(), scale.stride(0)
+        else:
+            call.kv_scale = scale.data_ptr()
+        call.total_kv = kv.shape[0]
+        call.stream = current_raw_stream(self.device_index)
+        err = self.decode(self.address)
+        if err:
+            raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")
