@@ -14,7 +14,7 @@ TORCH_INDEX ?= $(if $(shell command -v nvidia-smi || command -v rocminfo),,https
 AMD_TRITON ?= 3.6.0
 AMD_TRITON_DIR ?= .amd-triton/$(AMD_TRITON)
 
-.PHONY: torch eval test test-quick test-deps presubmit amd-check amd-check-run bundle bundle-check
+.PHONY: torch eval test test-quick test-deps presubmit amd-check amd-check-run bundle bundle-check first-screen
 
 torch:
 	$(PYTHON) -c "import torch" 2>/dev/null || \
@@ -37,6 +37,18 @@ test: test-deps amd-check-run bundle-check
 test-quick: test-deps bundle-check
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest tests/test_library.py
+
+# The README's first screen in a fresh virtual environment of the runtime dependencies alone (no Triton, no test
+# extras): `pip install -e .`, then `python -m mla_decode`, which must import, judge the backends and pass its check.
+FIRST_SCREEN_VENV ?= .venv-first-screen
+first-screen:
+	rm -rf $(FIRST_SCREEN_VENV)
+	$(PYTHON) -m venv $(FIRST_SCREEN_VENV)
+	$(MAKE) torch PYTHON=$(FIRST_SCREEN_VENV)/bin/python
+	$(FIRST_SCREEN_VENV)/bin/python -m pip install -q -e .
+	$(FIRST_SCREEN_VENV)/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') is not None)" \
+		|| (echo "first-screen: triton is installed; this check is for a venv without it" && false)
+	$(FIRST_SCREEN_VENV)/bin/python -m mla_decode
 
 # submission.py is generated from the package's portable modules (tools/bundle.py); CI fails when it is stale.
 bundle:

@@ -46,7 +46,7 @@ def environment(device: torch.device) -> list[str]:
     except ImportError:
         triton_line = "not installed (the triton backend is off)"
     package, missing = cuda_package()
-    nvcc = package.find_nvcc() if package is not None else None
+    nvcc = package.build.find_nvcc() if package is not None else None
     lines = [f"mla_decode {__version__}, python {platform.python_version()}, torch {torch.__version__} "
              f"(CUDA {torch.version.cuda}, HIP {torch.version.hip})", f"triton: {triton_line}",
              f"nvcc: {nvcc or missing or 'not found (the cuda backend is off)'}"]

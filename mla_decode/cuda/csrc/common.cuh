@@ -12,9 +12,10 @@ constexpr int BN = 64;                 // KV rows per tile
 
 __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2) : 0; }  // n a power of two
 
-// One call's arguments, the one list from the Python launcher to the kernels: mla_decode.cuda.DecodeCall is a ctypes
-// Structure of the same fields in the same order (mla_decode_call_layout lets it check the layout), a plan sets its
-// own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it by value.
+// One call's arguments, the one list from the Python launcher to the kernels: mla_decode.cuda.build.DecodeCall is a
+// ctypes Structure of the same fields in the same order (the build checks it against mla_decode_call_layout at load),
+// a plan sets its own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it
+// by value.
 // q (batch, q_len, num_heads, 576) bf16, num_heads a multiple of unit_rows, the query rows of a CTA (16, or 32 and,
 // FP8 only, 64 in the wgmma build: the plan picks them, the launcher the kernel instance); kv: kv_format 0, the FP8
 // cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32; 1, the MXFP4 codes (total_kv rows of 288) with

@@ -225,7 +225,7 @@ extern "C" void mla_decode_call_layout(int* offsets) {
 }
 
 // page_of's multiply and shift are pos / page_size for every pos below 2^31 when page_mul * page_size exceeds
-// 2^page_shift by less than page_size, and page_size <= 2^(page_shift - 31) (mla_decode.cuda.page_divisor).
+// 2^page_shift by less than page_size, and page_size <= 2^(page_shift - 31) (mla_decode.cuda.plan.page_divisor).
 static bool page_divisor_exact(const DecodeCall& c) {
   if (c.page_shift < 31 || c.page_shift > 62) return false;
   const unsigned long long size = static_cast<unsigned>(c.page_size), power = 1ull << c.page_shift;
