@@ -63,7 +63,7 @@ import mla_decode  # noqa: E402
 import reference  # noqa: E402
 import submission  # noqa: E402
 from bench import harness  # noqa: E402
-from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling  # noqa: E402
+from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling, select  # noqa: E402
 from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 from utils import Timer, get_device, scoped_env  # noqa: E402, F401  (Timer: bench/aiter_sweep.py times with it)
 
@@ -535,7 +535,7 @@ def markdown_head(result: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = get_device()
-    methods = harness.select(list(METHODS), args.methods, "methods")
+    methods = select(list(METHODS), args.methods, "methods")
     shapes = select_shapes([Shape(*s) for s in DRY_RUN_SHAPES] if args.dry_run else leaderboard_shapes(), args.shapes)
     ctx = Context(args, device)
     meta = harness.start(ctx, "bench/leaderboard.py", argv)

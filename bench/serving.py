@@ -52,7 +52,7 @@ import yaml  # noqa: E402
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
 from bench import harness  # noqa: E402
-from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling  # noqa: E402
+from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling, select  # noqa: E402
 from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 from utils import get_device  # noqa: E402
 
@@ -539,8 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     run_start = time.perf_counter()
     device = get_device()
     shapes = [ServingShape(**s) for s in DRY_RUN_SHAPES] if args.dry_run else load_shapes(args.spec)
-    shapes = harness.select(shapes, args.rows, "rows")
-    methods = harness.select(list(METHODS), args.methods, "methods")
+    shapes = select(shapes, args.rows, "rows")
+    methods = select(list(METHODS), args.methods, "methods")
     ctx = ServingContext(args, device)
     meta = harness.start(ctx, "bench/serving.py", argv)
     read_ceiling = measure_read_ceiling(ctx)
