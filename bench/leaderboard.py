@@ -37,29 +37,23 @@ each shape's practical floor.
 --dry-run runs the same code path on two tiny shapes on whatever device there is (the CPU: wall-clock timing,
 no flush); Triton rows run there only under TRITON_INTERPRET=1. tests/test_bench.py runs it.
 The exit status is 1 when any row is FAIL or ERROR (the outputs are written first).
+The check and timing rules, the tables and the outputs are the bench harness's (bench/harness.py); this file is the
+leaderboard's grid: its shapes, their inputs, the methods and their peers, and its columns (Row, LAYOUT).
 """
 
 import argparse
 import dataclasses
-import datetime
 import hashlib
-import importlib.metadata
 import itertools
-import json
-import math
-import os
-import platform
-import shlex
 import statistics
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 # The harness's top-level modules (reference, submission, utils) are imported by name, as the harness does, and
-# floor_kernels from this package (bench).
+# the bench harness and floor_kernels from this package (bench).
 sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
@@ -68,25 +62,16 @@ import yaml  # noqa: E402
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
 import submission  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling, select  # noqa: E402
 from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
-from utils import Timer, get_device, l2_flush, scoped_env  # noqa: E402
+from utils import Timer, get_device, scoped_env  # noqa: E402, F401  (Timer: bench/aiter_sweep.py times with it)
 
-# KV bytes one decode must read per cache row, by format (the FP8 per-tensor scale is 4 bytes in all).
-BYTES_PER_ROW = {"bf16": 2 * reference.QK_HEAD_DIM, "fp8": reference.QK_HEAD_DIM,
-                 "mxfp4": reference.QK_HEAD_DIM // 2 + reference.QK_HEAD_DIM // reference.MXFP4_BLOCK}
 DRY_RUN_SHAPES = ((2, 64, 11), (3, 37, 12))  # (batch, kv length, seed): tiny, and one length not a tile multiple
-MEMWALK_SPLITS = (1, 2, 4, 8, 16, 32, 64)
-MEMWALK_BLOCK_N = (32, 64)
-FI_WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented starting point for the float workspace
 PAGE_SIZES = (64, 16, 1)  # the paged rows' page sizes
 # (backend, format, precision, the method name's tag) of the library's paged rows
 PAGED_KERNELS = (("cuda", "fp8", "fast", ""), ("cuda", "fp8", "precise", "-precise"), ("cuda", "mxfp4", "fast", ""),
                  ("triton", "fp8", "fast", ""))
-MXFP4_SCALES = 18  # E8M0 scales per row
-
-
-class Unavailable(Exception):
-    """A method cannot run on this machine (no GPU, package missing, backend not built): the row is skipped."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,114 +85,32 @@ class Shape:
         return f"{self.batch}x{self.kv}"
 
 
-@dataclasses.dataclass
-class Prepared:
-    """A method made ready for one input: `fn` is the timed call; `check(output)` -> (ok, rel_l2 or None, msg);
-    `fresh(data)`, where the method has it, makes the same call on another input (its set-up, such as a plan, done
-    there, outside the timing)."""
-    fn: Callable[[], object]
-    check: Callable[[object], tuple[bool, float | None, str]]
-    fresh: Callable[[tuple], Callable[[], object]] | None = None
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    note: str = ""
-    extra: dict = dataclasses.field(default_factory=dict)  # method-specific details, kept in the JSON
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    name: str
-    kind: str  # "ours", "peer" (the best peer per shape is the reference for ratios) or "floor"
-    kv_format: str  # the cache format it reads: its KV bytes are counted in that format
-    label: str
-    prepare: Callable[["Context", Shape, tuple, torch.Tensor], Prepared]
-
-
-@dataclasses.dataclass
-class Row:
-    shape: str
+@dataclasses.dataclass(kw_only=True)
+class Row(harness.Result):
+    """One method on one leaderboard shape: the harness's columns, the back-to-back and host timings, the floor."""
     batch: int
     kv: int
-    method: str
-    kind: str
-    kv_format: str
-    kv_rows: int
-    status: str = "skipped"
-    reason: str = ""
-    note: str = ""
-    median_us: float | None = None
-    mean_us: float | None = None
-    min_us: float | None = None
     back_to_back_us: float | None = None
     host_us: float | None = None
     host_fresh_us: float | None = None
-    kv_bytes: int = 0
-    gbps: float | None = None
-    pct_ceiling: float | None = None
     floor_us: float | None = None
-    vs_best_peer: float | None = None
-    rel_l2: float | None = None
-    check: str = ""
-    extra: dict = dataclasses.field(default_factory=dict)
-    times_us: list[float] = dataclasses.field(default_factory=list)
+
+    def derive(self, ceiling_gbps: float, best_peer_us: float | None) -> None:
+        self.floor_us = self.kv_bytes / ceiling_gbps / 1e3
+        super().derive(ceiling_gbps, best_peer_us)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The run's context: device, options, measured anchors, lazily imported peers
-# ---------------------------------------------------------------------------------------------------------
-
-
-class Context:
-    def __init__(self, args: argparse.Namespace, device: torch.device):
-        self.args = args
-        self.device = device
-        self.timer = Timer(device)
-        self.triton_reason = self._triton_unusable_reason()
-        self._flashinfer = None
-        self._flashinfer_reason: str | None = None
-        self._fi_workspace: torch.Tensor | None = None
-
-    def _triton_unusable_reason(self) -> str | None:
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            return f"triton is not importable ({e})"
-        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return "Triton needs a GPU here (or TRITON_INTERPRET=1 to run its kernels on the CPU)"
-        return None
-
-    def floor_kernels(self):
-        """bench/floor_kernels.py, imported only where Triton can run (the import compiles nothing)."""
-        if self.triton_reason:
-            raise Unavailable(self.triton_reason)
-        from bench import floor_kernels
-        return floor_kernels
-
-    def flashinfer(self):
-        """The flashinfer module, or Unavailable with the reason (checked once)."""
-        if self._flashinfer is None and self._flashinfer_reason is None:
-            self._flashinfer_reason = self._import_flashinfer()
-        if self._flashinfer_reason:
-            raise Unavailable(self._flashinfer_reason)
-        return self._flashinfer
-
-    def _import_flashinfer(self) -> str | None:
-        if self.device.type != "cuda" or torch.version.hip is not None:
-            return "FlashInfer needs an NVIDIA GPU"
-        major, minor = torch.cuda.get_device_capability(self.device)
-        if self.args.fi_backend == "fa3" and major != 9:
-            return f"FlashInfer's fa3 backend needs an sm_90 GPU; this one is sm_{major}{minor}"
-        try:
-            import flashinfer
-            import flashinfer.mla  # noqa: F401
-        except Exception as e:  # an import can fail in many ways (ABI, missing FFI runtime): report, skip the rows
-            return f"import flashinfer failed: {type(e).__name__}: {e}"
-        self._flashinfer = flashinfer
-        return None
-
-    def fi_workspace(self) -> torch.Tensor:
-        if self._fi_workspace is None:
-            self._fi_workspace = torch.empty(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        return self._fi_workspace
+LAYOUT = harness.Layout(
+    detail=(("µs median", "median_us", ".1f"), ("µs mean", "mean_us", ".1f"), ("b2b µs", "back_to_back_us", ".1f"),
+            ("host µs", "host_us", ".1f"), ("host fresh µs", "host_fresh_us", ".1f"), ("KV GB/s", "gbps", ".0f"),
+            ("% ceil", "pct_ceiling", ".0f"), ("floor µs", "floor_us", ".1f"), ("vs peer", "vs_best_peer", ".2f"),
+            ("rel-L2", "rel_l2", ".1e")),
+    geomeans=(("geomean_us", "median_us"), ("geomean_mean_us", "mean_us"),
+              ("geomean_back_to_back_us", "back_to_back_us"), ("geomean_host_us", "host_us"),
+              ("geomean_host_fresh_us", "host_fresh_us"), ("geomean_vs_best_peer", "vs_best_peer"),
+              ("geomean_floor_us", "floor_us")),
+    compact_rows=(("host µs", "geomean_host_us"), ("host fresh µs", "geomean_host_fresh_us")),
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -215,14 +118,14 @@ class Context:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_attention(data: tuple, expected: torch.Tensor, kv_format: str):
+def _check_attention(data: tuple, expected: torch.Tensor, kv_format: str) -> Callable[[object], harness.Verdict]:
     """A check for an attention output: the harness's check_implementation with the bound of `kv_format`, and
     rel-L2 against the BF16 truth computed once per shape."""
 
-    def check(out) -> tuple[bool, float | None, str]:
+    def check(out) -> harness.Verdict:
         ok, msg = reference.check_implementation(data, out, kv_format)
         same_shape = isinstance(out, torch.Tensor) and out.shape == expected.shape
-        return ok, reference.relative_l2(out, expected) if same_shape else None, msg
+        return harness.Verdict(ok, msg, reference.relative_l2(out, expected) if same_shape else None)
 
     return check
 
@@ -279,7 +182,7 @@ def _flashinfer_call(ctx: Context, data: tuple, kv_format: str) -> tuple[Callabl
         kv, scale = kv_data["fp8"]
         if kv.dtype != torch.float8_e4m3fn:
             raise Unavailable(f"FlashInfer reads float8_e4m3fn KV; this device's FP8 cache is {kv.dtype}")
-        run_kwargs = {"ckv_scale": scale.item(), "kpe_scale": scale.item()}
+        run_kwargs = harness.fi_scales(kv_format, scale)
     total_kv = kv.shape[0]
     page = ctx.args.fi_page_size
     pages = _flashinfer_pages(kv_indptr, total_kv, page)
@@ -288,7 +191,7 @@ def _flashinfer_call(ctx: Context, data: tuple, kv_format: str) -> tuple[Callabl
         page, note = 1, f"page 1 (the cache is not in whole pages of {page})"
         pages = _flashinfer_pages(kv_indptr, total_kv, page)
     page_indptr, page_indices, kv_lens = pages
-    wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ctx.fi_workspace(), backend=ctx.args.fi_backend)
+    wrapper = ctx.fi_wrapper()
     metadata = fi.mla.MLAPlanMetadata.csr(qo_indptr.cpu(), page_indptr, page_indices.to(ctx.device), kv_lens)
     wrapper.plan(metadata=metadata, num_heads=reference.NUM_HEADS, head_dim_ckv=reference.KV_LORA_RANK,
                  head_dim_kpe=reference.QK_ROPE_HEAD_DIM, page_size=page, causal=False,
@@ -335,44 +238,14 @@ def _memwalk(kv_format: str, page: int = 0):
             walked = {kv_format: (paged.kv_cache, paged.kv_scale)}
             pages = (paged.block_table, paged.cache_seqlens, page)
         ours = _kernel_plan(ctx, data, kv_format)
-        sweep = memwalk_sweep(ctx, kv_format, walked, kv_indptr, pages, max_len, expected_sum, extra=(ours,))
-        _, splits, block_n, walk = min(sweep, key=lambda t: t[0])
-        note = f"best of sweep: splits {splits}, BLOCK_N {block_n}"
+        sweep = harness.memwalk_sweep(ctx, kv_format, walked, kv_indptr, pages, max_len, expected_sum, extra=(ours,))
+        prepared = harness.fastest_walk(sweep, expected_sum)
         ours_us = next(t for t, s, b, _ in sweep if (s, b) == ours)
-        note += f"; at our kernel's plan (splits {ours[0]}, BLOCK_N {ours[1]}): {ours_us:.1f} µs"
-        extra = {"sweep": [{"splits": s, "block_n": b, "median_us": t} for t, s, b, _ in sweep],
-                 "our_plan": list(ours), "our_plan_us": ours_us}
-        return Prepared(fn=walk, check=checksum_check(walk, expected_sum), note=note, extra=extra)
+        prepared.note += f"; at our kernel's plan (splits {ours[0]}, BLOCK_N {ours[1]}): {ours_us:.1f} µs"
+        prepared.extra |= {"our_plan": list(ours), "our_plan_us": ours_us}
+        return prepared
 
     return prepare
-
-
-def memwalk_sweep(ctx: Context, kv_format: str, walked: dict, kv_indptr: torch.Tensor | None, pages: tuple | None,
-                  max_len: int, expected_sum: int, extra: tuple = ()) -> list:
-    """The memory-only walks (floor_kernels.MemWalk over `walked`, through `pages` where given) of every split count
-    x tile height of the sweep and of the `extra` (splits, BLOCK_N) configurations, each checked against
-    `expected_sum` (a mismatch raises) and timed: [(median µs, splits, BLOCK_N, walk)] in configuration order."""
-    fk = ctx.floor_kernels()
-    sweep_iters = max(3, ctx.args.iters // 5)
-    configs = {(splits, block_n) for block_n in MEMWALK_BLOCK_N for splits in MEMWALK_SPLITS
-               if splits == 1 or splits <= math.ceil(max_len / block_n)}  # no split without a tile to read
-    sweep = []
-    for splits, block_n in sorted(configs | set(extra)):
-        walk = fk.MemWalk(kv_format, walked, kv_indptr, splits, block_n, pages)
-        if walk.checksum(walk()) != expected_sum:
-            raise RuntimeError(f"memwalk {kv_format} splits={splits} BLOCK_N={block_n}: checksum mismatch")
-        sweep.append((statistics.median(ctx.timer.leaderboard(walk, sweep_iters)), splits, block_n, walk))
-    return sweep
-
-
-def checksum_check(walk, expected_sum: int) -> Callable[[object], tuple[bool, float | None, str]]:
-    """A memory walk's check: its checksum against the one torch computed over the same bytes."""
-
-    def check(out) -> tuple[bool, float | None, str]:
-        got = walk.checksum(out)
-        return got == expected_sum, None, f"checksum {got:#010x} (expected {expected_sum:#010x})"
-
-    return check
 
 
 class Paged(NamedTuple):
@@ -402,9 +275,9 @@ def _paged(data: tuple, kv_format: str, page: int, seed: int = 0, shuffled: bool
     cache = torch.empty((num_pages, page, 1, width), dtype=kv.dtype, device=kv.device)
     cache.view(torch.uint8)[order.to(kv.device)] = kv.view(torch.uint8).view(num_pages, page, 1, -1)
     if kv_format == "mxfp4":
-        rows = scale.view(torch.uint8)[:total, :MXFP4_SCALES]
-        paged_scale = torch.empty((num_pages, page, 1, MXFP4_SCALES), dtype=torch.uint8, device=kv.device)
-        paged_scale[order.to(kv.device)] = rows.reshape(num_pages, page, 1, MXFP4_SCALES)
+        rows = scale.view(torch.uint8)[:total, :harness.MXFP4_SCALES]
+        paged_scale = torch.empty((num_pages, page, 1, harness.MXFP4_SCALES), dtype=torch.uint8, device=kv.device)
+        paged_scale[order.to(kv.device)] = rows.reshape(num_pages, page, 1, harness.MXFP4_SCALES)
         scale = paged_scale.view(scale.dtype)
     needed = (lens + page - 1) // page
     table = torch.zeros((len(lens), max(1, int(needed.max()))), dtype=torch.int32)
@@ -471,20 +344,15 @@ def _flashinfer_paged_call(ctx: Context, data: tuple, kv_format: str, page: int)
     config = data[4]
     if kv_format == "fp8" and p.kv_cache.dtype != torch.float8_e4m3fn:
         raise Unavailable(f"FlashInfer reads float8_e4m3fn KV; this device's FP8 cache is {p.kv_cache.dtype}")
-    run_kwargs = {"ckv_scale": p.kv_scale.item(), "kpe_scale": p.kv_scale.item()} if kv_format == "fp8" else {}
     lens = p.cache_seqlens.cpu()
-    needed = (lens + page - 1) // page
-    page_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    page_indptr[1:] = torch.cumsum(needed, 0)
-    table = p.block_table.cpu()
-    indices = torch.cat([table[b, :needed[b]] for b in range(len(lens))]).to(ctx.device)
-    wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ctx.fi_workspace(), backend=ctx.args.fi_backend)
+    page_indptr, indices = harness.fi_csr_pages(p.block_table, lens, page, ctx.device)
+    wrapper = ctx.fi_wrapper()
     metadata = fi.mla.MLAPlanMetadata.csr(data[2].cpu(), page_indptr, indices, lens)
     wrapper.plan(metadata=metadata, num_heads=reference.NUM_HEADS, head_dim_ckv=reference.KV_LORA_RANK,
                  head_dim_kpe=reference.QK_ROPE_HEAD_DIM, page_size=page, causal=False,
                  sm_scale=config["sm_scale"], q_data_type=p.q.dtype, kv_data_type=p.kv_cache.dtype)
     q, kv_pages = p.q.view(p.q.shape[0], *p.q.shape[2:]), p.kv_cache.view(p.kv_cache.shape[0], page, -1)
-    return lambda: wrapper.run(query=q, kv_cache=kv_pages, **run_kwargs)
+    return lambda: wrapper.run(query=q, kv_cache=kv_pages, **harness.fi_scales(kv_format, p.kv_scale))
 
 
 def _flashinfer_paged(kv_format: str, page: int):
@@ -533,42 +401,11 @@ METHODS = (
     *(Method(f"memwalk-fp8-p{page}", "floor", "fp8", f"memory-only walk of the FP8 cache in pages of {page}",
              _memwalk("fp8", page)) for page in PAGE_SIZES),
 )
-METHOD_BY_NAME = {m.name: m for m in METHODS}
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Anchors: the HBM read ceiling and the cost of an empty launch, measured in this run
+# Anchors beside the harness's read ceiling: the cost of an empty launch, measured in this run
 # ---------------------------------------------------------------------------------------------------------
-
-
-def measure_read_ceiling(ctx: Context) -> dict:
-    """GB/s of the fastest read-only kernel over a buffer far larger than L2: Triton tile configs and torch's
-    sum (counting bytes read). The best is the ceiling that % and floors refer to."""
-    nbytes = int(ctx.args.ceiling_gib * (1 << 30))
-    iters = max(5, ctx.args.iters // 5)
-    candidates = []
-    try:
-        fk = ctx.floor_kernels()
-    except Unavailable as e:
-        candidates.append({"kernel": "triton read-sum", "skipped": str(e)})
-    else:
-        for block, loads, warps in fk.READ_CONFIGS:
-            reader = fk.ReadCeiling(nbytes, ctx.device, block, loads, warps)
-            if not reader.verify():
-                raise RuntimeError(f"read-ceiling kernel BLOCK={block} LOADS={loads}: wrong sum")
-            us = statistics.median(ctx.timer.leaderboard(reader, iters))
-            candidates.append({"kernel": f"triton read-sum BLOCK={block} LOADS={loads} warps={warps}",
-                               "bytes": reader.nbytes, "median_us": us, "gbps": reader.nbytes / us / 1e3})
-            del reader
-    candidates.append(_torch_read(ctx, nbytes, iters))
-    best = max((c for c in candidates if "gbps" in c), key=lambda c: c["gbps"])
-    return {"gbps": best["gbps"], "kernel": best["kernel"], "candidates": candidates}
-
-
-def _torch_read(ctx: Context, nbytes: int, iters: int) -> dict:
-    x = torch.randint(-1000, 1000, (nbytes // 4,), dtype=torch.int32, device=ctx.device)
-    us = statistics.median(ctx.timer.leaderboard(lambda: x.sum(dtype=torch.int64), iters))
-    return {"kernel": "torch int32 sum", "bytes": x.numel() * 4, "median_us": us, "gbps": x.numel() * 4 / us / 1e3}
 
 
 def measure_empty_launch(ctx: Context) -> list[dict]:
@@ -593,13 +430,8 @@ def measure_empty_launch(ctx: Context) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# One row: prepare, check the first output, warm up, time both ways
+# One row: the harness's check and timing, then back to back and the host's part of a call
 # ---------------------------------------------------------------------------------------------------------
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def fresh_calls(shape: Shape, bind: Callable[[tuple], Callable[[], object]]) -> Callable[[], Callable[[], object]]:
@@ -613,265 +445,19 @@ def _invoke(call: Callable[[], object]) -> object:
     return call()
 
 
-def measured(ctx: Context, record, attempt: Callable[[], bool]):
-    """`record` (a Row, or serving.py's Result) after attempt(), which prepares, checks and times a method into it:
-    skipped with the reason where the method cannot run here, ERROR (its traceback printed) where it raises, else ok
-    or FAIL by attempt's verdict, with the median, mean and best of the times_us it filled."""
-    try:
-        ok = attempt()
-    except (Unavailable, NotImplementedError) as e:  # not available here, or a backend not built yet
-        record.status, record.reason = "skipped", str(e) if isinstance(e, Unavailable) else first_line(e)
-        return record
-    except Exception as e:  # a method that raises is reported loudly (ERROR, exit status 1); the others still run
-        traceback.print_exc()
-        record.status, record.reason = "ERROR", first_line(e)
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return record
-    record.status = "ok" if ok else "FAIL"
-    record.median_us = statistics.median(record.times_us)
-    record.mean_us = statistics.fmean(record.times_us)
-    record.min_us = min(record.times_us)
-    return record
-
-
-def best_peers(records: list) -> dict[str, float]:
-    """Per shape, the median µs of the fastest peer that passed its check."""
-    best: dict[str, float] = {}
-    for r in records:
-        if r.kind == "peer" and r.status == "ok" and r.median_us < best.get(r.shape, math.inf):
-            best[r.shape] = r.median_us
-    return best
-
-
 def run_row(ctx: Context, method: Method, shape: Shape, data: tuple, expected: torch.Tensor) -> Row:
     kv_indptr = data[3]
+    kv_rows = int(kv_indptr[-1] - kv_indptr[0])
     row = Row(shape=shape.name, batch=shape.batch, kv=shape.kv, method=method.name, kind=method.kind,
-              kv_format=method.kv_format, kv_rows=int(kv_indptr[-1] - kv_indptr[0]))
-    row.kv_bytes = row.kv_rows * BYTES_PER_ROW[method.kv_format]
+              kv_format=method.kv_format, kv_rows=kv_rows, kv_bytes=kv_rows * BYTES_PER_ROW[method.kv_format])
 
-    def attempt() -> bool:
-        prepared = method.prepare(ctx, shape, data, expected)
-        row.note, row.extra = prepared.note, prepared.extra
-        with scoped_env(prepared.env):
-            out = prepared.fn()
-            ctx.timer.sync()
-            ok, row.rel_l2, row.check = prepared.check(out)
-            del out
-            for _ in range(ctx.args.warmup):
-                prepared.fn()
-            row.times_us = ctx.timer.leaderboard(prepared.fn, ctx.args.iters)
-            row.back_to_back_us = ctx.timer.back_to_back(prepared.fn, ctx.args.iters)
-            row.host_us = ctx.timer.host(prepared.fn, ctx.args.iters)
-            if prepared.fresh is not None:
-                row.host_fresh_us = ctx.timer.host(_invoke, ctx.args.fresh_iters,
-                                                   setup=fresh_calls(shape, prepared.fresh))
-        return ok
+    def host_timings(prepared: Prepared) -> None:
+        row.back_to_back_us = ctx.timer.back_to_back(prepared.fn, ctx.args.iters)
+        row.host_us = ctx.timer.host(prepared.fn, ctx.args.iters)
+        if prepared.fresh is not None:
+            row.host_fresh_us = ctx.timer.host(_invoke, ctx.args.fresh_iters, setup=fresh_calls(shape, prepared.fresh))
 
-    return measured(ctx, row, attempt)
-
-
-def add_derived(rows: list[Row], ceiling_gbps: float) -> None:
-    """GB/s, % of the ceiling, floor and the ratio to the best peer that passed its check on the same shape."""
-    best_peer = best_peers(rows)
-    for r in rows:
-        r.floor_us = r.kv_bytes / ceiling_gbps / 1e3
-        if r.median_us is None:
-            continue
-        r.gbps = r.kv_bytes / r.median_us / 1e3
-        r.pct_ceiling = 100 * r.gbps / ceiling_gbps
-        if r.shape in best_peer:
-            r.vs_best_peer = r.median_us / best_peer[r.shape]
-
-
-def geomean(values: list[float]) -> float | None:
-    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
-
-
-def summarize(rows: list[Row], methods: list[Method], n_shapes: int) -> dict:
-    """Per method: geometric means of the median µs and of the ratio to the best peer, over the shapes it ran
-    (a FAIL row still counts its time; `failed` says how many did)."""
-    out = {}
-    for m in methods:
-        timed = [r for r in rows if r.method == m.name and r.median_us is not None]
-        out[m.name] = {
-            "kind": m.kind,
-            "label": m.label,
-            "shapes_timed": len(timed),
-            "shapes_total": n_shapes,
-            "failed": sum(r.status == "FAIL" for r in timed),
-            "geomean_us": geomean([r.median_us for r in timed]),
-            "geomean_mean_us": geomean([r.mean_us for r in timed]),
-            "geomean_back_to_back_us": geomean([r.back_to_back_us for r in timed]),
-            "geomean_host_us": geomean([r.host_us for r in timed]),
-            "geomean_host_fresh_us": geomean([r.host_fresh_us for r in timed if r.host_fresh_us is not None]),
-            "geomean_vs_best_peer": geomean([r.vs_best_peer for r in timed if r.vs_best_peer is not None]),
-            "geomean_floor_us": geomean([r.floor_us for r in timed]),
-        }
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Reporting: the detailed table, the compact table (printed last), JSON and Markdown
-# ---------------------------------------------------------------------------------------------------------
-
-
-def fmt_or_dash(v: float | None, spec: str) -> str:
-    return "—" if v is None else format(v, spec)
-
-
-DETAIL_HEADER = ("method", "status", "µs median", "µs mean", "b2b µs", "host µs", "host fresh µs", "KV GB/s",
-                 "% ceil", "floor µs", "vs peer", "rel-L2", "note")
-
-
-def detail_cells(r: Row) -> tuple[str, ...]:
-    note = r.reason if r.status in ("skipped", "ERROR") else r.note
-    if r.status == "FAIL":
-        note = f"{r.check}; {note}" if note else r.check
-    numbers = ((r.median_us, ".1f"), (r.mean_us, ".1f"), (r.back_to_back_us, ".1f"), (r.host_us, ".1f"),
-               (r.host_fresh_us, ".1f"), (r.gbps, ".0f"), (r.pct_ceiling, ".0f"), (r.floor_us, ".1f"),
-               (r.vs_best_peer, ".2f"), (r.rel_l2, ".1e"))
-    return (r.method, r.status, *(fmt_or_dash(v, spec) for v, spec in numbers), note)
-
-
-def compact_cell(r: Row) -> str:
-    if r.status == "skipped":
-        return "skip"
-    if r.status == "ERROR":
-        return "ERROR"
-    return f"{r.median_us:.1f}" + ("!" if r.status == "FAIL" else "")
-
-
-def compact_table(rows: list[Row], summary: dict, shapes: list[Shape], methods: list[Method],
-                  ceiling_gbps: float) -> list[list[str]]:
-    """Shapes down, methods across, median µs, and the FP8 floor; then the geometric means, their ratio to the
-    best peer, and the geometric means of the host time of one call (same input, fresh inputs)."""
-    by_key = {(r.shape, r.method): r for r in rows}
-    fp8_floor = {s.name: by_key[(s.name, methods[0].name)].kv_rows * BYTES_PER_ROW["fp8"] / ceiling_gbps / 1e3
-                 for s in shapes}
-    table = [["shape", *(m.name for m in methods), "FP8 floor"]]
-    for s in shapes:
-        table.append([s.name, *(compact_cell(by_key[(s.name, m.name)]) for m in methods), f"{fp8_floor[s.name]:.1f}"])
-    gm = ["geomean"]
-    ratio = ["vs best peer"]
-    host = ["host µs"]
-    host_fresh = ["host fresh µs"]
-    for m in methods:
-        sm = summary[m.name]
-        partial = "" if sm["shapes_timed"] in (0, sm["shapes_total"]) else f" ({sm['shapes_timed']}/{len(shapes)})"
-        gm.append(fmt_or_dash(sm["geomean_us"], ".1f") + ("!" if sm["failed"] else "") + partial)
-        ratio.append(fmt_or_dash(sm["geomean_vs_best_peer"], ".2f"))
-        host.append(fmt_or_dash(sm["geomean_host_us"], ".1f"))
-        host_fresh.append(fmt_or_dash(sm["geomean_host_fresh_us"], ".1f"))
-    gm.append(f"{geomean(list(fp8_floor.values())):.1f}")
-    return [*table, gm, ratio + [""], host + [""], host_fresh + [""]]
-
-
-TEXT_COLUMNS = ("shape", "method", "status", "note")  # left-aligned; the numbers are right-aligned
-
-
-def render_text(table: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    left = [name in TEXT_COLUMNS for name in table[0]]
-    lines = ["  ".join(cell.ljust(w) if is_left else cell.rjust(w)
-                       for cell, w, is_left in zip(row, widths, left, strict=True)) for row in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def render_markdown(table: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in table[1:]]
-    return "\n".join(lines)
-
-
-def detail_table(rows: list[Row], shape: str | None = None) -> list[list[str]]:
-    header = list(DETAIL_HEADER) if shape else ["shape", *DETAIL_HEADER]
-    body = [list(detail_cells(r)) if shape else [r.shape, *detail_cells(r)]
-            for r in rows if shape is None or r.shape == shape]
-    return [header, *body]
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "hip": torch.version.hip}
-    for dist, module in (("triton", "triton"), ("flashinfer-python", "flashinfer"), ("aiter", "aiter")):
-        mod = sys.modules.get(module)
-        version = getattr(mod, "__version__", None) if mod else None
-        if version is None:
-            try:
-                version = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                version = None
-        out[module] = version
-    return out
-
-
-def device_info(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"name": f"CPU ({platform.processor() or platform.machine()})", "sms": None, "l2_bytes": None}
-    props = torch.cuda.get_device_properties(device)
-    return {"name": props.name, "sms": props.multi_processor_count,
-            "l2_bytes": getattr(props, "L2_cache_size", None), "capability": list(torch.cuda.get_device_capability())}
-
-
-def flush_info(device: torch.device) -> dict | None:
-    """The L2 flush this run times with (utils.l2_flush, measured on first use); None on the CPU (no flush)."""
-    if device.type != "cuda":
-        return None
-    flush = l2_flush(torch.cuda.current_device())
-    return {"bytes": flush.buffer.numel(), "passes": flush.passes, "ms": flush.seconds * 1e3}
-
-
-def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: list[list[str]]) -> None:
-    meta, anchors = result["meta"], result["anchors"]
-    v = meta["versions"]
-    dev = meta["device"]
-    sms = f", {dev['sms']} SMs" if dev.get("sms") else ""
-    version_text = ", ".join(f"{k} {v[k]}" for k in ("torch", "cuda", "hip", "triton", "flashinfer", "aiter", "python")
-                             if v.get(k))
-    launch_text = "; ".join(
-        f"{e['launch']}: " + (f"skipped ({e['skipped']})" if "skipped" in e else
-                              f"{e['median_us']:.1f} µs after a flush, {e['back_to_back_us']:.1f} µs back to back")
-        for e in anchors["empty_launch"])
-    lines = [
-        f"### {meta['date']} · {dev['name']}{sms}{' · dry run' if meta['dry_run'] else ''}",
-        "",
-        f"- Command: `{meta['command']}`",
-        f"- Versions: {version_text}; submission.py sha256 {meta['submission_sha256']}",
-        f"- Timing: {meta['timing']}"
-        + (f"; L2 flush {meta['flush']['passes']} fills of {meta['flush']['bytes'] / 2**20:.0f} MiB, "
-           f"{meta['flush']['ms']:.2f} ms" if meta["flush"] else ""),
-        f"- HBM read ceiling: **{anchors['read_ceiling']['gbps']:.0f} GB/s** ({anchors['read_ceiling']['kernel']}, "
-        f"{meta['ceiling_gib']:g} GiB)",
-        f"- Empty launch: {launch_text}",
-        "",
-        "Median µs per call (leaderboard timing); `!` = the row's output failed check_implementation; "
-        "`FP8 floor` = FP8 KV bytes / ceiling; `host µs` / `host fresh µs`: geometric means of the host time of "
-        "one call (CPU time to return) on one input / on a fresh input each call.",
-        "",
-        *markdown_tables(result["methods"], result["rows"], compact, detail),
-    ]
-    path.write_text("\n".join(lines))
-
-
-def markdown_tables(methods: dict, rows: list[dict], compact: list[list[str]], detail: list[list[str]]) -> list[str]:
-    """The markdown after a run's header (this bench's and bench/serving.py's): the compact table, the methods
-    (those skipped or failed with their reasons) and every row, folded."""
-    skipped = sorted({(r["method"], r["reason"]) for r in rows if r["status"] in ("skipped", "ERROR")})
-    return [
-        render_markdown(compact),
-        "",
-        *(f"- `{name}` ({m['kind']}): {m['label']}" for name, m in methods.items()),
-        *(f"- `{m}` skipped or failed: {reason}" for m, reason in skipped),
-        "",
-        "<details><summary>Every row</summary>",
-        "",
-        render_markdown(detail),
-        "",
-        "</details>",
-        "",
-    ]
+    return harness.measure(ctx, row, lambda: method.prepare(ctx, shape, data, expected), host_timings)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -907,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every measurement (and each call's time) here")
     p.add_argument("--markdown", type=Path, help="write a BENCHMARKS.md section here")
     p.add_argument("--shapes", help="comma-separated BATCHxKV of task.yml's benchmarks (e.g. 4x1024,256x8192)")
-    p.add_argument("--methods", help=f"comma-separated subset of {', '.join(METHOD_BY_NAME)}")
+    p.add_argument("--methods", help=f"comma-separated subset of {', '.join(m.name for m in METHODS)}")
     p.add_argument("--iters", type=int, help="timed calls per row (default 50; 3 with --dry-run)")
     p.add_argument("--warmup", type=int, help="untimed calls after the first (checked) call (default 5; 1 dry run)")
     p.add_argument("--fresh-iters", type=int,
@@ -919,40 +505,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="two tiny shapes on any device (CPU: wall-clock timing): exercises the whole code path")
     args = p.parse_args(argv)
-    if args.iters is None:
-        args.iters = 3 if args.dry_run else 50
-    if args.warmup is None:
-        args.warmup = 1 if args.dry_run else 5
-    if args.fresh_iters is None:
-        args.fresh_iters = 2 if args.dry_run else 10
-    if args.ceiling_gib is None:
-        args.ceiling_gib = 1 / 1024 if args.dry_run else 4.0
+    harness.fill_defaults(args, {"fresh_iters": (10, 2)})
     if args.iters < 1 or args.fresh_iters < 1 or args.warmup < 0:
         p.error("--iters and --fresh-iters must be >= 1, --warmup >= 0")
     return args
 
 
+def markdown_head(result: dict) -> list[str]:
+    """The run's BENCHMARKS.md heading, its setting (with submission.py's hash and the empty launch) and legend."""
+    meta = result["meta"]
+    launch_text = "; ".join(
+        f"{e['launch']}: " + (f"skipped ({e['skipped']})" if "skipped" in e else
+                              f"{e['median_us']:.1f} µs after a flush, {e['back_to_back_us']:.1f} µs back to back")
+        for e in result["anchors"]["empty_launch"])
+    return [
+        f"### {harness.markdown_title(meta)}",
+        "",
+        *harness.markdown_meta(result, ("torch", "cuda", "hip", "triton", "flashinfer", "aiter", "python"),
+                               f"; submission.py sha256 {meta['submission_sha256']}"),
+        f"- Empty launch: {launch_text}",
+        "",
+        "Median µs per call (leaderboard timing); `!` = the row's output failed check_implementation; "
+        "`FP8 floor` = FP8 KV bytes / ceiling; `host µs` / `host fresh µs`: geometric means of the host time of "
+        "one call (CPU time to return) on one input / on a fresh input each call.",
+        "",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = get_device()
-    if device.type != "cuda" and not args.dry_run:
-        raise SystemExit("no GPU here: use --dry-run to exercise the script on the CPU")
-    methods = list(METHODS)
-    if args.methods:
-        names = [n.strip() for n in args.methods.split(",")]
-        unknown = [n for n in names if n not in METHOD_BY_NAME]
-        if unknown:
-            raise SystemExit(f"--methods: unknown {unknown}; choose from {list(METHOD_BY_NAME)}")
-        methods = [METHOD_BY_NAME[n] for n in names]
+    methods = select(list(METHODS), args.methods, "methods")
     shapes = select_shapes([Shape(*s) for s in DRY_RUN_SHAPES] if args.dry_run else leaderboard_shapes(), args.shapes)
     ctx = Context(args, device)
-    dev = device_info(device)
-    sizes = f", {dev['sms']} SMs, L2 {dev['l2_bytes'] / 2**20:.0f} MiB" if dev["sms"] else ""
-    print(f"device: {dev['name']}{sizes}")
-    flush = flush_info(device)
-    if flush:
-        print(f"L2 flush: {flush['passes']} fills of {flush['bytes'] / 2**20:.0f} MiB, {flush['ms']:.2f} ms")
-
+    meta = harness.start(ctx, "bench/leaderboard.py", argv)
     read_ceiling = measure_read_ceiling(ctx)
     for c in read_ceiling["candidates"]:
         print(f"  read ceiling candidate {c['kernel']}: " + (f"skipped ({c['skipped']})" if "skipped" in c else
@@ -962,75 +548,35 @@ def main(argv: list[str] | None = None) -> int:
     for e in empty:
         print(f"  {e['launch']}: " + (f"skipped ({e['skipped']})" if "skipped" in e else
                                       f"{e['median_us']:.1f} µs after a flush, {e['back_to_back_us']:.1f} µs b2b"))
-
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join(["python3", "bench/leaderboard.py", *(sys.argv[1:] if argv is None else argv)]),
-        "dry_run": args.dry_run,
-        "device": dev,
-        "versions": versions(),
+    meta |= {
         "submission_sha256": hashlib.sha256((ROOT / "submission.py").read_bytes()).hexdigest()[:12],
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "ceiling_gib": args.ceiling_gib,
         "timing": (f"leaderboard: L2 flush, events around the whole call, median of {args.iters} calls after "
                    f"1 checked + {args.warmup} warm-up calls; back-to-back: mean of {args.iters} calls, no flush"
                    if device.type == "cuda" else
                    f"CPU wall clock, median of {args.iters} calls after 1 checked + {args.warmup} warm-up calls")
                   + f"; host: median CPU time to return, {args.iters} calls on one input, {args.fresh_iters} on "
                     f"fresh inputs",
-        "flush": flush,
     }
-
-    def results(done: list[Shape], rows: list[Row]) -> dict:
-        add_derived(rows, read_ceiling["gbps"])
-        return {
-            "meta": meta | {"complete": len(done) == len(shapes)},
-            "anchors": {"read_ceiling": read_ceiling, "empty_launch": empty},
-            "shapes": [dataclasses.asdict(s) | {"name": s.name} for s in done],
-            "methods": summarize(rows, methods, len(done)),
-            "rows": [dataclasses.asdict(r) for r in rows],
-        }
-
-    rows: list[Row] = []
-    done: list[Shape] = []
+    anchors = {"read_ceiling": read_ceiling, "empty_launch": empty}
+    run = harness.Run(ctx, LAYOUT, methods, len(shapes), meta, anchors, "rows")
     for shape in shapes:
         data = reference.generate_input(shape.batch, 1, shape.kv, shape.seed)
         expected = reference.ref_kernel(data)
+        kv_rows = int(data[3][-1] - data[3][0])
         for m in methods:
             row = run_row(ctx, m, shape, data, expected)
-            rows.append(row)
+            run.add(row)
             print(f"  {shape.name:>9} {m.name:<16} {row.status:<7} "
                   + (f"{row.median_us:9.1f} µs, b2b {row.back_to_back_us:.1f}, host {row.host_us:.1f}, host fresh "
-                     f"{fmt_or_dash(row.host_fresh_us, '.1f')}" if row.median_us is not None else row.reason),
+                     f"{harness.fmt_or_dash(row.host_fresh_us, '.1f')}" if row.median_us is not None else row.reason),
                   flush=True)
         del data, expected
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        done.append(shape)
-        if args.json:  # after every shape, so a run cut short still leaves what it measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results(done, rows), indent=1))
-
-    result = results(done, rows)
-    compact = compact_table(rows, result["methods"], shapes, methods, read_ceiling["gbps"])
-    for shape in shapes:
-        print(f"\n== {shape.name} (batch {shape.batch}, kv {shape.kv}) ==")
-        print(render_text(detail_table(rows, shape.name)))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        write_markdown(args.markdown, result, compact, detail_table(rows))
-    problems = sorted({(r.method, r.status, r.reason) for r in rows if r.status in ("skipped", "ERROR")})
-    print()
-    for method, status, reason in problems:
-        print(f"{status}: {method}: {reason}")
-    failed = [f"{r.shape} {r.method}: {r.check}" for r in rows if r.status == "FAIL"]
-    for f in failed:
-        print(f"FAIL: {f}")
-    print(f"\nmedian µs, leaderboard timing ({'' if device.type == 'cuda' else 'CPU, '}{args.iters} calls); "
-          f"read ceiling {read_ceiling['gbps']:.0f} GB/s; ! = failed check")
-    print(render_text(compact))
-    return 1 if failed or any(r.status == "ERROR" for r in rows) else 0
+        heading = f"\n== {shape.name} (batch {shape.batch}, kv {shape.kv}) =="
+        record = dataclasses.asdict(shape) | {"name": shape.name}
+        run.shape_done(harness.ShapeDone(shape.name, kv_rows, heading, record))
+    return run.finish(markdown_head, f"\nmedian µs, leaderboard timing ({'' if device.type == 'cuda' else 'CPU, '}"
+                                     f"{args.iters} calls); read ceiling {read_ceiling['gbps']:.0f} GB/s; "
+                                     "! = failed check")
 
 
 if __name__ == "__main__":

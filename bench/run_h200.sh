@@ -3,13 +3,6 @@
 #     bash bench/run_h200.sh [extra leaderboard.py options, e.g. --shapes 4x1024 --iters 20]
 # 1. FlashInfer from .peers/ onto PYTHONPATH where it is there (bench/peers_env.sh says how).
 # 2. Run leaderboard.py on the 8 leaderboard shapes, writing bench.json, bench.md and bench.log into $OUT (the device
-#    tool brings that folder back), or into results/ where $OUT is unset.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-results}
-mkdir -p "$OUT_DIR"
-source bench/peers_env.sh run_h200
-
-export PYTHONUNBUFFERED=1
-python3 bench/leaderboard.py --json "$OUT_DIR/bench.json" --markdown "$OUT_DIR/bench.md" "$@" 2>&1 \
-  | tee "$OUT_DIR/bench.log"
+#    tool brings that folder back), or into results/ where $OUT is unset (bench/device_run.sh).
+source "$(dirname "$0")/device_run.sh"
+run_on_device bench leaderboard.py "$@"

@@ -4,15 +4,8 @@
 # 1. FlashInfer from .peers/ onto PYTHONPATH where it is there (bench/peers_env.sh says how); serving.py itself
 #    imports FlashMLA's prebuilt modules from .peers/flashmla/.
 # 2. Run serving.py over serving.yml, writing serving.json, serving.md and serving.log into $OUT (the device tool
-#    brings that folder back), or into results/ where $OUT is unset. A method that raises is an ERROR in its row
-#    (its traceback in the log) and the others still run; serving.json is rewritten after every row, so a run cut
-#    short keeps what it measured. The exit status is serving.py's: 1 when a row is FAIL or ERROR.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-results}
-mkdir -p "$OUT_DIR"
-source bench/peers_env.sh run_serving_h200
-
-export PYTHONUNBUFFERED=1
-python3 bench/serving.py --json "$OUT_DIR/serving.json" --markdown "$OUT_DIR/serving.md" "$@" 2>&1 \
-  | tee "$OUT_DIR/serving.log"
+#    brings that folder back), or into results/ where $OUT is unset (bench/device_run.sh). A method that raises is an
+#    ERROR in its row (its traceback in the log) and the others still run; serving.json is rewritten after every row,
+#    so a run cut short keeps what it measured. The exit status is serving.py's: 1 when a row is FAIL or ERROR.
+source "$(dirname "$0")/device_run.sh"
+run_on_device serving serving.py "$@"

@@ -19,8 +19,8 @@ Methods (columns of the compact table; one that cannot run here is skipped, with
           plan() once per row outside the timing.
   floor   the memory-only walk of the FP8 pages through the block table (floor_kernels.MemWalk): the fastest of a
           sweep over split counts and tile heights.
-Timing as leaderboard.py's (utils.Timer.leaderboard): per call synchronize, flush the L2, CUDA event, the call, event,
-synchronize; the median of --iters calls after one checked call and --warmup more.
+Timing as leaderboard.py's (the bench harness's, utils.Timer.leaderboard): per call synchronize, flush the L2, CUDA
+event, the call, event, synchronize; the median of --iters calls after one checked call and --warmup more.
 Columns: median µs; KV GB/s (bytes of the format read over the median) and % of the HBM read ceiling measured at the
 start of the run; TFLOPS (2 * q_len * heads * the sum of the lengths * (576 + 512) FLOPs, the score and value
 products with no causal saving, over the median); the ratio to the fastest peer that passed; the worst query token's
@@ -28,15 +28,15 @@ relative L2 error of the output and the largest LSE error against a float64 atte
 cache the method read, with the same causal rule (bounds per cache format: SERVING_BOUNDS).
 --dry-run: two tiny rows on the CPU (wall clock, no flush); Triton rows run there only under TRITON_INTERPRET=1.
 The exit status is 1 when a row is FAIL or ERROR (the outputs are written first).
+The check and timing rules, the tables and the outputs are the bench harness's (bench/harness.py); this file is the
+serving grid: its rows, their paged caches and float64 truth, the methods and their peers, and its columns
+(ServingResult, LAYOUT).
 """
 
 import argparse
 import dataclasses
-import datetime
 import importlib
-import json
 import math
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -44,14 +44,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]  # the bench package (leaderboard.py) and the harness's modules by name
+sys.path[:0] = [str(ROOT)]  # the bench package (its harness) and the harness's modules by name
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
-from bench import leaderboard  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling, select  # noqa: E402
 from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
 from utils import get_device  # noqa: E402
 
@@ -61,7 +62,6 @@ FLASHMLA_SOURCE = "vLLM's FlashMLA fork at 46d64a8, prebuilt"  # the commit vLLM
 FLASHMLA_MODULES = {"bf16": "_flashmla_C", "fp8": "_flashmla_extension_C"}  # by the cache format each decodes
 FLASHMLA_PAGE = 64  # the only page size its kernels take
 QK_DIM, V_DIM, ROPE_DIM = reference.QK_HEAD_DIM, reference.V_HEAD_DIM, reference.QK_ROPE_HEAD_DIM  # 576, 512, 64
-MXFP4_SCALES = QK_DIM // reference.MXFP4_BLOCK  # 18 E8M0 scales per row
 NUM_KV_HEADS = reference.NUM_KV_HEADS  # MLA's one latent head
 SOFTMAX_SCALE = reference.SM_SCALE  # 1 / sqrt(576), every method's
 FP8 = torch.float8_e4m3fn
@@ -89,7 +89,8 @@ SERVING_BOUNDS = {"bf16": Bound(1e-2, 1e-3), "fp8": Bound(8e-2, 5e-2), "mxfp4": 
 
 @dataclasses.dataclass(frozen=True)
 class ServingShape:
-    """One row of serving.yml."""
+    """One row of serving.yml. Its sequences' lengths come from lengths() alone (Case, the byte and FLOP counts and
+    the reference read them there), so a row may carry a length distribution of its own as one more field."""
 
     batch: int
     kv: int  # the longest sequence's length
@@ -107,16 +108,9 @@ class ServingShape:
     def causal(self) -> bool:
         return self.q_len > 1
 
-
-def sequence_lengths(shape: ServingShape) -> list[int]:
-    return [shape.kv - (LENGTH_STEP * b) % shape.page for b in range(shape.batch)]
-
-
-class Verdict(NamedTuple):
-    ok: bool
-    rel_l2: float | None  # the worst query token's relative L2 error of the output
-    lse_err: float | None  # the largest absolute LSE error
-    message: str
+    def lengths(self) -> list[int]:
+        """Sequence b holds kv - (LENGTH_STEP * b) % page rows."""
+        return [self.kv - (LENGTH_STEP * b) % self.page for b in range(self.batch)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -132,7 +126,7 @@ class Case:
 
     def __init__(self, shape: ServingShape, device: torch.device):
         self.shape, self.device = shape, device
-        self.lens = sequence_lengths(shape)
+        self.lens = shape.lengths()
         needed = [-(-n // shape.page) for n in self.lens]
         self.num_pages = sum(needed)
         order = torch.randperm(self.num_pages, generator=torch.Generator().manual_seed(shape.seed))
@@ -170,7 +164,7 @@ class Case:
                     self._caches["fp8"] = (kv.view(*pages, QK_DIM), scale)
                 else:
                     codes, scales = reference.quantize_mxfp4(rows, ties="even", padded=False)
-                    self._caches["mxfp4"] = (codes.view(*pages, QK_DIM // 2), scales.view(*pages, MXFP4_SCALES))
+                    self._caches["mxfp4"] = (codes.view(*pages, QK_DIM // 2), scales.view(*pages, harness.MXFP4_SCALES))
         return self._caches[kv_format]
 
     def owned_rows(self, b: int) -> torch.Tensor:
@@ -187,7 +181,7 @@ class Case:
         flat = kv.view(torch.uint8).view(-1, kv.shape[-1])  # (num_rows, bytes per row): torch indexes no fp4 dtype
         if kv_format == "fp8":
             return flat[rows].view(FP8).double() * scale.double()
-        return reference.dequantize_mxfp4(flat[rows], scale.view(torch.uint8).view(-1, MXFP4_SCALES)[rows],
+        return reference.dequantize_mxfp4(flat[rows], scale.view(torch.uint8).view(-1, harness.MXFP4_SCALES)[rows],
                                           torch.float64)
 
     def reference(self, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,22 +214,22 @@ class Case:
 
 
 def attention_check(case: Case, kv_format: str, canonical: Callable[[object], tuple[torch.Tensor, torch.Tensor]]
-                    ) -> Callable[[object], Verdict]:
+                    ) -> Callable[[object], harness.Verdict]:
     """A method's check: `canonical` turns its result into (out (batch, q_len, heads, 512), lse (batch, heads,
     q_len)); both are held to case.reference(kv_format) within SERVING_BOUNDS[kv_format] (NaN fails)."""
     bound = SERVING_BOUNDS[kv_format]
 
-    def check(result) -> Verdict:
+    def check(result) -> harness.Verdict:
         out, lse = canonical(result)
         ref_out, ref_lse = case.reference(kv_format)
         if out.shape != ref_out.shape or lse.shape != ref_lse.shape:
-            return Verdict(False, None, None, f"shapes: out {tuple(out.shape)}, lse {tuple(lse.shape)}; expected "
-                                              f"{tuple(ref_out.shape)}, {tuple(ref_lse.shape)}")
+            return harness.Verdict(False, f"shapes: out {tuple(out.shape)}, lse {tuple(lse.shape)}; expected "
+                                          f"{tuple(ref_out.shape)}, {tuple(ref_lse.shape)}")
         rel = reference.worst_row_relative_l2(out.flatten(0, 1), ref_out.flatten(0, 1))  # per (sequence, token)
         lse_err = (lse.double() - ref_lse).abs().max().item()
-        return Verdict(rel <= bound.out and lse_err <= bound.lse, rel, lse_err,
-                       f"worst token rel-L2 {rel:.2e} (bound {bound.out:g}), LSE max abs err {lse_err:.2e} (bound "
-                       f"{bound.lse:g}), against float64 over the {kv_format} cache")
+        message = (f"worst token rel-L2 {rel:.2e} (bound {bound.out:g}), LSE max abs err {lse_err:.2e} (bound "
+                   f"{bound.lse:g}), against float64 over the {kv_format} cache")
+        return harness.Verdict(rel <= bound.out and lse_err <= bound.lse, message, rel, lse_err)
 
     return check
 
@@ -245,8 +239,8 @@ def attention_check(case: Case, kv_format: str, canonical: Callable[[object], tu
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ServingContext(leaderboard.Context):
-    """leaderboard.py's context (device, timer, Triton, FlashInfer and its workspace) and FlashMLA's modules."""
+class ServingContext(Context):
+    """The harness's context (device, timer, Triton, FlashInfer and its workspace) and FlashMLA's modules."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device):
         super().__init__(args, device)
@@ -259,7 +253,7 @@ class ServingContext(leaderboard.Context):
         if module not in self._flashmla_reasons:
             self._flashmla_reasons[module] = self._import_flashmla(module)
         if self._flashmla_reasons[module]:
-            raise leaderboard.Unavailable(self._flashmla_reasons[module])
+            raise Unavailable(self._flashmla_reasons[module])
         return getattr(torch.ops, module)
 
     def _import_flashmla(self, module: str) -> str | None:
@@ -280,23 +274,6 @@ class ServingContext(leaderboard.Context):
         return None
 
 
-@dataclasses.dataclass
-class Prepared:
-    fn: Callable[[], object]  # the timed call
-    check: Callable[[object], Verdict]  # its result -> verdict
-    note: str = ""
-    extra: dict = dataclasses.field(default_factory=dict)  # method-specific details, kept in the JSON
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    name: str
-    kind: str  # "ours", "peer" (the fastest passing peer per row is the reference for ratios) or "floor"
-    kv_format: str  # the cache format it reads: its bytes and bounds are that format's
-    label: str
-    prepare: Callable[[ServingContext, Case], Prepared]
-
-
 def as_returned(result: tuple) -> tuple:
     """A result that already is (out (batch, q_len, heads, 512), lse (batch, heads, q_len)), as ours and FlashMLA's
     are."""
@@ -314,10 +291,10 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
         kv, scale = case.cache(kv_format)
         options, rows = None, shape.q_len * shape.heads
         if block_h is not None and rows % block_h:
-            raise leaderboard.Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
+            raise Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
         if unit_rows is not None:
             if shape.heads % unit_rows:
-                raise leaderboard.Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
+                raise Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
             options = {"unit_rows": unit_rows}
         try:
             if block_h is not None:
@@ -329,7 +306,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
                                      kv_scale_dtype=torch.uint8 if scale is None else scale.dtype,
                                      backend_options=options)
         except RuntimeError as e:  # the backend cannot serve this shape or format here (BackendUnavailable)
-            raise leaderboard.Unavailable(str(e)) from e
+            raise Unavailable(str(e)) from e
         out = torch.empty((shape.batch, shape.q_len, shape.heads, V_DIM), dtype=torch.bfloat16, device=ctx.device)
         lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=ctx.device)
         return Prepared(fn=lambda: decode.run(case.q, kv, case.block_table, case.cache_seqlens, scale, out=out,
@@ -350,7 +327,7 @@ def _flashmla(kv_format: str):
         ops = ctx.flashmla(kv_format)
         shape = case.shape
         if shape.page != FLASHMLA_PAGE:
-            raise leaderboard.Unavailable(f"FlashMLA reads pages of {FLASHMLA_PAGE} rows only, not {shape.page}")
+            raise Unavailable(f"FlashMLA reads pages of {FLASHMLA_PAGE} rows only, not {shape.page}")
         kv, scale = case.cache(kv_format)
         rows_per_kv_head = shape.q_len * shape.heads // NUM_KV_HEADS
         seqlens, table = case.cache_seqlens, case.block_table
@@ -381,26 +358,22 @@ def _flashinfer(kv_format: str):
         shape = case.shape
         kv, scale = case.cache(kv_format)
         lens = torch.tensor(case.lens, dtype=torch.int32)  # the plan reads its metadata on the host
-        needed = (lens + shape.page - 1) // shape.page
-        page_indptr = torch.zeros(shape.batch + 1, dtype=torch.int32)
-        page_indptr[1:] = torch.cumsum(needed, 0)
-        table = case.block_table.cpu()
-        indices = torch.cat([table[b, :needed[b]] for b in range(shape.batch)]).to(ctx.device)
+        page_indptr, indices = harness.fi_csr_pages(case.block_table, lens, shape.page, ctx.device)
         qo_indptr = torch.arange(shape.batch + 1, dtype=torch.int32) * shape.q_len
-        wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ctx.fi_workspace(), backend=ctx.args.fi_backend)
+        wrapper = ctx.fi_wrapper()
         try:
             wrapper.plan(metadata=fi.mla.MLAPlanMetadata.csr(qo_indptr, page_indptr, indices, lens),
                          num_heads=shape.heads, head_dim_ckv=V_DIM, head_dim_kpe=ROPE_DIM, page_size=shape.page,
                          causal=shape.causal, sm_scale=SOFTMAX_SCALE, q_data_type=torch.bfloat16,
                          kv_data_type=kv.dtype, lse_mode="basee")
         except ValueError as e:
-            raise leaderboard.Unavailable(f"FlashInfer's plan refuses this shape: {leaderboard.first_line(e)}") from e
+            raise Unavailable(f"FlashInfer's plan refuses this shape: {harness.first_line(e)}") from e
         tokens = shape.batch * shape.q_len
         q = case.q.view(tokens, shape.heads, QK_DIM)
         kv_pages = kv.view(case.num_pages, shape.page, QK_DIM)
         out = torch.empty((tokens, shape.heads, V_DIM), dtype=torch.bfloat16, device=ctx.device)
         lse = torch.empty((tokens, shape.heads), dtype=torch.float32, device=ctx.device)
-        scales = {"ckv_scale": scale.item(), "kpe_scale": scale.item()} if kv_format == "fp8" else {}
+        scales = harness.fi_scales(kv_format, scale)
 
         def canonical(result: tuple) -> tuple:
             o, lse_rows = result  # (batch * q_len, heads, 512), (batch * q_len, heads)
@@ -416,22 +389,14 @@ def _flashinfer(kv_format: str):
 
 
 def _memwalk(ctx: ServingContext, case: Case) -> Prepared:
-    """The memory-only walk of the FP8 pages through the block table: the fastest verified configuration of
-    leaderboard.memwalk_sweep (split count x tile height)."""
+    """The memory-only walk of the FP8 pages through the block table: the fastest verified configuration of the
+    harness's memwalk_sweep (split count x tile height)."""
     fk = ctx.floor_kernels()
     kv, scale = case.cache("fp8")
     expected_sum = case.fp8_word_sum() % fk.WRAP
     pages = (case.block_table, case.cache_seqlens, case.shape.page)
-    sweep = leaderboard.memwalk_sweep(ctx, "fp8", {"fp8": (kv, scale)}, None, pages, max(case.lens), expected_sum)
-    _, splits, block_n, walk = min(sweep, key=lambda t: t[0])
-    check = leaderboard.checksum_check(walk, expected_sum)
-
-    def verdict(out) -> Verdict:
-        ok, _, message = check(out)
-        return Verdict(ok, None, None, message)
-
-    return Prepared(fn=walk, check=verdict, note=f"best of sweep: splits {splits}, BLOCK_N {block_n}",
-                    extra={"sweep": [{"splits": s, "block_n": b, "median_us": t} for t, s, b, _ in sweep]})
+    sweep = harness.memwalk_sweep(ctx, "fp8", {"fp8": (kv, scale)}, None, pages, max(case.lens), expected_sum)
+    return harness.fastest_walk(sweep, expected_sum)
 
 
 METHODS = (
@@ -463,174 +428,54 @@ METHODS = (
            _flashinfer("fp8")),
     Method("memwalk-fp8", "floor", "fp8", "memory-only walk of the FP8 pages (576 B/row), no math", _memwalk),
 )
-METHOD_BY_NAME = {m.name: m for m in METHODS}
 
 
 # ---------------------------------------------------------------------------------------------------------
-# One method on one row: prepare, check the first result, warm up, time
+# One method on one row: the harness's check and timing, with the row's FLOPs and the LSE's error
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Result:
-    shape: str
+@dataclasses.dataclass(kw_only=True)
+class ServingResult(harness.Result):
+    """One method on one serving row: the harness's columns, the row's geometry, TFLOPS and the LSE's error."""
     batch: int
     kv: int
     heads: int
     q_len: int
     page: int
-    method: str
-    kind: str
-    kv_format: str
-    kv_rows: int  # the sum of the sequences' lengths
-    kv_bytes: int  # those rows in the format read
     flops: int
-    status: str = "skipped"
-    reason: str = ""
-    note: str = ""
-    median_us: float | None = None
-    mean_us: float | None = None
-    min_us: float | None = None
-    gbps: float | None = None
-    pct_ceiling: float | None = None
     tflops: float | None = None
-    vs_best_peer: float | None = None
-    rel_l2: float | None = None
     lse_err: float | None = None
-    check: str = ""
     wall_s: float | None = None  # the whole of run_method: set-up, compiles, check and timing
-    extra: dict = dataclasses.field(default_factory=dict)
-    times_us: list[float] = dataclasses.field(default_factory=list)
+
+    def take(self, verdict: harness.Verdict) -> None:
+        super().take(verdict)
+        self.lse_err = verdict.lse_err
+
+    def derive(self, ceiling_gbps: float, best_peer_us: float | None) -> None:
+        super().derive(ceiling_gbps, best_peer_us)
+        if self.median_us is not None and self.kind != "floor":  # a walk does no math
+            self.tflops = self.flops / self.median_us / 1e6
 
 
-def run_method(ctx: ServingContext, method: Method, case: Case) -> Result:
+LAYOUT = harness.Layout(
+    detail=(("µs median", "median_us", ".1f"), ("µs mean", "mean_us", ".1f"), ("KV GB/s", "gbps", ".0f"),
+            ("% ceil", "pct_ceiling", ".0f"), ("TFLOPS", "tflops", ".1f"), ("vs peer", "vs_best_peer", ".2f"),
+            ("rel-L2", "rel_l2", ".1e"), ("LSE err", "lse_err", ".1e")),
+    geomeans=(("geomean_us", "median_us"), ("geomean_vs_best_peer", "vs_best_peer"), ("geomean_tflops", "tflops")),
+    method_keys=("kind", "kv_format", "label"),
+)
+
+
+def run_method(ctx: ServingContext, method: Method, case: Case) -> ServingResult:
     """One method on one row: skipped (with the reason) where it cannot run here, ERROR where it raises, else its
     first result checked (ok or FAIL) and then timed."""
     shape = case.shape
-    result = Result(shape=shape.name, batch=shape.batch, kv=shape.kv, heads=shape.heads, q_len=shape.q_len,
-                    page=shape.page, method=method.name, kind=method.kind, kv_format=method.kv_format,
-                    kv_rows=case.kv_rows, kv_bytes=case.kv_rows * leaderboard.BYTES_PER_ROW[method.kv_format],
-                    flops=2 * shape.q_len * shape.heads * case.kv_rows * (QK_DIM + V_DIM))
-    verdict = None
-
-    def attempt() -> bool:
-        nonlocal verdict
-        prepared = method.prepare(ctx, case)
-        result.note, result.extra = prepared.note, prepared.extra
-        output = prepared.fn()
-        ctx.timer.sync()
-        verdict = prepared.check(output)
-        del output
-        for _ in range(ctx.args.warmup):
-            prepared.fn()
-        result.times_us = ctx.timer.leaderboard(prepared.fn, ctx.args.iters)
-        return verdict.ok
-
-    leaderboard.measured(ctx, result, attempt)
-    if result.status in ("ok", "FAIL"):
-        result.rel_l2, result.lse_err, result.check = verdict.rel_l2, verdict.lse_err, verdict.message
-    return result
-
-
-def add_derived(results: list[Result], ceiling_gbps: float) -> None:
-    """GB/s, % of the ceiling, TFLOPS and the ratio to the fastest peer that passed its check on the same row."""
-    best_peer = leaderboard.best_peers(results)
-    for r in results:
-        if r.median_us is None:
-            continue
-        r.gbps = r.kv_bytes / r.median_us / 1e3
-        r.pct_ceiling = 100 * r.gbps / ceiling_gbps
-        r.tflops = None if r.kind == "floor" else r.flops / r.median_us / 1e6  # a walk does no math
-        if r.shape in best_peer:
-            r.vs_best_peer = r.median_us / best_peer[r.shape]
-
-
-def summarize(results: list[Result], methods: list[Method], n_shapes: int) -> dict:
-    """Per method: geometric means of the median µs and of the ratio to the best peer over the rows it was timed on
-    (a FAIL row still counts its time; `failed` says how many did)."""
-    out = {}
-    for m in methods:
-        timed = [r for r in results if r.method == m.name and r.median_us is not None]
-        out[m.name] = {
-            "kind": m.kind,
-            "kv_format": m.kv_format,
-            "label": m.label,
-            "shapes_timed": len(timed),
-            "shapes_total": n_shapes,
-            "failed": sum(r.status == "FAIL" for r in timed),
-            "geomean_us": leaderboard.geomean([r.median_us for r in timed]),
-            "geomean_vs_best_peer": leaderboard.geomean([r.vs_best_peer for r in timed if r.vs_best_peer is not None]),
-            "geomean_tflops": leaderboard.geomean([r.tflops for r in timed if r.tflops is not None]),
-        }
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Reporting: the detailed tables, the compact table (printed last), JSON and Markdown
-# ---------------------------------------------------------------------------------------------------------
-
-
-DETAIL_HEADER = ("method", "status", "µs median", "µs mean", "KV GB/s", "% ceil", "TFLOPS", "vs peer", "rel-L2",
-                 "LSE err", "note")
-
-
-def detail_cells(r: Result) -> tuple[str, ...]:
-    note = r.reason if r.status in ("skipped", "ERROR") else r.note
-    if r.status == "FAIL":
-        note = f"{r.check}; {note}" if note else r.check
-    numbers = ((r.median_us, ".1f"), (r.mean_us, ".1f"), (r.gbps, ".0f"), (r.pct_ceiling, ".0f"), (r.tflops, ".1f"),
-               (r.vs_best_peer, ".2f"), (r.rel_l2, ".1e"), (r.lse_err, ".1e"))
-    return (r.method, r.status, *(leaderboard.fmt_or_dash(v, spec) for v, spec in numbers), note)
-
-
-def detail_table(results: list[Result], shape: str | None = None) -> list[list[str]]:
-    header = list(DETAIL_HEADER) if shape else ["shape", *DETAIL_HEADER]
-    body = [list(detail_cells(r)) if shape else [r.shape, *detail_cells(r)]
-            for r in results if shape is None or r.shape == shape]
-    return [header, *body]
-
-
-def compact_table(results: list[Result], summary: dict, cases: list[tuple[ServingShape, int]],
-                  methods: list[Method], ceiling_gbps: float) -> list[list[str]]:
-    """Rows down, methods across, median µs (leaderboard.compact_cell: skip, ERROR, ! for a failed check), and the FP8
-    floor (the FP8 bytes over the ceiling); then the geometric means and their ratio to the best peer."""
-    by_key = {(r.shape, r.method): r for r in results}
-    floors = {s.name: kv_rows * leaderboard.BYTES_PER_ROW["fp8"] / ceiling_gbps / 1e3 for s, kv_rows in cases}
-    table = [["shape", *(m.name for m in methods), "FP8 floor"]]
-    for s, _ in cases:
-        table.append([s.name, *(leaderboard.compact_cell(by_key[(s.name, m.name)]) for m in methods),
-                      f"{floors[s.name]:.1f}"])
-    geomeans, ratios = ["geomean"], ["vs best peer"]
-    for m in methods:
-        sm = summary[m.name]
-        partial = "" if sm["shapes_timed"] in (0, sm["shapes_total"]) else f" ({sm['shapes_timed']}/{len(cases)})"
-        geomeans.append(leaderboard.fmt_or_dash(sm["geomean_us"], ".1f") + ("!" if sm["failed"] else "") + partial)
-        ratios.append(leaderboard.fmt_or_dash(sm["geomean_vs_best_peer"], ".2f"))
-    return [*table, [*geomeans, f"{leaderboard.geomean(list(floors.values())):.1f}"], [*ratios, ""]]
-
-
-def write_markdown(path: Path, result: dict, compact: list[list[str]], detail: list[list[str]]) -> None:
-    meta, ceiling = result["meta"], result["anchors"]["read_ceiling"]
-    dev, v = meta["device"], meta["versions"]
-    sms = f", {dev['sms']} SMs" if dev.get("sms") else ""
-    version_text = ", ".join(f"{k} {v[k]}" for k in ("torch", "cuda", "triton", "flashinfer", "python") if v.get(k))
-    flush = meta["flush"]
-    lines = [
-        f"### Serving grid · {meta['date']} · {dev['name']}{sms}{' · dry run' if meta['dry_run'] else ''}",
-        "",
-        f"- Command: `{meta['command']}`",
-        f"- Versions: {version_text}",
-        f"- Timing: {meta['timing']}" + (f"; L2 flush {flush['passes']} fills of {flush['bytes'] / 2**20:.0f} MiB, "
-                                         f"{flush['ms']:.2f} ms" if flush else ""),
-        f"- HBM read ceiling: **{ceiling['gbps']:.0f} GB/s** ({ceiling['kernel']}, {meta['ceiling_gib']:g} GiB)",
-        "",
-        "Median µs per call; shape = batch x KV length - heads - q_len (q_len 2 causal), pages of "
-        f"{', '.join(str(p) for p in meta['pages'])} rows; `!` = the row failed its check (still timed); `FP8 floor` ="
-        " FP8 KV bytes / ceiling.",
-        "",
-        *leaderboard.markdown_tables(result["methods"], result["results"], compact, detail),
-    ]
-    path.write_text("\n".join(lines))
+    result = ServingResult(shape=shape.name, batch=shape.batch, kv=shape.kv, heads=shape.heads, q_len=shape.q_len,
+                           page=shape.page, method=method.name, kind=method.kind, kv_format=method.kv_format,
+                           kv_rows=case.kv_rows, kv_bytes=case.kv_rows * BYTES_PER_ROW[method.kv_format],
+                           flops=2 * shape.q_len * shape.heads * case.kv_rows * (QK_DIM + V_DIM))
+    return harness.measure(ctx, result, lambda: method.prepare(ctx, case))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -655,22 +500,11 @@ def load_shapes(path: Path) -> list[ServingShape]:
     return shapes
 
 
-def select(available: list, names: str | None, what: str) -> list:
-    """The items of `available` named in the comma-separated `names` (all when None), in that order."""
-    if not names:
-        return available
-    by_name = {item.name: item for item in available}
-    unknown = [n for n in names.split(",") if n.strip() not in by_name]
-    if unknown:
-        raise SystemExit(f"--{what}: unknown {unknown}; choose from {list(by_name)}")
-    return [by_name[n.strip()] for n in names.split(",")]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--spec", type=Path, default=SPEC, help="the rows (default serving.yml)")
     p.add_argument("--rows", help="comma-separated subset of the spec's rows by name, e.g. 1x1k-h16-q1,8x32k-h16-q1")
-    p.add_argument("--methods", help=f"comma-separated subset of {', '.join(METHOD_BY_NAME)}")
+    p.add_argument("--methods", help=f"comma-separated subset of {', '.join(m.name for m in METHODS)}")
     p.add_argument("--iters", type=int, help="timed calls per method and row (default 50; 3 with --dry-run)")
     p.add_argument("--warmup", type=int, help="untimed calls after the first (checked) call (default 5; 1 dry run)")
     p.add_argument("--ceiling-gib", type=float, help="buffer of the read-ceiling kernel (default 4; 1/1024 dry run)")
@@ -679,102 +513,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, help="write a BENCHMARKS.md section here")
     p.add_argument("--dry-run", action="store_true", help="two tiny rows on any device (CPU: wall-clock timing)")
     args = p.parse_args(argv)
-    if args.iters is None:
-        args.iters = 3 if args.dry_run else 50
-    if args.warmup is None:
-        args.warmup = 1 if args.dry_run else 5
-    if args.ceiling_gib is None:
-        args.ceiling_gib = 1 / 1024 if args.dry_run else 4.0
+    harness.fill_defaults(args)
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1, --warmup >= 0")
     return args
+
+
+def markdown_head(result: dict) -> list[str]:
+    """The run's BENCHMARKS.md heading, its setting and legend."""
+    meta = result["meta"]
+    return [
+        f"### Serving grid · {harness.markdown_title(meta)}",
+        "",
+        *harness.markdown_meta(result, ("torch", "cuda", "triton", "flashinfer", "python")),
+        "",
+        "Median µs per call; shape = batch x KV length - heads - q_len (q_len 2 causal), pages of "
+        f"{', '.join(str(p) for p in meta['pages'])} rows; `!` = the row failed its check (still timed); `FP8 floor` ="
+        " FP8 KV bytes / ceiling.",
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_start = time.perf_counter()
     device = get_device()
-    if device.type != "cuda" and not args.dry_run:
-        raise SystemExit("no GPU here: use --dry-run to exercise the script on the CPU")
     shapes = [ServingShape(**s) for s in DRY_RUN_SHAPES] if args.dry_run else load_shapes(args.spec)
     shapes = select(shapes, args.rows, "rows")
     methods = select(list(METHODS), args.methods, "methods")
     ctx = ServingContext(args, device)
-    dev = leaderboard.device_info(device)
-    sizes = f", {dev['sms']} SMs, L2 {dev['l2_bytes'] / 2**20:.0f} MiB" if dev["sms"] else ""
-    print(f"device: {dev['name']}{sizes}")
-    flush = leaderboard.flush_info(device)
-    if flush:
-        print(f"L2 flush: {flush['passes']} fills of {flush['bytes'] / 2**20:.0f} MiB, {flush['ms']:.2f} ms")
-    read_ceiling = leaderboard.measure_read_ceiling(ctx)
+    meta = harness.start(ctx, "bench/serving.py", argv)
+    read_ceiling = measure_read_ceiling(ctx)
     print(f"HBM read ceiling: {read_ceiling['gbps']:.0f} GB/s ({read_ceiling['kernel']})", flush=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join(["python3", "bench/serving.py", *(sys.argv[1:] if argv is None else argv)]),
-        "dry_run": args.dry_run,
-        "device": dev,
-        "versions": leaderboard.versions(),
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "ceiling_gib": args.ceiling_gib,
+    meta |= {
         "pages": sorted({s.page for s in shapes}),
         "timing": (f"L2 flush, events around the call, median of {args.iters} calls after 1 checked + "
                    f"{args.warmup} warm-up calls" if device.type == "cuda" else
                    f"CPU wall clock, median of {args.iters} calls after 1 checked + {args.warmup} warm-up calls"),
-        "flush": flush,
         "bounds": {fmt: b._asdict() for fmt, b in SERVING_BOUNDS.items()},
     }
-    results: list[Result] = []
-    done: list[tuple[ServingShape, int]] = []  # (shape, the sum of its lengths)
-
-    def report() -> dict:
-        add_derived(results, read_ceiling["gbps"])
-        return {
-            "meta": meta | {"complete": len(done) == len(shapes)},
-            "anchors": {"read_ceiling": read_ceiling},
-            "shapes": [dataclasses.asdict(s) | {"name": s.name, "kv_rows": kv_rows} for s, kv_rows in done],
-            "methods": summarize(results, methods, len(done)),
-            "results": [dataclasses.asdict(r) for r in results],
-        }
-
+    run = harness.Run(ctx, LAYOUT, methods, len(shapes), meta, {"read_ceiling": read_ceiling}, "results")
     for shape in shapes:
         case = Case(shape, device)
         print(f"{shape.name}: batch {shape.batch}, kv {shape.kv}, {shape.heads} heads, q_len {shape.q_len}, "
               f"{case.num_pages} pages of {shape.page}", flush=True)
         for m in methods:
-            start = time.perf_counter()
+            method_start = time.perf_counter()
             r = run_method(ctx, m, case)
-            r.wall_s = time.perf_counter() - start
-            results.append(r)
+            r.wall_s = time.perf_counter() - method_start
+            run.add(r)
             print(f"  {m.name:<20} {r.status:<{STATUS_WIDTH}} {r.wall_s:6.1f} s  "
                   + (f"{r.median_us:10.1f} µs  {r.check}" if r.median_us is not None else r.reason), flush=True)
-        done.append((shape, case.kv_rows))
+        kv_rows = case.kv_rows
         del case
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if args.json:  # after every row, so that a run cut short still leaves what it measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report(), indent=1))
-
-    result = report()
-    compact = compact_table(results, result["methods"], done, methods, read_ceiling["gbps"])
-    for shape, _ in done:
-        print(f"\n== {shape.name} ==")
-        print(leaderboard.render_text(detail_table(results, shape.name)))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        write_markdown(args.markdown, result, compact, detail_table(results))
-    print()
-    for method, status, reason in sorted({(r.method, r.status, r.reason) for r in results
-                                          if r.status in ("skipped", "ERROR")}):
-        print(f"{status}: {method}: {reason}")
-    failed = [f"{r.shape} {r.method}: {r.check}" for r in results if r.status == "FAIL"]
-    for f in failed:
-        print(f"FAIL: {f}")
-    print(f"\nmedian µs ({'' if device.type == 'cuda' else 'CPU, '}{args.iters} calls); read ceiling "
-          f"{read_ceiling['gbps']:.0f} GB/s; ! = failed check; the run took {time.perf_counter() - run_start:.0f} s")
-    print(leaderboard.render_text(compact))
-    return 1 if failed or any(r.status == "ERROR" for r in results) else 0
+        record = dataclasses.asdict(shape) | {"name": shape.name, "kv_rows": kv_rows}
+        run.shape_done(harness.ShapeDone(shape.name, kv_rows, f"\n== {shape.name} ==", record))
+    return run.finish(markdown_head, f"\nmedian µs ({'' if device.type == 'cuda' else 'CPU, '}{args.iters} calls); "
+                                     f"read ceiling {read_ceiling['gbps']:.0f} GB/s; ! = failed check; the run took "
+                                     f"{time.perf_counter() - run_start:.0f} s")
 
 
 if __name__ == "__main__":

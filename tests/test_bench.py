@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reference as R
-from bench import leaderboard
+from bench import harness, leaderboard
 
 ROOT = Path(__file__).resolve().parent.parent
 LEADERBOARD = ROOT / "bench" / "leaderboard.py"
@@ -149,8 +149,8 @@ def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(leaderboard, "get_device", lambda: torch.device("cpu"))
 
     def zeros(ctx, shape, data, expected):
-        return leaderboard.Prepared(fn=lambda: torch.zeros_like(expected),
-                                    check=leaderboard._check_attention(data, expected, "fp8"))
+        return harness.Prepared(fn=lambda: torch.zeros_like(expected),
+                                check=leaderboard._check_attention(data, expected, "fp8"))
 
     def raises(ctx, shape, data, expected):
         raise RuntimeError("kernel exploded")
@@ -158,10 +158,10 @@ def test_negative_controls_fail_error_and_skip(tmp_path, monkeypatch, capsys):
     def not_built(ctx, shape, data, expected):
         raise NotImplementedError("triton backend: not built yet")
 
-    controls = [leaderboard.Method("zeros", "ours", "fp8", "all-zero output", zeros),
-                leaderboard.Method("raises", "ours", "fp8", "raises", raises),
-                leaderboard.Method("not-built", "ours", "fp8", "stub", not_built)]
-    monkeypatch.setattr(leaderboard, "METHOD_BY_NAME", {**leaderboard.METHOD_BY_NAME, **{m.name: m for m in controls}})
+    controls = [harness.Method("zeros", "ours", "fp8", "all-zero output", zeros),
+                harness.Method("raises", "ours", "fp8", "raises", raises),
+                harness.Method("not-built", "ours", "fp8", "stub", not_built)]
+    monkeypatch.setattr(leaderboard, "METHODS", (*leaderboard.METHODS, *controls))
     out_json = tmp_path / "r.json"
     status = leaderboard.main(["--dry-run", "--methods", "torch-ref,zeros,raises,not-built", "--iters", "1",
                                "--warmup", "0", "--json", str(out_json)])

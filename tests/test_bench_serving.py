@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mla_decode
-from bench import serving
+from bench import harness, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVING = ROOT / "bench" / "serving.py"
@@ -120,13 +120,13 @@ def test_planted_wrong_output_or_lse_is_FAIL(tmp_path, monkeypatch):
         def prepare(ctx, case):
             out, lse = case.reference("fp8")
             answer = ((out * out_scale).to(torch.bfloat16), (lse + lse_shift).float())
-            return serving.Prepared(fn=lambda: answer, check=serving.attention_check(case, "fp8", serving.as_returned))
+            return harness.Prepared(fn=lambda: answer, check=serving.attention_check(case, "fp8", serving.as_returned))
 
         return prepare
 
-    controls = [serving.Method("exact", "ours", "fp8", "the float64 truth in bf16", planted(1.0, 0.0)),
-                serving.Method("out-off", "ours", "fp8", "output scaled", planted(1 + PLANTED_EXCESS * bound.out, 0.0)),
-                serving.Method("lse-off", "ours", "fp8", "LSE shifted", planted(1.0, PLANTED_EXCESS * bound.lse))]
+    controls = [harness.Method("exact", "ours", "fp8", "the float64 truth in bf16", planted(1.0, 0.0)),
+                harness.Method("out-off", "ours", "fp8", "output scaled", planted(1 + PLANTED_EXCESS * bound.out, 0.0)),
+                harness.Method("lse-off", "ours", "fp8", "LSE shifted", planted(1.0, PLANTED_EXCESS * bound.lse))]
     monkeypatch.setattr(serving, "METHODS", tuple(controls))
     out_json = tmp_path / "planted.json"
     assert serving.main(["--dry-run", "--iters", "1", "--warmup", "0", "--json", str(out_json)]) == 1

@@ -2,9 +2,9 @@
 same checks).
 
 The popcorn face is driven as the runner drives it: a real pipe fd handed to a subprocess through pass_fds, its
-`key: value` lines parsed back. The CLI face runs as a user runs it. A stand-in submission that returns zeros
-(in a copy of the harness, as the leaderboard lays files out) shows that both faces fail it: at kv 4096 the
-outputs are ~0.05, so only the strict gate can reject it.
+`key: value` lines parsed back. The CLI face (eval_cli.py, which `python eval.py` runs without POPCORN_FD) runs as a
+user runs it. A stand-in submission that returns zeros (in a copy of the harness, as the leaderboard lays files out)
+shows that both faces fail it: at kv 4096 the outputs are ~0.05, so only the strict gate can reject it.
 """
 
 import base64
@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 import eval as harness
+import eval_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS_FILES = ("eval.py", "reference.py", "task.py", "utils.py", "task.yml")
+HARNESS_FILES = ("eval.py", "eval_cli.py", "reference.py", "task.py", "utils.py", "task.yml")
 TINY_CASES = "batchsize: 2; qseqlen: 1; kvseqlen: 33; seed: 7\nbatchsize: 1; qseqlen: 1; kvseqlen: 64; seed: 11\n"
 # One long sequence: outputs so small (~0.05) that the leaderboard's rule alone accepts zeros (2% miss).
 STRICT_CASE = "batchsize: 1; qseqlen: 1; kvseqlen: 4096; seed: 5\n"
@@ -232,7 +233,7 @@ def test_parse_cases_grammar():
 
 def test_cpu_scaling_rule():
     def scaled(batch: int, kv: int) -> tuple[int, int]:
-        case = harness.scale_for_cpu(harness.Case("", {"batchsize": batch, "qseqlen": 1, "kvseqlen": kv, "seed": 1}))
+        case = eval_cli.scale_for_cpu(harness.Case("", {"batchsize": batch, "qseqlen": 1, "kvseqlen": kv, "seed": 1}))
         return case.args["batchsize"], case.args["kvseqlen"]
 
     assert scaled(256, 8192) == (32, 1024)
@@ -305,6 +306,6 @@ def test_cli_fails_zeros(zeros_harness):
 
 def test_write_cases_matches_the_committed_files(tmp_path):
     shutil.copy(ROOT / "task.yml", tmp_path / "task.yml")
-    assert harness.cli_main(["--write-cases", "--cases", str(tmp_path / "task.yml")]) == 0
+    assert eval_cli.cli_main(["--write-cases", "--cases", str(tmp_path / "task.yml")]) == 0
     for name in ("tests.txt", "benchmarks.txt"):
         assert (tmp_path / name).read_text() == (ROOT / name).read_text(), name
