@@ -219,8 +219,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | Non
            f"(num_blocks, page_block_size, {NUM_KV_HEADS}, {QK_HEAD_DIM})", tuple(k_cache.shape))
     expect(k_cache.is_contiguous(), "k_cache", "a contiguous tensor", "a strided view")
     expect_tensor(block_table, "block_table")
-    expect(block_table.dim() == 2 and block_table.shape[0] == batch and block_table.shape[1] >= 1,
-           "block_table.shape", f"({batch}, max_num_blocks_per_seq) (q's batch)", tuple(block_table.shape))
+    expect(block_table.dim() == 2 and block_table.shape[0] == batch, "block_table.shape",
+           f"({batch}, max_num_blocks_per_seq) (q's batch)", tuple(block_table.shape))
     expect_tensor(cache_seqlens, "cache_seqlens")
     expect(cache_seqlens.shape == (batch,), "cache_seqlens.shape", f"({batch},) (q's batch)",
            tuple(cache_seqlens.shape))
@@ -236,6 +236,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | Non
     # FlashMLA takes q and block_table with a unit last stride; our plans take them contiguous (a copy otherwise)
     q = q if q.is_contiguous() else q.contiguous()
     block_table = block_table if block_table.is_contiguous() else block_table.contiguous()
+    if block_table.shape[1] == 0 or k_cache.shape[0] == 0:
+        # FlashMLA takes a table or a cache of no pages (every length 0); our plans want one of each: a table whose
+        # one column names no page, so that a positive length gives NaN (or the torch backend's error), not a read
+        block_table = torch.full((batch, 1), -1, dtype=torch.int32, device=block_table.device)
+        k_cache = torch.zeros((1, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
     page_size, max_pages = k_cache.shape[1], block_table.shape[1]
     # max_seqlen from the shapes (the table's pages of page_size rows), never from the lengths: no host read
     problem = make_problem(batch, k_cache.dtype, q.device, layout="paged", page_size=page_size, max_pages=max_pages,
