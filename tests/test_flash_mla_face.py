@@ -7,6 +7,7 @@ past a sequence's end and a base-2 LSE."""
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,3 +322,126 @@ def test_bad_metadata_and_fp8_arguments_are_named():
     with pytest.raises(ValueError, match="^tile_scheduler_metadata: .*is_fp8_kvcache=True"):
         flash_mla_with_kvcache_fp8(*args[:5], get_mla_metadata(case["cache_seqlens"], HEADS, 1)[0], num_splits,
                                    **scales)
+
+
+def test_a_table_and_cache_of_no_pages():
+    """FlashMLA takes a block_table of no columns and a cache of no pages when every length is 0 (its test makes
+    them): out 0, lse +inf. A positive length there names no page: the torch backend says so (the GPU ones give NaN)."""
+    q = torch.randn(2, 2, HEADS, 576).bfloat16()
+    table, cache = torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0, 64, 1, 576, dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32)
+    out, lse = flash_mla_with_kvcache(q, cache, table, lens, 512, *get_mla_metadata(lens, 2 * HEADS, 1), causal=True)
+    assert (out == 0).all() and (lse == math.inf).all()
+    lens[1] = 3
+    with pytest.raises(ValueError, match=r"^block_table\[1, 0\]"):
+        flash_mla_with_kvcache(q, cache, table, lens, 512, *get_mla_metadata(lens, 2 * HEADS, 1))
+
+
+SYNTHETIC_TEST = '''"""Shaped like FlashMLA's dense decode test: TestParam, test_flash_mla(t), main(dtype)."""
+import dataclasses
+
+import torch
+
+import flash_mla
+
+
+@dataclasses.dataclass
+class TestParam:
+    b: int
+    s_q: int
+    is_fp8: bool = False
+    topk: int = None
+    test_performance: bool = False
+    have_zero_seqlen_k: bool = False
+    want_minus_inf: bool = False  # a case that must fail: it expects mla_decode's -inf, not FlashMLA's +inf
+
+
+@torch.inference_mode()
+def test_flash_mla(t):
+    lens = torch.tensor([0] + [5] * (t.b - 1), dtype=torch.int32)
+    metadata, num_splits = flash_mla.get_mla_metadata(lens, t.s_q * 16, 1, 16, t.is_fp8, t.topk)
+    q = torch.randn(t.b, t.s_q, 16, 576)
+    cache = torch.randn(t.b, 64, 1, 576)
+    table = torch.arange(t.b, dtype=torch.int32).view(t.b, 1)
+    if t.is_fp8:
+        one = torch.ones(1)
+        out, lse = flash_mla.flash_mla_with_kvcache_fp8(q.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn),
+                                                        table, lens, 512, metadata, num_splits, causal=True,
+                                                        descale_q=one, descale_k=one)
+    else:
+        out, lse = flash_mla.flash_mla_with_kvcache(q.bfloat16(), cache.bfloat16(), table, lens, 512, metadata,
+                                                    num_splits, causal=True)
+    assert (lse[0] == (float("-inf") if t.want_minus_inf else float("inf"))).all()
+    assert lse[1:].isfinite().all() and out.shape == (t.b, t.s_q, 16, 512)
+
+
+def main(dtype):
+    torch.set_default_dtype(torch.float32)
+    for t in [TestParam(2, 1), TestParam(3, 2, is_fp8=True), TestParam(2, 1, is_fp8=True, topk=128),
+              TestParam(2, 1, want_minus_inf=True), TestParam(2, 2, have_zero_seqlen_k=True),
+              TestParam(2, 1, test_performance=True)]:
+        test_flash_mla(t)
+'''
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch):
+    """sys.path and the stand-in's modules as they were, after a test that runs bench/flashmla_test.py in-process."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name == "flash_mla" or name.startswith("flash_mla.") or name == "flashmla_decoding_test":
+            del sys.modules[name]
+
+
+def test_bench_runner_on_a_synthetic_flashmla_test(tmp_path, isolated_imports):
+    """bench/flashmla_test.py: the stand-in answers `import flash_mla` with our functions (and names what it lacks);
+    each case runs through the file's own test_flash_mla, sparse ones skipped, failures recorded, the exit status 1;
+    --only and --shard select."""
+    import json
+
+    from bench import flashmla_test
+
+    test_file = tmp_path / "test_flash_mla_decoding.py"
+    test_file.write_text(SYNTHETIC_TEST)
+    summary_file = tmp_path / "summary.json"
+    assert flashmla_test.main([str(tmp_path), "--json", str(summary_file)]) == 1
+    summary = json.loads(summary_file.read_text())
+    assert (summary["passed"], summary["failed"], summary["skipped"]) == (4, 1, {"sparse": 1, "not selected": 0})
+    assert "want_minus_inf=True" in summary["failures"][0]["case"]
+    assert flashmla_test.main([str(test_file), "--only", "corner,performance", "--json", str(summary_file)]) == 0
+    summary = json.loads(summary_file.read_text())
+    assert (summary["passed"], summary["skipped"]["not selected"]) == (2, 3)
+    assert flashmla_test.main([str(test_file), "--only", "correctness", "--shard", "2/3", "--json",
+                               str(summary_file)]) == 0
+    assert json.loads(summary_file.read_text())["passed"] == 1  # the 2nd of 3 correctness cases
+
+    package = flashmla_test.write_standin(tmp_path / "standin")
+    module = flashmla_test.import_test(test_file, tmp_path / "standin")
+    import flash_mla
+
+    assert flash_mla.get_mla_metadata is get_mla_metadata and module.flash_mla is flash_mla
+    assert flash_mla.flash_mla_with_kvcache.func is flash_mla_with_kvcache
+    assert Path(flash_mla.__file__).parent == package
+    with pytest.raises(AttributeError, match="flash_mla.flash_mla_sparse_fwd: the stand-in"):
+        flash_mla.flash_mla_sparse_fwd  # noqa: B018
+
+
+FETCHED = Path(__file__).resolve().parent.parent / ".peers" / "flashmla-test" / "test_flash_mla_decoding.py"
+
+
+@pytest.mark.skipif(not FETCHED.is_file(), reason="FlashMLA's test is fetched, not committed: .peers/flashmla-test/")
+def test_flashmla_own_test_on_the_cpu(tmp_path, isolated_imports):
+    """FlashMLA's unmodified test_flash_mla, its reference and tolerances, on bench/flashmla_test.py's small CPU cases
+    (BF16 and FP8, s_q 1 and 2, causal, varlen, zero lengths, all-zero lengths), where the fetched file is present."""
+    import json
+
+    from bench import flashmla_test
+
+    summary_file = tmp_path / "summary.json"
+    assert flashmla_test.main([str(FETCHED), "--cpu-smoke", "--json", str(summary_file)]) == 0
+    summary = json.loads(summary_file.read_text())
+    assert summary["failed"] == 0 and summary["passed"] == 5 and summary["skipped"]["sparse"] == 1
