@@ -114,9 +114,11 @@ def kind_of(t) -> str:
 class Runner:
     """Wraps the test file's test_flash_mla: skips what is not served or not selected, runs the rest, records each."""
 
-    def __init__(self, module, kinds=KINDS, shard=(1, 1), stop_on_fail: bool = False, keep_plans: bool = False):
+    def __init__(self, module, kinds=KINDS, shard=(1, 1), stop_on_fail: bool = False, keep_plans: bool = False,
+                 json_path: str | None = None):
         self.original, self.kinds, self.shard = module.test_flash_mla, set(kinds), shard
-        self.stop_on_fail, self.keep_plans = stop_on_fail, keep_plans
+        self.stop_on_fail, self.keep_plans, self.json_path = stop_on_fail, keep_plans, json_path
+        self.extra: dict = {}  # what the summary says besides the cases (main fills it)
         self.selected = 0  # dense cases of the selected kinds seen so far, for the shard
         self.results: list[dict] = []
         self.skipped = {"sparse": 0, "not selected": 0}
@@ -152,11 +154,17 @@ class Runner:
                 from mla_decode import flash_mla as face
                 face._PLANS.clear()
         print(f"[flashmla_test] {record['result']}: {record['case']} ({record['seconds']} s)", flush=True)
+        self.write()  # after every case: a run cut short by its time limit still leaves what it did
 
     def summary(self) -> dict:
         failed = [r for r in self.results if r["result"] == "failed"]
         return {"passed": len(self.results) - len(failed), "failed": len(failed), "skipped": self.skipped,
-                "failures": failed, "cases": self.results}
+                **self.extra, "failures": failed, "cases": self.results}
+
+    def write(self) -> None:
+        if self.json_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.json_path)), exist_ok=True)
+            Path(self.json_path).write_text(json.dumps(self.summary(), indent=1))
 
 
 def smoke_cases(module) -> list:
@@ -219,24 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flashmla-standin-") as tmp:
         write_standin(Path(tmp), args.backend, args.fp8_precision)
         module = import_test(test_file, Path(tmp))
-        runner = Runner(module, kinds, (k, n), args.stop_on_fail, args.keep_plans)
+        runner = Runner(module, kinds, (k, n), args.stop_on_fail, args.keep_plans, args.json)
         module.test_flash_mla = runner  # main() looks it up in the module at each case
         import torch
 
-        print(f"[flashmla_test] {test_file}; stand-in {tmp}/flash_mla; torch {torch.__version__}; "
-              f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}", flush=True)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        runner.extra = {"test": str(test_file), "device": device, "torch": torch.__version__, "backend": args.backend,
+                        "fp8_precision": args.fp8_precision or "precise", "only": kinds, "shard": args.shard}
+        print(f"[flashmla_test] {test_file}; stand-in {tmp}/flash_mla; torch {torch.__version__}; {device}",
+              flush=True)
         start = time.perf_counter()
         if args.cpu_smoke:
             cpu_smoke(module, runner)
         else:
             module.main(torch.bfloat16)  # what `python test_flash_mla_decoding.py` (--dtype bf16) runs
+        runner.extra["seconds"] = round(time.perf_counter() - start, 1)
+        runner.write()
         summary = runner.summary()
-        summary.update(test=str(test_file), seconds=round(time.perf_counter() - start, 1), backend=args.backend,
-                       fp8_precision=args.fp8_precision or "precise", only=kinds, shard=args.shard,
-                       device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1))
     print(f"[flashmla_test] passed {summary['passed']}, failed {summary['failed']}, skipped {summary['skipped']} "
           f"in {summary['seconds']} s", flush=True)
     for failure in summary["failures"]:
