@@ -40,13 +40,14 @@ from .contract import (
     expect,
     expect_int,
     expect_on_device,
+    expect_softmax_scale,
     expect_tensor,
     remember,
 )
 
 __all__ = ["MlaMetadata", "flash_mla_with_kvcache", "flash_mla_with_kvcache_fp8", "get_mla_metadata"]
 
-_PLANS: dict = {}  # (Problem, backend) -> DecodePlan: the plans of this face, bounded by PLAN_CACHE_LIMIT
+_PLANS: dict = {}  # the Problem's inputs and the backend -> DecodePlan; bounded by PLAN_CACHE_LIMIT
 
 
 class MlaMetadata:
@@ -210,29 +211,13 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | Non
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both entry points after their dtype checks: the shapes and the metadata checked, the plan found, the decode
     run, the LSE given FlashMLA's value for a query that sees nothing."""
-    expect_int(head_dim_v, "head_dim_v")
-    expect(head_dim_v == V_HEAD_DIM, "head_dim_v", f"{V_HEAD_DIM} (MLA's value width)", head_dim_v)
-    expect(q.dim() == 4 and q.shape[-1] == QK_HEAD_DIM, "q.shape", f"(batch, s_q, h_q, {QK_HEAD_DIM})",
-           tuple(q.shape))
+    _expect_shapes(q, k_cache, block_table, cache_seqlens, head_dim_v, num_splits)
     batch, s_q, h_q = q.shape[:3]
-    expect(k_cache.dim() == 4 and k_cache.shape[2:] == (NUM_KV_HEADS, QK_HEAD_DIM), "k_cache.shape",
-           f"(num_blocks, page_block_size, {NUM_KV_HEADS}, {QK_HEAD_DIM})", tuple(k_cache.shape))
-    expect(k_cache.is_contiguous(), "k_cache", "a contiguous tensor", "a strided view")
-    expect_tensor(block_table, "block_table")
-    expect(block_table.dim() == 2 and block_table.shape[0] == batch, "block_table.shape",
-           f"({batch}, max_num_blocks_per_seq) (q's batch)", tuple(block_table.shape))
-    expect_tensor(cache_seqlens, "cache_seqlens")
-    expect(cache_seqlens.shape == (batch,), "cache_seqlens.shape", f"({batch},) (q's batch)",
-           tuple(cache_seqlens.shape))
     _expect_metadata(metadata, cache_seqlens, s_q * h_q // NUM_KV_HEADS, h_q, is_fp8)
-    expect_tensor(num_splits, "num_splits")
-    expect(num_splits.shape == (batch + 1,) and num_splits.dtype == torch.int32, "num_splits",
-           f"({batch + 1},) int32 (get_mla_metadata's)", f"{tuple(num_splits.shape)} {num_splits.dtype}")
-    expect_on_device(num_splits, "num_splits", q.device)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        softmax_scale = DEFAULT_SOFTMAX_SCALE  # FlashMLA's q.shape[-1] ** -0.5, with q.shape[-1] == 576
+    # FlashMLA's default, q.shape[-1] ** -0.5, with q.shape[-1] == 576
+    softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else expect_softmax_scale(softmax_scale)
     # FlashMLA takes q and block_table with a unit last stride; our plans take them contiguous (a copy otherwise)
     q = q if q.is_contiguous() else q.contiguous()
     block_table = block_table if block_table.is_contiguous() else block_table.contiguous()
@@ -242,13 +227,16 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | Non
         block_table = torch.full((batch, 1), -1, dtype=torch.int32, device=block_table.device)
         k_cache = torch.zeros((1, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
     page_size, max_pages = k_cache.shape[1], block_table.shape[1]
-    # max_seqlen from the shapes (the table's pages of page_size rows), never from the lengths: no host read
-    problem = make_problem(batch, k_cache.dtype, q.device, layout="paged", page_size=page_size, max_pages=max_pages,
-                           num_heads=h_q, q_len=s_q, max_seqlen=page_size * max_pages, softmax_scale=softmax_scale,
-                           causal=causal and s_q > 1, precision=precision, return_lse=True)
-    key = (problem, backend)
+    causal = causal and s_q > 1  # FlashMLA's too: one query token has nothing to mask
+    # The key is every input of the plan's Problem (make_problem's arguments; the rest are constants here), so a hit
+    # skips making the Problem again
+    key = (batch, s_q, h_q, page_size, max_pages, k_cache.dtype, q.device, softmax_scale, causal, precision, backend)
     plan = _PLANS.get(key)
     if plan is None:
+        # max_seqlen from the shapes (the table's pages of page_size rows), never from the lengths: no host read
+        problem = make_problem(batch, k_cache.dtype, q.device, layout="paged", page_size=page_size,
+                               max_pages=max_pages, num_heads=h_q, q_len=s_q, max_seqlen=page_size * max_pages,
+                               softmax_scale=softmax_scale, causal=causal, precision=precision, return_lse=True)
         plan = remember(_PLANS, key, DecodePlan(problem, backend), PLAN_CACHE_LIMIT)
     out = torch.empty((batch, s_q, h_q, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
@@ -256,6 +244,37 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | Non
     # mla_decode's LSE of a query that sees nothing is -inf, FlashMLA's +inf; NaN (an invalid length) stays NaN
     lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
     return out, lse
+
+
+def _expect_shapes(q: torch.Tensor, k_cache: torch.Tensor, block_table, cache_seqlens, head_dim_v,
+                   num_splits) -> None:
+    """The shapes FlashMLA's call takes (its dtypes checked by the entry point, the rest by the plan's run)."""
+    batch = q.shape[0] if q.dim() == 4 else -1
+    # Every layer of a step checks these: a good call passes before any message is formatted
+    if (type(head_dim_v) is int and head_dim_v == V_HEAD_DIM and q.dim() == 4 and q.shape[-1] == QK_HEAD_DIM
+            and k_cache.dim() == 4 and k_cache.shape[2:] == (NUM_KV_HEADS, QK_HEAD_DIM) and k_cache.is_contiguous()
+            and isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] == batch
+            and isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.shape == (batch,)
+            and isinstance(num_splits, torch.Tensor) and num_splits.shape == (batch + 1,)
+            and num_splits.dtype == torch.int32 and num_splits.device == q.device):
+        return
+    expect_int(head_dim_v, "head_dim_v")
+    expect(head_dim_v == V_HEAD_DIM, "head_dim_v", f"{V_HEAD_DIM} (MLA's value width)", head_dim_v)
+    expect(q.dim() == 4 and q.shape[-1] == QK_HEAD_DIM, "q.shape", f"(batch, s_q, h_q, {QK_HEAD_DIM})",
+           tuple(q.shape))
+    expect(k_cache.dim() == 4 and k_cache.shape[2:] == (NUM_KV_HEADS, QK_HEAD_DIM), "k_cache.shape",
+           f"(num_blocks, page_block_size, {NUM_KV_HEADS}, {QK_HEAD_DIM})", tuple(k_cache.shape))
+    expect(k_cache.is_contiguous(), "k_cache", "a contiguous tensor", "a strided view")
+    expect_tensor(block_table, "block_table")
+    expect(block_table.dim() == 2 and block_table.shape[0] == batch, "block_table.shape",
+           f"({batch}, max_num_blocks_per_seq) (q's batch)", tuple(block_table.shape))
+    expect_tensor(cache_seqlens, "cache_seqlens")
+    expect(cache_seqlens.shape == (batch,), "cache_seqlens.shape", f"({batch},) (q's batch)",
+           tuple(cache_seqlens.shape))
+    expect_tensor(num_splits, "num_splits")
+    expect(num_splits.shape == (batch + 1,) and num_splits.dtype == torch.int32, "num_splits",
+           f"({batch + 1},) int32 (get_mla_metadata's)", f"{tuple(num_splits.shape)} {num_splits.dtype}")
+    expect_on_device(num_splits, "num_splits", q.device)
 
 
 def _expect_metadata(metadata, cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, h_q: int,
