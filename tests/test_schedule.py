@@ -1,0 +1,177 @@
+"""The work-balanced schedule (mla_decode/schedule.py) as a pure function on the CPU: every (sequence, tile) taken
+exactly once, no part over the mean by more than one unit, at most PIECE_SLOTS partials a part and no slot written
+twice, and a decode merged from its pieces equal to the whole decode in float64. Each check is shown to fail on a
+planted bug."""
+
+import math
+
+import pytest
+import torch
+
+import mla_decode.schedule as sched
+from mla_decode.schedule import PIECE_SLOTS, SEQUENCE_COST, TILE_ROWS, Schedule, make_schedule, schedule_parts
+
+CAPACITY = 1 << 16
+
+
+def spread(batch: int, kind: str, seed: int) -> torch.Tensor:
+    """Lengths of a batch: "normal" (mean 4096, sd 2048, as FlashMLA's test draws), "lognormal" (median 2k, a tail
+    past 32k), "edges" (0, 1, 63, 64, 65 and odd lengths), "one-long" (one 64k sequence among 1k ones)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        lengths = (torch.randn(batch, generator=gen) * 2048 + 4096).clamp(min=1)
+    elif kind == "lognormal":
+        lengths = torch.exp(torch.randn(batch, generator=gen) * 1.2 + math.log(2048))
+    elif kind == "edges":
+        lengths = torch.tensor([0, 1, 63, 64, 65, 127, 1001, 0][:batch] * (batch // 8 + 1))[:batch].float()
+    else:
+        lengths = torch.full((batch,), 1024.0)
+        lengths[batch // 2] = 65536
+    return lengths.clamp(max=CAPACITY).int()
+
+
+def coverage(s: Schedule) -> list[torch.Tensor]:
+    """How many times each tile of each sequence is read across the parts, and that every piece's slot is free."""
+    counts = [torch.zeros(int(t), dtype=torch.int64) for t in s.tiles]
+    slots = set()
+    for p in range(s.parts):
+        first, last = s.part_range(p)
+        for b in range(first, last + 1):
+            lo, hi = s.piece_tiles(p, b)
+            counts[b][lo:hi] += 1
+            if int(s.first_part(b)) < int(s.last_part(b)):  # a split sequence: its piece needs a partial slot
+                slot = s.slot(p, b)
+                assert 0 <= slot < PIECE_SLOTS and (p, slot) not in slots, (p, b, slot)
+                slots.add((p, slot))
+    return counts
+
+
+def part_units(s: Schedule, p: int) -> int:
+    return max(0, min((p + 1) * s.share, int(s.start[-1])) - p * s.share)
+
+
+CASES = [(batch, kind, parts) for batch, kind in ((1, "normal"), (7, "edges"), (8, "edges"), (32, "one-long"),
+                                                  (64, "lognormal"), (128, "normal"), (1024, "lognormal"))
+         for parts in (1, 3, 132, 264, 1000)]
+
+
+@pytest.mark.parametrize("batch,kind,parts", CASES)
+def test_every_tile_is_read_once_and_parts_are_balanced(batch, kind, parts):
+    lengths = spread(batch, kind, seed=batch + parts)
+    s = make_schedule(lengths, parts, CAPACITY)
+    assert [int(t) for t in s.tiles] == [-(-int(n) // TILE_ROWS) for n in lengths]
+    for b, count in enumerate(coverage(s)):
+        assert bool((count == 1).all()), (b, count)
+        assert int(s.first_part(b)) <= int(s.last_part(b))  # length 0 too: its output is written by a part
+    mean = int(s.start[-1]) / parts
+    assert all(part_units(s, p) <= mean + 1 for p in range(parts))
+    assert sum(part_units(s, p) for p in range(parts)) == int(s.start[-1])
+
+
+def test_lengths_are_clamped_to_the_capacity():
+    """A negative length or one past the table's rows costs what a valid one at the limit would: the kernel that
+    reads the sequence makes it NaN."""
+    s = make_schedule(torch.tensor([-5, 0, 10**6, 64], dtype=torch.int32), 4, 640)
+    assert s.tiles.tolist() == [0, 0, 10, 1]
+    assert s.start.tolist() == [0, SEQUENCE_COST, 2 * SEQUENCE_COST, 3 * SEQUENCE_COST + 10, 4 * SEQUENCE_COST + 11]
+
+
+def test_parts_follow_the_resident_grid():
+    assert schedule_parts(132, 2, 1) == 264
+    assert schedule_parts(132, 2, 8) == 33  # 128 heads x q_len 2 in units of 32 rows: 8 CTAs a share
+    assert schedule_parts(4, 1, 64) == 1
+    with pytest.raises(ValueError, match="parts: expected >= 1"):
+        make_schedule(torch.ones(3, dtype=torch.int32), 0, CAPACITY)
+
+
+def attend_pieces(s: Schedule, q: torch.Tensor, keys: list[torch.Tensor], weight) -> list[torch.Tensor]:
+    """The decode of each sequence merged from its pieces, as the kernels do it: per piece the softmax numerator's
+    sum o, its denominator l and its max m over the piece's tiles (float64); merged with weight(m, l, m_all)."""
+    merged = []
+    for b, k in enumerate(keys):
+        pieces = []
+        for p in range(int(s.first_part(b)), int(s.last_part(b)) + 1):
+            lo, hi = s.piece_tiles(p, b)
+            rows = k[lo * TILE_ROWS:hi * TILE_ROWS]
+            if rows.shape[0] == 0:  # a piece of no tile: m = -inf, l = 0
+                pieces.append((torch.zeros(q.shape[0], k.shape[1]), torch.full((q.shape[0], 1), -math.inf),
+                               torch.zeros(q.shape[0], 1)))
+                continue
+            scores = q @ rows.T
+            m = scores.amax(dim=1, keepdim=True)
+            e = torch.exp(scores - m)
+            pieces.append((e @ rows, m, e.sum(dim=1, keepdim=True)))
+        m_all = torch.stack([m for _, m, _ in pieces]).amax(dim=0)
+        if not bool(torch.isfinite(m_all).all()):  # no row at all
+            merged.append(torch.zeros(q.shape[0], k.shape[1], dtype=torch.float64))
+            continue
+        w = [weight(m, l, m_all) for _, m, l in pieces]
+        num = sum(wi * o for wi, (o, _, _) in zip(w, pieces, strict=True))
+        den = sum(wi * l for wi, (_, _, l) in zip(w, pieces, strict=True))
+        merged.append(num / den)
+    return merged
+
+
+def exact_weight(m, l, m_all):
+    """exp(m - m_all), 0 for a piece of no row."""
+    return torch.where(torch.isfinite(m), torch.exp(m - m_all), 0.0)
+
+
+def merge_error(s: Schedule, weight=exact_weight, seed: int = 0) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, 8, generator=gen, dtype=torch.float64)
+    keys = [torch.randn(int(t) * TILE_ROWS, 8, generator=gen, dtype=torch.float64) for t in s.tiles]
+    worst = 0.0
+    for k, out in zip(keys, attend_pieces(s, q, keys, weight), strict=True):
+        if k.shape[0]:
+            truth = torch.softmax(q @ k.T, dim=1) @ k
+            worst = max(worst, float((out - truth).norm() / truth.norm()))
+    return worst
+
+
+@pytest.mark.parametrize("kind,parts", [("one-long", 33), ("edges", 5), ("lognormal", 40)])
+def test_a_decode_merged_from_its_pieces_is_the_whole_decode(kind, parts):
+    s = make_schedule(spread(16, kind, seed=3), parts, CAPACITY)
+    assert any(int(s.first_part(b)) < int(s.last_part(b)) for b in range(16))  # some sequence is split
+    assert merge_error(s) < 1e-12
+
+
+# Negative controls: each check above fails on a planted bug.
+
+
+def test_a_dropped_tile_fails_coverage(monkeypatch):
+    tiles = sched.Schedule.piece_tiles
+    monkeypatch.setattr(sched.Schedule, "piece_tiles", lambda self, p, b: (tiles(self, p, b)[0],
+                                                                           max(tiles(self, p, b)[0],
+                                                                               tiles(self, p, b)[1] - 1)))
+    s = make_schedule(spread(32, "one-long", 1), 132, CAPACITY)
+    assert not all(bool((count == 1).all()) for count in coverage(s))
+
+
+def test_a_tile_taken_twice_fails_coverage(monkeypatch):
+    tiles = sched.Schedule.piece_tiles
+    monkeypatch.setattr(sched.Schedule, "piece_tiles", lambda self, p, b: (max(0, tiles(self, p, b)[0] - 1),
+                                                                           tiles(self, p, b)[1]))
+    s = make_schedule(spread(32, "one-long", 1), 132, CAPACITY)
+    assert not all(bool((count == 1).all()) for count in coverage(s))
+
+
+def test_a_share_rounded_down_leaves_work_uncut():
+    s = make_schedule(spread(64, "lognormal", 2), 132, CAPACITY)
+    short = s._replace(share=int(s.start[-1]) // s.parts)
+    assert int(s.start[-1]) % s.parts  # a total the parts do not divide
+    assert sum(part_units(short, p) for p in range(short.parts)) < int(short.start[-1])
+
+
+def test_one_slot_a_part_collides():
+    s = make_schedule(spread(64, "lognormal", 2), 132, CAPACITY)
+    coverage(s)  # the real slots pass
+    one_slot = type("OneSlot", (Schedule,), {"slot": lambda self, p, b: 0})(*s)
+    with pytest.raises(AssertionError):
+        coverage(one_slot)
+
+
+def test_a_piece_merged_with_the_wrong_weight_fails():
+    s = make_schedule(spread(16, "one-long", 3), 33, CAPACITY)
+    assert merge_error(s, weight=lambda m, l, m_all: torch.where(torch.isfinite(m), 1.0, 0.0)) > 1e-3
+    assert merge_error(s, weight=lambda m, l, m_all: torch.where(torch.isfinite(m), torch.exp(m_all - m), 0.0)) > 1e-3
