@@ -1591,7 +1591,7 @@ class TritonDecode:
 # ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/aiter_backend.py
 # The aiter backend (AMD): FP8 Q x FP8 KV through ROCm/aiter's MLA decode, for the (q_len, heads) shapes of
-# AITER_SHAPES: 16 heads with one query token (the leaderboard's; nine variants), and 16 heads with 2 or 4 causal query
+# AITER_SHAPES: 16 heads with one query token (the leaderboard's; three variants), and 16 heads with 2 or 4 causal query
 # tokens (MTP) and 128 heads with 1 or 2, each through aiter's non-persistent kernel with one split per sequence. It
 # hands aiter token indices at page size 1 whatever the cache's page size: on gfx950 aiter's MLA decode kernels ignore
 # the page size (docs/aiter-contract.md), so a paged cache is expanded to its tokens on the device. aiter returns no
@@ -1694,20 +1694,12 @@ _AITER_METADATA_ARGS = (
      "reduce_partial_map"),
     ("page_size", "kv_granularity", "max_seqlen_qo", "uni_seqlen_qo", "fast_mode", "max_split_per_batch",
      "intra_batch_mode", "dtype_q", "dtype_kv"))
-# The other call forms of the variants below, checked the same way when a plan first needs one (see
-# _aiter_call_form): mla_decode_fwd non-persistent (one split per sequence, no work buffers), and stage 1 and the
-# reduce called directly, every argument by position as aiter/mla.py calls them at the runner's commit.
+# The other call form (fp8_nps), checked the same way when a plan first needs it (see _aiter_call_form):
+# mla_decode_fwd non-persistent, one split per sequence, no work buffers.
 _AITER_SINGLE_ARGS = (
     _AITER_DECODE_ARGS[0],
     ("page_size", "nhead_kv", "sm_scale", "num_kv_splits", "num_kv_splits_indptr", "q_scale", "kv_scale",
      "intra_batch_mode"))
-_AITER_STAGE1_ARGS = (
-    ("Q", "KV", "qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_lens", "num_kv_splits_indptr",
-     "work_meta_data", "work_indptr", "work_info_set", "max_seqlen_q", "page_size", "nhead_kv", "softmax_scale",
-     "splitData", "splitLse", "output", "q_scale", "kv_scale"), ())
-_AITER_REDUCE_ARGS = (
-    ("partial_output", "partial_lse", "reduce_indptr", "reduce_final_map", "reduce_partial_map", "max_seqlen_q",
-     "final_output", "final_lse"), ())
 AITER_VERSION_NEEDED = ("ROCm/aiter main from 2026-02-02 (commit 739c63177e) or newer, built from source (the "
                         "leaderboard's runner pins f3be04a12a, 2026-03-04); the PyPI wheel amd-aiter 0.1.7.post2.dev18 "
                         "(2025-11) is too old, and so is main between 2026-07-13 (fede90f463) and 2026-07-14 "
@@ -1774,7 +1766,9 @@ def _aiter_api() -> tuple[tuple, torch.dtype]:
 
 class AiterVariant(NamedTuple):
     """One way to run the aiter path. Every variant reads every KV row at page size 1, scales Q dynamically where
-    it is FP8, and computes the same attention; they differ in kernels, launches and host work.
+    it is FP8, and computes the same attention; they differ in kernels, launches and host work. The persistent
+    calls use get_mla_metadata_v1's fast_mode (the v1.2 split): v1.1 sizes its buffers batch x CUs rows, fp32
+    partials of 2.1 GB at batch 256 on an MI355X (docs/aiter-contract.md).
 
       q:         "fp8": Q quantized per tensor on the device (QQuantizer: 2 launches), the a8w8 kernels;
                  "bf16": Q passed as given to the a16w8 persistent kernel, mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps
@@ -1782,21 +1776,15 @@ class AiterVariant(NamedTuple):
                  aiter's own op_tests/test_mla_persistent.py, which runs it with (batch, 16, 576) Q at qlen 1)
       call:      "decode_fwd": aiter.mla.mla_decode_fwd, persistent: stage 1 + mla_reduce_v1 (2 launches); aiter
                  allocates the fp32 partials (up to 16.7 MB) on every call;
-                 "direct": aiter.mla_decode_stage1_asm_fwd + aiter.mla_reduce_v1 called here (2 launches) with
-                 the partials allocated once per plan; an aiter whose signatures do not take the runner's call
-                 (NEWEST: stage 1 gained `lse`, the reduce `num_kv_splits`) runs "decode_fwd" instead, warned once;
                  "single": mla_decode_fwd non-persistent with one split per sequence (num_kv_splits=1): with FP8 Q
                  it returns after stage 1, mla_a8w8_qh16_qseqlen1_gqaratio16, which writes o (1 launch; NEWEST
                  adds a fill of its split counts); one workgroup per sequence, so few workgroups at small batch.
-                 FP8 Q only: there is no non-persistent a16w8 kernel.
-      fast_mode: get_mla_metadata_v1's fast_mode for the persistent calls (True: the v1.2 split, today's; False:
-                 v1.1, with work and partial buffers of batch x CUs rows: fp32 partials of 2.1 GB at batch 256 on
-                 an MI355X, held by a "direct" plan, allocated per call by mla_decode_fwd); None for "single".
+                 FP8 Q only: there is no non-persistent a16w8 kernel. An aiter whose signature does not take it
+                 runs "decode_fwd" at q_len 1 x 16 heads instead, warned once.
     """
 
     q: str
     call: str
-    fast_mode: bool | None
 
     @property
     def launches(self) -> int:
@@ -1806,15 +1794,9 @@ class AiterVariant(NamedTuple):
 
 # name -> variant; launches per call (AiterVariant.launches) in the comments
 AITER_VARIANT_SPECS = {
-    "fp8_ps": AiterVariant("fp8", "decode_fwd", True),  # 4: today's path
-    "fp8_ps_nofast": AiterVariant("fp8", "decode_fwd", False),  # 4
-    "fp8_direct": AiterVariant("fp8", "direct", True),  # 4, no per-call allocation of the partials
-    "fp8_direct_nofast": AiterVariant("fp8", "direct", False),  # 4
-    "fp8_nps": AiterVariant("fp8", "single", None),  # 3
-    "a16w8_ps": AiterVariant("bf16", "decode_fwd", True),  # 2: no Q quantization
-    "a16w8_ps_nofast": AiterVariant("bf16", "decode_fwd", False),  # 2
-    "a16w8_direct": AiterVariant("bf16", "direct", True),  # 2
-    "a16w8_direct_nofast": AiterVariant("bf16", "direct", False),  # 2
+    "fp8_ps": AiterVariant("fp8", "decode_fwd"),  # 4: today's path, the reference's
+    "fp8_nps": AiterVariant("fp8", "single"),  # 3: AITER_SINGLE_VARIANT, the only one of the other shapes
+    "a16w8_ps": AiterVariant("bf16", "decode_fwd"),  # 2: no Q quantization
 }
 AITER_DEFAULT_VARIANT = "fp8_ps"  # shapes not in AITER_VARIANTS (a batch of other lengths, kv_seq_len None)
 # In AITER_VARIANTS, a shape that auto runs on the triton backend instead of aiter (where a measurement says it wins);
@@ -1852,29 +1834,20 @@ def aiter_variant(batch: int, kv_seq_len: int | None, forced: str | None = None)
     return name
 
 
-def _aiter_call_form(fns: tuple, call: str) -> tuple | None:
-    """The aiter functions call form `call` uses, or None where the installed aiter's signatures do not take it
-    (the problems logged once per set of functions; the plan then runs "decode_fwd", which _aiter_api checked)."""
-    import aiter
-
+def _aiter_call_form(fns: tuple, call: str) -> bool:
+    """Whether the installed mla_decode_fwd's signature takes call form `call` (the problems logged once per
+    function where not; the plan then runs "decode_fwd", which _aiter_api checked)."""
     if call == "decode_fwd":
-        return fns[:1]
-    if call == "single":
-        targets = ((fns[0], "aiter.mla.mla_decode_fwd", _AITER_SINGLE_ARGS),)
-    else:
-        targets = ((getattr(aiter, "mla_decode_stage1_asm_fwd", None), "aiter.mla_decode_stage1_asm_fwd",
-                    _AITER_STAGE1_ARGS),
-                   (getattr(aiter, "mla_reduce_v1", None), "aiter.mla_reduce_v1", _AITER_REDUCE_ARGS))
-    key = (call,) + tuple(fn for fn, _, _ in targets)
+        return True
+    key = (call, fns[0])
     problems = _AITER_VERDICTS.get(key)
     if problems is None:
         problems = _AITER_VERDICTS[key] = tuple(
-            problem for fn, name, args in targets
-            for problem in (_aiter_signature_problems(fn, name, args) if fn is not None else [f"no {name}"]))
+            _aiter_signature_problems(fns[0], "aiter.mla.mla_decode_fwd", _AITER_SINGLE_ARGS))
         if problems:
             log.warning("MLA decode: the installed aiter cannot take the %r call form (%s); running "
                         "mla_decode_fwd persistent instead", call, "; ".join(problems))
-    return None if problems else tuple(fn for fn, _, _ in targets)
+    return not problems
 
 
 # Q's dynamic per-tensor FP8 quantization for the aiter path, bit for bit reference.quantize_fp8: scale =
@@ -1989,16 +1962,15 @@ class _AiterPlan:
     The six metadata buffers (persistent calls) live and die together here: work_metadata_ptrs holds the raw
     device addresses of work_indptr and work_info_set."""
 
-    __slots__ = ("variant", "call", "fns", "q_dtype", "fast_mode", "refill", "filled", "metadata", "decode_kwargs",
-                 "partials", "kv_indices", "kv_last_page_lens", "q_quant", "kv_lens", "empty_rows", "kv_indptr_safe",
-                 "cummax_index", "indptr_changed", "invalid", "token_offsets")
+    __slots__ = ("variant", "call", "q_dtype", "refill", "filled", "metadata", "decode_kwargs", "kv_indices",
+                 "kv_last_page_lens", "q_quant", "kv_lens", "empty_rows", "kv_indptr_safe", "cummax_index",
+                 "indptr_changed", "invalid", "token_offsets")
 
     def __init__(self, fns: tuple, fp8: torch.dtype, variant: str, batch: int, total_kv: int, device: torch.device,
                  uniform_len: int | None, q_len: int = AITER_Q_LEN, heads: int = AITER_HEADS):
         spec = AITER_VARIANT_SPECS[variant]
         self.variant = variant
-        form = _aiter_call_form(fns, spec.call)  # the functions the call form uses, or None: it does not fit
-        self.call, self.fns = (spec.call, form) if form is not None else ("decode_fwd", fns[:1])
+        self.call = spec.call if _aiter_call_form(fns, spec.call) else "decode_fwd"
         if (q_len, heads) != (AITER_Q_LEN, AITER_HEADS) and self.call != "single":
             # persistent q_len > 1 can leave a split shorter than q_len (NaN at the runner's commit), and the
             # persistent 128-head kernels differ between commits: docs/aiter-contract.md
@@ -2007,13 +1979,12 @@ class _AiterPlan:
                                f"not take (variant {variant!r}, call form {self.call!r})")
         self.q_dtype = fp8 if spec.q == "fp8" else torch.bfloat16
         self.q_quant = QQuantizer(batch * q_len, fp8, device, heads=heads) if spec.q == "fp8" else None
-        self.fast_mode = spec.fast_mode is not False
-        self.metadata = self.partials = None
+        self.metadata = None
         if self.call == "single":  # one split per sequence
             self.decode_kwargs = {"num_kv_splits": 1, "num_kv_splits_indptr": torch.arange(
                 batch + 1, dtype=torch.int32, device=device)}
         else:
-            info = fns[1](batch, 1, AITER_HEADS, self.q_dtype, fp8, is_sparse=False, fast_mode=self.fast_mode,
+            info = fns[1](batch, 1, AITER_HEADS, self.q_dtype, fp8, is_sparse=False, fast_mode=True,
                           intra_batch_mode=False)
             if len(info) != 6:
                 raise RuntimeError(f"aiter.get_mla_metadata_info_v1 returned {len(info)} buffer specs, expected 6")
@@ -2021,10 +1992,6 @@ class _AiterPlan:
             self.metadata = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in info)
             self.decode_kwargs = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
                                            "reduce_final_map", "reduce_partial_map"), self.metadata, strict=True))
-        if self.call == "direct":  # stage 1's fp32 partial outputs and LSEs, one row per reduce_partial_map slot
-            slots = self.metadata[5].shape[0]
-            self.partials = (torch.empty((slots, 1, AITER_HEADS, V_HEAD_DIM), dtype=torch.float32, device=device),
-                             torch.empty((slots, 1, AITER_HEADS, 1), dtype=torch.float32, device=device))
         # True: the lengths are not proven by the key, run get_mla_metadata_v1 on every call
         self.refill = refill = uniform_len is None
         self.filled = False
@@ -2142,13 +2109,12 @@ def _aiter_safe_indptr(plan: _AiterPlan, kv_indptr: torch.Tensor, total_kv: int)
 
 def _aiter_fill_metadata(metadata_fn, plan: _AiterPlan, qo_indptr: torch.Tensor, fp8: torch.dtype) -> None:
     """get_mla_metadata_v1 reads the lengths from plan.kv_indptr_safe on the device and writes the six buffers in
-    place (the plan's fast_mode: True the v1.2 persistent split, False v1.1); kv_indptr counts pages, which are
-    tokens at page size 1."""
+    place (fast_mode: the v1.2 persistent split); kv_indptr counts pages, which are tokens at page size 1."""
     work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = plan.metadata
     metadata_fn(qo_indptr, plan.kv_indptr_safe, plan.kv_last_page_lens, AITER_HEADS // NUM_KV_HEADS, NUM_KV_HEADS, True,
                 work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map, reduce_partial_map,
                 page_size=1, kv_granularity=AITER_KV_GRANULARITY, max_seqlen_qo=1, uni_seqlen_qo=1,
-                fast_mode=plan.fast_mode, max_split_per_batch=-1, intra_batch_mode=False, dtype_q=plan.q_dtype,
+                fast_mode=True, max_split_per_batch=-1, intra_batch_mode=False, dtype_q=plan.q_dtype,
                 dtype_kv=fp8)
     plan.filled = True
 
@@ -2187,9 +2153,9 @@ def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: f
     page size 1 is 4 B per 576 B token.
 
     FP8 Q (the "fp8_*" variants) gets a dynamic per-tensor scale computed on the device (QQuantizer: no host sync),
-    so any finite bf16 q quantizes without saturation; the "a16w8_*" variants pass the bf16 Q as it is. The plan of
-    a key (the Q quantizer, the indices, the six metadata buffers that live and die together, the partials of
-    "direct") is made once and kept in _AITER_PLANS; calls must run in order on one queue: the next reuses them.
+    so any finite bf16 q quantizes without saturation; a16w8_ps passes the bf16 Q as it is. The plan of a key (the
+    Q quantizer, the indices, the six metadata buffers that live and die together) is made once and kept in
+    _AITER_PLANS; calls must run in order on one queue: the next reuses them.
     """
     batch, q_len, total_kv = key.batch, key.q_len, kv.shape[0]
     if total_kv == 0 or (kv_indices is not None and kv_indices.shape[0] == 0):  # no sequence has a KV row
@@ -2207,18 +2173,10 @@ def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: f
     else:
         q_in, q_scale = plan.q_quant(q), plan.q_quant.scale  # (batch x q_len, heads, 576) fp8, (1,) float32
     kv_pages = kv.view(total_kv, 1, NUM_KV_HEADS, QK_HEAD_DIM)
-    if plan.call == "direct":
-        stage1, reduce = plan.fns
-        work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map = \
-            plan.metadata
-        stage1(q_in, kv_pages, qo_indptr, plan.kv_indptr_safe, indices, plan.kv_last_page_lens, None,
-               work_metadata_ptrs, work_indptr, work_info_set, 1, 1, NUM_KV_HEADS, sm_scale, *plan.partials, out,
-               q_scale, scale)
-        reduce(*plan.partials, reduce_indptr, reduce_final_map, reduce_partial_map, 1, out, None)
-    else:  # mla_decode_fwd: persistent ("decode_fwd") or one split per sequence ("single")
-        plan.fns[0](q_in, kv_pages, out, qo_indptr, plan.kv_indptr_safe, indices, plan.kv_last_page_lens, q_len,
-                    page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, q_scale=q_scale, kv_scale=scale,
-                    intra_batch_mode=False, **plan.decode_kwargs)
+    # mla_decode_fwd: persistent ("decode_fwd") or one split per sequence ("single")
+    fns[0](q_in, kv_pages, out, qo_indptr, plan.kv_indptr_safe, indices, plan.kv_last_page_lens, q_len,
+           page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, q_scale=q_scale, kv_scale=scale,
+           intra_batch_mode=False, **plan.decode_kwargs)
     if plan.refill:
         # Lengths unknown on the host: a sequence with no KV rows gives zeros whatever the kernel wrote for it.
         torch.sub(plan.kv_indptr_safe[1:], plan.kv_indptr_safe[:-1], out=plan.kv_lens)

@@ -14,8 +14,8 @@ mla_decode/aiter_backend.py; run through submission.py, which tools/bundle.py ge
   median µs  the leaderboard's timing of one whole custom_kernel call (MLA_BACKEND=aiter, MLA_AITER_VARIANT set
              to the variant): synchronize, flush L2, event, the call, event, synchronize; median of --iters calls
              after --warmup untimed ones (bench/leaderboard.py's Timer)
-  ran as     the call form the plan actually runs: a "direct" variant on an aiter whose stage 1 / reduce
-             signatures differ from the runner's runs mla_decode_fwd ("decode_fwd (fallback)")
+  ran as     the call form the plan actually runs: fp8_nps on an aiter whose mla_decode_fwd does not take the
+             one-split call runs it persistent ("decode_fwd (fallback)")
 and the triton backend's paths (TRITON_PATHS: MLA_BACKEND=triton in each KV format and precision, checked with
 that format's bound), and, per shape, the Q quantization alone (QQuantizer, the FP8 variants' first two launches)
 timed the same way and compared bit for bit with reference.quantize_fp8.
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             timed = f"{row.median_us:9.1f} µs" if row.median_us is not None else ""
             print(f"  {shape.name:>9} {name:<20} {row.status:<5} {timed} {row.reason}", flush=True)
         quants.append(sweep_q_quant(shape, data, device, args))
-        submission._AITER_PLANS.clear()  # a shape's plans (partials up to GBs with fast_mode=False) go with it
+        submission._AITER_PLANS.clear()  # a shape's plans go with it: their buffers are sized for that shape
         del data, expected
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -11,12 +11,11 @@ semantics and where each fact was read). For a recorded version it creates the m
 - enforce the checks docs/aiter-contract.md lists: dtypes (the arch's FP8 flavour only), contiguity
   and unit strides, head counts, float32 scales, a 4-D kv_buffer and a 3-D o (the unpacking ValueError), Python
   int/float scalars, powers of two, the six buffers' shapes and dtypes from the info function;
-- model get_mla_metadata_v1's persistent split (v1.2 with fast_mode=True; fast_mode=False, v1.1, gets the same
-  split in buffers sized as the info function says for it: the stand-in does not know v1.1's cut): the kv indptr
-  counts pages, sequences are cut into work items over CU_COUNT compute units, long ones into partials merged by a
-  reduce; work_metadata_ptrs receives the "device addresses" (data_ptr) of work_indptr and work_info_set;
-- model mla_decode_fwd as aiter/mla.py writes it, on top of the two public ops it launches, each also callable
-  directly: mla_decode_stage1_asm_fwd (the C++ checks of csrc/py_itfs_cu/asm_mla.cu, the kernel lookup of
+- model get_mla_metadata_v1's persistent split (v1.2, fast_mode=True, the only one the backend asks for): the kv
+  indptr counts pages, sequences are cut into work items over CU_COUNT compute units, long ones into partials merged
+  by a reduce; work_metadata_ptrs receives the "device addresses" (data_ptr) of work_indptr and work_info_set;
+- model mla_decode_fwd as aiter/mla.py writes it, on top of the two ops it launches (the backend calls neither
+  directly): mla_decode_stage1_asm_fwd (the C++ checks of csrc/py_itfs_cu/asm_mla.cu, the kernel lookup of
   hsa/gfx950/mla/mla_asm.csv for 16 and 128 heads, GFX950_KERNELS, then the kernel) and mla_reduce_v1. Persistent
   mode (16 heads, one query token) runs stage 1 then the reduce; non-persistent mode with FP8 Q and one split per
   sequence runs stage 1 alone, which writes o (NEWEST first fills its split counts: one more launch), for 16 heads
@@ -28,8 +27,8 @@ semantics and where each fact was read). For a recorded version it creates the m
 - model the dispatched gfx950 kernels as PAGE-SIZE-1-ONLY: each kv_indices entry is one KV row at page_id x page
   stride, whatever page_size says (docs/aiter-contract.md, "Page size 1, on purpose"). The persistent kernel walks the
   work list through the addresses in work_meta_data, as the kernel does, so buffers that were freed or come from
-  different metadata fills fail; the reduce faults on partial slots stage 1 did not write into the buffers it is
-  given, or maps of another fill. The non-persistent kernel reads kv_last_page_lens (only ones are modelled).
+  different metadata fills fail; the reduce faults on partial slots stage 1 did not write, or maps of another
+  fill. The non-persistent kernel reads kv_last_page_lens (only ones are modelled).
   Attention is computed in fp32 from exactly what the kernel is given: raw FP8 (or bf16) values, the softmax scale
   times q_scale * kv_scale (q_scale only for FP8 Q), the output times kv_scale, unsplit work written into `o` as bf16,
   split work into the fp32 partials and merged by log-sum-exp. A work item with no KV rows produces NaN (0/0), the
@@ -238,8 +237,7 @@ class StandinAiter:
         dtypes.fp8, dtypes.bf16, dtypes.fp16, dtypes.fp32 = self.fp8, torch.bfloat16, torch.float16, torch.float32
         dtypes.i32, dtypes.u8 = torch.int32, torch.uint8
         impls = {"mla_decode_fwd": self._mla_decode_fwd, "get_mla_metadata_info_v1": self._metadata_info,
-                 "get_mla_metadata_v1": self._metadata, "mla_decode_stage1_asm_fwd": self._stage1,
-                 "mla_reduce_v1": self._reduce}
+                 "get_mla_metadata_v1": self._metadata}
         for name, record in self.functions.items():
             impl = impls.get(name) if self.modelled else None
             fn = self._recorded_function(name, record, impl)
@@ -282,10 +280,8 @@ class StandinAiter:
         tiles = math.ceil(max_seqlen_qo * nh / 128) if nh == 16 else math.ceil(max_seqlen_qo * nh / 16)
         b = batch_size * (max_seqlen_qo if is_sparse else 1)
         tile_cnt = b * tiles
-        if fast_mode:
-            max_work, max_split_tiles = (b + s - 1) * tiles, min(b + s - 1, 2 * (s - 1)) * tiles
-        else:
-            max_work = max_split_tiles = tile_cnt * s
+        _expect(fast_mode, NotImplementedError, "stand-in: only fast_mode=True (the v1.2 split) is modelled")
+        max_work, max_split_tiles = (b + s - 1) * tiles, min(b + s - 1, 2 * (s - 1)) * tiles
         if intra_batch_mode:
             max_work = max_split_tiles = tile_cnt * num_kv_splits
         return ((2, torch.uint64), (s + 1, torch.int32), ((max_work, WORK_ROW), torch.int32),
@@ -316,12 +312,11 @@ class StandinAiter:
                 assert dt is None or dt in known, f"Unsupported dtype {dt}"
             else:
                 _expect(dt is None or isinstance(dt, torch.dtype), TypeError, f"{name} must be a torch dtype")
-        if not ((fast_mode or not intra_batch_mode) and num_heads_k == 1 and num_heads_per_head_k == NUM_HEADS
+        if not (fast_mode and num_heads_k == 1 and num_heads_per_head_k == NUM_HEADS
                 and max_seqlen_qo in (1, -1) and uni_seqlen_qo in (1, -1) and topk < 0
                 and not newer.get("is_cp_round_robin", False)):
-            raise NotImplementedError("stand-in: only the v1.2 (fast_mode=True) and v1.1 (fast_mode=False, "
-                                      "intra_batch_mode=False) splits of a 16-head, one-query-per-sequence decode "
-                                      "are modelled")
+            raise NotImplementedError("stand-in: only the v1.2 (fast_mode=True) split of a 16-head, "
+                                      "one-query-per-sequence decode is modelled")
         buffers = {"work_metadata_ptrs": work_metadata_ptrs, "work_indptr": work_indptr,
                    "work_info_set": work_info_set, "reduce_indptr": reduce_indptr,
                    "reduce_final_map": reduce_final_map, "reduce_partial_map": reduce_partial_map}
@@ -478,14 +473,12 @@ class StandinAiter:
 
     def _stage1(self, Q, KV, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_lens, num_kv_splits_indptr,
                 work_meta_data, work_indptr, work_info_set, max_seqlen_q, page_size, nhead_kv, softmax_scale,
-                splitData, splitLse, output, lse=None, q_scale=None, kv_scale=None, **newer):
+                splitData, splitLse, output, q_scale=None, kv_scale=None):
         """mla_decode_stage1_asm_fwd: the C++ checks, the kernel lookup, then the kernel. Persistent (no
         num_kv_splits_indptr): walks the work list through the addresses in work_meta_data; unsplit work goes to
         `output` as bf16, split work to splitData/splitLse (fp32) at its partial slot. Non-persistent with one
-        split: one workgroup per sequence writes `output`, reading kv_last_page_lens."""
-        _expect(lse is None, NotImplementedError, "stand-in: stage 1's lse output is not modelled")
-        for name, value in (("cp_world_size", 1), ("g_kv_indptr", None)):
-            _expect(newer.get(name, value) == value, NotImplementedError, f"stand-in: {name} is not modelled")
+        split: one workgroup per sequence writes `output`, reading kv_last_page_lens. Called by mla_decode_fwd only,
+        with the partials it allocates."""
         for name, value in (("max_seqlen_q", max_seqlen_q), ("page_size", page_size), ("nhead_kv", nhead_kv)):
             _expect(_is_int(value), TypeError, f"mla_decode_stage1_asm_fwd: {name} must be a Python int, "
                                                f"got {type(value).__name__}")
@@ -515,15 +508,12 @@ class StandinAiter:
         _check_index(kv_indptr, "kv_indptr", batch + 1)
         _check_index(kv_page_indices, "kv_indices")
         _check_index(kv_last_page_lens, "kv_last_page_lens", batch)
-        _expect(splitData.dim() == 4 and splitLse.dim() == 4, RuntimeError, "splitData and splitLse must be 4-D")
 
         q_mult = float(q_scale.reshape(-1)[0]) if Q.dtype == self.fp8 else 1.0  # only element 0 is read
         kv_mult = float(kv_scale.reshape(-1)[0]) if (kv_scale is not None and KV.dtype == self.fp8) else 1.0
         scale = softmax_scale * q_mult * kv_mult
         qf = Q.float()
         if persistent:
-            _expect(splitData.dtype == splitLse.dtype == torch.float32, RuntimeError,
-                    "the persistent kernel writes fp32 partials: splitData and splitLse must be float32")
             rows = self._work_list(work_meta_data, work_indptr, work_info_set)
         else:
             _expect(splitData.shape[1] == 1, NotImplementedError, "stand-in: one split per sequence only")
@@ -604,16 +594,13 @@ class StandinAiter:
 
     def _reduce(self, partial_output, partial_lse, reduce_indptr, reduce_final_map, reduce_partial_map,
                 max_seqlen_q, final_output, final_lse=None, num_kv_splits=None):
-        """mla_reduce_v1: merges each tile's partials into final_output by log-sum-exp. It reads only the slots
-        the preceding stage 1 wrote into these very buffers, with the work list of the same metadata fill (the
-        stand-in faults otherwise: stale or foreign partials would be merged silently on a GPU)."""
+        """mla_reduce_v1, as mla_decode_fwd launches it: merges each tile's partials into final_output by
+        log-sum-exp. It reads only the slots the preceding stage 1 wrote into these very buffers, with the work list of
+        the same metadata fill (the stand-in faults otherwise: stale or foreign partials would be merged silently on a
+        GPU)."""
         _expect(_is_int(max_seqlen_q), TypeError, "mla_reduce_v1: max_seqlen_q must be a Python int")
         _expect(num_kv_splits is None or _is_int(num_kv_splits), TypeError,
                 "mla_reduce_v1: num_kv_splits must be a Python int")
-        _expect(partial_output.dtype == partial_lse.dtype == torch.float32, RuntimeError,
-                "mla_reduce_v1: the partials must be float32")
-        _expect(final_output.dtype in (torch.bfloat16, torch.float16) and final_output.is_contiguous(), RuntimeError,
-                "mla_reduce_v1: the output must be contiguous bf16 or fp16")
         for role, t in (("reduce_indptr", reduce_indptr), ("reduce_final_map", reduce_final_map),
                         ("reduce_partial_map", reduce_partial_map)):
             _expect(t.dtype == torch.int32 and t.is_contiguous(), RuntimeError, f"{role} must be contiguous int32")

@@ -2,7 +2,7 @@
 AITER_VARIANTS, aiter_variant; the leaderboard adapter's MLA_AITER_VARIANT) on the CPU, against
 the stand-in aiter of tests/aiter_standin.py at the recorded commits: numerics of every variant against both
 references, the kernels each one launches per call, the plan cache across shapes and variants, the selection
-(table and MLA_AITER_VARIANT), and the version guard with the direct call's fallback.
+(table and MLA_AITER_VARIANT), and the version guard with the one-split call's fallback.
 
 Two references, as in test_aiter_backend.py: the BF16 truth through reference.check_implementation (the
 leaderboard's rule and the strict per-sequence gate), and fp32 attention over exactly the inputs the kernel is given
@@ -191,26 +191,6 @@ def test_launches_per_call_are_as_declared(standin, monkeypatch, variant, length
     assert tight_error(make(lengths, seed=2), out, variant) < TIGHT
 
 
-def test_direct_variant_passes_the_plans_partials_and_no_other_buffers(standin, monkeypatch):
-    """fp8_direct: stage 1 and the reduce get the plan's fp32 partials, the same tensors on every call, sized by
-    reduce_partial_map; mla_decode_fwd (which would allocate them per call) is never called."""
-    aiter = standin("RUNNER")
-    monkeypatch.setenv("MLA_AITER_VARIANT", "fp8_direct")
-    for seed in range(2):
-        assert_right(data := make([1000] * 2, seed), S.custom_kernel(data), "fp8_direct")
-    (plan,) = S._AITER_PLANS.values()
-    slots = plan.metadata[5].shape[0]
-    assert plan.partials[0].shape == (slots, 1, 16, 512) and plan.partials[1].shape == (slots, 1, 16, 1)
-    stage1, reduce = aiter.calls_to("mla_decode_stage1_asm_fwd"), aiter.calls_to("mla_reduce_v1")
-    assert len(stage1) == len(reduce) == 2 and aiter.calls_to("mla_decode_fwd") == []
-    for s1, red in zip(stage1, reduce, strict=True):
-        assert s1.n_positional == 19 and red.n_positional == 8  # by position, as aiter/mla.py calls them
-        assert s1.arguments["splitData"].data_ptr == red.arguments["partial_output"].data_ptr \
-            == plan.partials[0].data_ptr()
-        assert s1.arguments["num_kv_splits_indptr"] is None and type(s1.arguments["softmax_scale"]) is float
-        assert red.arguments["final_lse"] is None and red.arguments["max_seqlen_q"] == 1
-
-
 def test_a16w8_passes_q_unpadded_and_unquantized(standin, monkeypatch):
     """a16w8: the caller's bf16 q itself goes to stage 1 (no copy, no padding to the kernel's 4-row tile: the C++
     pads max_seqlen_q only for the kernel lookup), with max_seqlen_q 1, no q_scale, the KV scale, and metadata for a
@@ -227,21 +207,6 @@ def test_a16w8_passes_q_unpadded_and_unquantized(standin, monkeypatch):
     assert meta.arguments["dtype_q"] == torch.bfloat16 and meta.arguments["dtype_kv"] == E4M3FN
     (info,) = aiter.calls_to("get_mla_metadata_info_v1")
     assert info.arguments["q_dtype"] == torch.bfloat16
-
-
-@pytest.mark.parametrize("fast_mode", (True, False))
-def test_fast_mode_reaches_both_metadata_calls(standin, monkeypatch, fast_mode):
-    aiter = standin("RUNNER")
-    variant = "fp8_direct" if fast_mode else "fp8_direct_nofast"
-    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
-    assert_right(data := make([1000] * 2, seed=4), S.custom_kernel(data), variant)
-    (info,) = aiter.calls_to("get_mla_metadata_info_v1")
-    (meta,) = aiter.calls_to("get_mla_metadata_v1")
-    assert info.arguments["fast_mode"] is meta.arguments["fast_mode"] is fast_mode
-    (plan,) = S._AITER_PLANS.values()
-    # fast_mode=False sizes the partials for batch x CUs slots (info's rule), fast mode for batch + CUs - 1
-    assert plan.partials[0].shape[0] == (2 * aiter.cu_count if not fast_mode else min(2 + aiter.cu_count - 1,
-                                                                                     2 * (aiter.cu_count - 1)))
 
 
 def test_single_split_variant_gives_every_sequence_one_split(standin, monkeypatch):
@@ -261,16 +226,16 @@ def test_single_split_variant_gives_every_sequence_one_split(standin, monkeypatc
 
 
 def test_plans_are_reused_across_shapes_and_variants(standin, monkeypatch):
-    """Two shapes with a variant each from the table, called in turn: one plan (one info call, one metadata fill)
-    per shape, each reused, each call right."""
+    """Two shapes with a variant each from the table and a third with the default, called in turn: one plan per
+    shape (one info call and one metadata fill per persistent one), each reused, each call right."""
     aiter = standin("RUNNER")
-    monkeypatch.setattr(S, "AITER_VARIANTS", {(4, 64): ("a16w8_direct", "test"), (2, 1000): ("fp8_direct", "test")})
+    monkeypatch.setattr(S, "AITER_VARIANTS", {(4, 64): ("a16w8_ps", "test"), (2, 1000): ("fp8_nps", "test")})
     for seed in range(3):
-        for lengths, variant in (([64] * 4, "a16w8_direct"), ([1000] * 2, "fp8_direct"), ([64] * 3, "fp8_ps")):
+        for lengths, variant in (([64] * 4, "a16w8_ps"), ([1000] * 2, "fp8_nps"), ([64] * 3, "fp8_ps")):
             assert_right(data := make(lengths, seed), S.custom_kernel(data), variant)
-    assert sorted(key.variant for key in S._AITER_PLANS) == ["a16w8_direct", "fp8_direct", "fp8_ps"]
-    assert len(aiter.calls_to("get_mla_metadata_info_v1")) == 3 and aiter.stats["metadata_fills"] == 3
-    assert len(aiter.calls_to("mla_decode_stage1_asm_fwd")) == 6 and len(aiter.calls_to("mla_decode_fwd")) == 3
+    assert sorted(key.variant for key in S._AITER_PLANS) == ["a16w8_ps", "fp8_nps", "fp8_ps"]
+    assert len(aiter.calls_to("get_mla_metadata_info_v1")) == 2 and aiter.stats["metadata_fills"] == 2
+    assert len(aiter.calls_to("mla_decode_fwd")) == 9
 
 
 def test_the_same_shape_under_another_variant_gets_its_own_plan(standin, monkeypatch):
@@ -336,28 +301,7 @@ def test_wheel_is_refused_before_any_call_for_every_variant(standin, monkeypatch
     assert aiter.calls == []
 
 
-@pytest.mark.parametrize("variant", ("fp8_direct", "a16w8_direct_nofast"))
-def test_newest_signatures_send_the_direct_call_through_mla_decode_fwd(standin, monkeypatch, caplog, variant):
-    """NEWEST's stage 1 takes `lse` where the runner's takes q_scale, its reduce a required num_kv_splits: the
-    direct call does not fit, so the plan runs mla_decode_fwd (same Q, same fast_mode), warned once."""
-    aiter = standin("NEWEST")
-    monkeypatch.setenv("MLA_AITER_VARIANT", variant)
-    with caplog.at_level(logging.WARNING, logger="mla_decode"):
-        for seed in range(2):
-            assert_right(data := make([1000] * 2, seed), S.custom_kernel(data), variant)
-    assert caplog.text.count("cannot take the 'direct' call form") == 1
-    assert "aiter.mla_decode_stage1_asm_fwd takes (" in caplog.text and "aiter.mla_reduce_v1 takes (" in caplog.text
-    assert len(aiter.calls_to("mla_decode_fwd")) == 2
-    assert aiter.calls_to("mla_decode_stage1_asm_fwd") == aiter.calls_to("mla_reduce_v1") == []  # not directly
-    spec = S.AITER_VARIANT_SPECS[variant]
-    (info,) = aiter.calls_to("get_mla_metadata_info_v1")
-    assert info.arguments["fast_mode"] is spec.fast_mode
-    assert aiter.calls_to("mla_decode_fwd")[0].arguments["q"].dtype == (E4M3FN if spec.q == "fp8" else torch.bfloat16)
-
-
 @pytest.mark.parametrize("variant, function, dropped", [
-    ("fp8_direct", "mla_reduce_v1", "final_lse"),
-    ("fp8_direct", "mla_decode_stage1_asm_fwd", "kv_scale"),
     ("fp8_nps", "mla_decode_fwd", "num_kv_splits_indptr"),
 ])
 def test_a_call_form_that_does_not_fit_falls_back_to_the_checked_one(standin, monkeypatch, caplog, variant,
@@ -370,64 +314,7 @@ def test_a_call_form_that_does_not_fit_falls_back_to_the_checked_one(standin, mo
     assert aiter.launches[-2:] == [STAGE1["fp8"], "mla_reduce_v1"]  # persistent mla_decode_fwd
 
 
-def test_a_missing_direct_function_falls_back(standin, monkeypatch, caplog):
-    standin("RUNNER")
-    import aiter
-
-    monkeypatch.delattr(aiter, "mla_reduce_v1")
-    monkeypatch.setenv("MLA_AITER_VARIANT", "a16w8_direct")
-    with caplog.at_level(logging.WARNING, logger="mla_decode"):
-        assert_right(data := make([40, 3], seed=2), S.custom_kernel(data), "a16w8_direct")
-    assert "no aiter.mla_reduce_v1" in caplog.text
-
-
 # --- the stand-in enforces what the variants rely on (so the tests above mean something) ------------------------
-
-
-def filled_metadata(aiter, data) -> list[torch.Tensor]:
-    """The six buffers for FP8 Q, filled by get_mla_metadata_v1 (fast mode) for `data`'s lengths."""
-    q, _, qo_indptr, kv_indptr, _ = data
-    info = aiter.get_mla_metadata_info_v1(q.shape[0], 1, 16, E4M3FN, E4M3FN, is_sparse=False, fast_mode=True,
-                                          intra_batch_mode=False)
-    b = [torch.empty(shape, dtype=dtype) for shape, dtype in info]
-    aiter.get_mla_metadata_v1(qo_indptr, kv_indptr, torch.ones(q.shape[0], dtype=torch.int32), 16, 1, True, b[0],
-                              b[2], b[1], b[3], b[4], b[5], page_size=1, fast_mode=True, dtype_q=E4M3FN,
-                              dtype_kv=E4M3FN)
-    return b
-
-
-def direct_stage1(aiter, data, slots=None, split_dtype=torch.float32):
-    """Metadata and stage 1 by hand against the stand-in, FP8 Q: returns (o, the partials, the six buffers)."""
-    q, kv_data, qo_indptr, kv_indptr, config = data
-    kv, kv_scale = kv_data["fp8"]
-    batch, total_kv = q.shape[0], kv.shape[0]
-    q8, q_scale = R.quantize_fp8(q, E4M3FN)
-    b = filled_metadata(aiter, data)
-    slots = b[5].shape[0] if slots is None else slots
-    partial = torch.empty((slots, 1, 16, 512), dtype=split_dtype), torch.empty((slots, 1, 16, 1), dtype=split_dtype)
-    o = torch.empty((batch, 16, 512), dtype=torch.bfloat16)
-    aiter.mla_decode_stage1_asm_fwd(q8, kv.view(total_kv, 1, 1, 576), qo_indptr, kv_indptr,
-                                    torch.arange(total_kv, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
-                                    None, b[0], b[1], b[2], 1, 1, 1, config["sm_scale"], *partial, o, q_scale,
-                                    kv_scale)
-    return o, partial, b
-
-
-def test_standin_direct_calls_are_checked(standin):
-    aiter = standin("RUNNER").modules["aiter"]
-    data = make([1000] * 2, seed=8)
-    o, partial, b = direct_stage1(aiter, data)
-    aiter.mla_reduce_v1(*partial, b[3], b[4], b[5], 1, o, None)
-    assert tight_error(data, o, "fp8_direct") < TIGHT  # the control
-    with pytest.raises(RuntimeError, match="did not write there"):  # partials other than stage 1 wrote
-        aiter.mla_reduce_v1(*(torch.zeros_like(t) for t in partial), b[3], b[4], b[5], 1, o, None)
-    with pytest.raises(RuntimeError, match="past splitData"):  # partials smaller than reduce_partial_map says
-        direct_stage1(aiter, data, slots=1)
-    with pytest.raises(RuntimeError, match="float32"):
-        direct_stage1(aiter, data, split_dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="mixed metadata"):  # reduce maps of another fill
-        other = filled_metadata(aiter, make([1000] * 2, seed=9))
-        aiter.mla_reduce_v1(*partial, other[3], other[4], other[5], 1, o, None)
 
 
 def test_standin_has_no_non_persistent_a16w8_kernel(standin):
