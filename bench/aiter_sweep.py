@@ -13,7 +13,7 @@ mla_decode/aiter_backend.py; run through submission.py, which tools/bundle.py ge
              the BF16 truth computed once per shape): a variant that fails or raises is never recommended
   median µs  the leaderboard's timing of one whole custom_kernel call (MLA_BACKEND=aiter, MLA_AITER_VARIANT set
              to the variant): synchronize, flush L2, event, the call, event, synchronize; median of --iters calls
-             after --warmup untimed ones (bench/leaderboard.py's Timer)
+             after --warmup untimed ones (utils.Timer, as the leaderboard's eval.py)
   ran as     the call form the plan actually runs: fp8_nps on an aiter whose mla_decode_fwd does not take the
              one-split call runs it persistent ("decode_fwd (fallback)")
 and the triton backend's paths (TRITON_PATHS: MLA_BACKEND=triton in each KV format and precision, checked with
@@ -57,7 +57,7 @@ import torch  # noqa: E402
 import reference  # noqa: E402
 import submission  # noqa: E402
 from bench import chart, leaderboard  # noqa: E402  (leaderboard's shapes, scoped_env, timer, read ceiling: one of each)
-from utils import get_device  # noqa: E402
+from utils import Timer, get_device  # noqa: E402
 
 # The triton backend's paths: row name -> (KV format, precision). Only ROCM_TRITON (the FP8 cache, the fast mode) can
 # be recommended for a shape.
@@ -67,7 +67,7 @@ TRITON_PATHS = {submission.ROCM_TRITON: ("fp8", "fast"), "triton-fp8-precise": (
 
 def leaderboard_times(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:
     """µs of each of `iters` calls timed as the leaderboard does (the only timing this script uses)."""
-    return leaderboard.Timer(device).leaderboard(fn, iters)
+    return Timer(device).leaderboard(fn, iters)
 
 
 @dataclasses.dataclass

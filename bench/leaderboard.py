@@ -65,7 +65,7 @@ import submission  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling, select  # noqa: E402
 from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
-from utils import Timer, get_device, scoped_env  # noqa: E402, F401  (Timer: bench/aiter_sweep.py times with it)
+from utils import get_device, scoped_env  # noqa: E402
 
 DRY_RUN_SHAPES = ((2, 64, 11), (3, 37, 12))  # (batch, kv length, seed): tiny, and one length not a tile multiple
 PAGE_SIZES = (64, 16, 1)  # the paged rows' page sizes
