@@ -554,7 +554,8 @@ def aiter_key(q: torch.Tensor, kv: torch.Tensor, kv_seq_len: int | None, variant
     return _aiter_plan_key(fns, fp8, q, kv, kv_seq_len, variant, q_len)
 
 
-def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: float, out: torch.Tensor,
+def aiter_forward(key: AiterKey, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, qo_indptr: torch.Tensor,
+                  kv_indptr: torch.Tensor, sm_scale: float, out: torch.Tensor,
                   kv_indices: torch.Tensor | None = None) -> None:
     """Q x FP8 KV through aiter's MLA decode into `out`, by the key's variant (AITER_VARIANT_SPECS says what each
     launches; today's, "fp8_ps", is FP8 Q into one persistent aiter.mla.mla_decode_fwd call).
@@ -672,7 +673,8 @@ class AiterDecode:
         self.kv_indices.scatter_(0, dest.flatten().long(), tokens.flatten().to(torch.int32))
         return valid
 
-    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, seqs: torch.Tensor,
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """As TritonDecode.run; lse must be None (aiter_unusable_reason refuses return_lse). q (batch, q_len, heads,
         576) and out (batch, q_len, heads, 512) are handed to aiter as the (batch x q_len, heads, ...) they are."""
         p = self.problem

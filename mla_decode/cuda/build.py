@@ -43,7 +43,7 @@ def decode_call_layout() -> list[int]:
     return [getattr(DecodeCall, name).offset for name, _ in DecodeCall._fields_] + [ctypes.sizeof(DecodeCall)]
 
 
-def check_decode_call(lib) -> None:
+def check_decode_call(lib: ctypes.CDLL) -> None:
     """Raises DecodeCallMismatch unless `lib`'s DecodeCall (its mla_decode_call_fields and mla_decode_call_layout) has
     DecodeCall's fields at DecodeCall's offsets and its size, naming the first field that differs. A library built
     from sources older or newer than this module (a stale cache, a frozen copy of csrc) fails here, not in a launch
@@ -142,7 +142,7 @@ def _load(path: str):
     return lib
 
 
-def library(capability: tuple[int, int], precise: bool = False):
+def library(capability: tuple[int, int], precise: bool = False) -> ctypes.CDLL:
     """The kernel library for this capability, built once per machine (see build_library) and loaded: the wgmma
     kernel on Hopper (sm_90a), or the mma.sync one where that cannot be built (an nvcc older than 12.0; with a
     warning), on other GPUs, and in the precise mode everywhere (its score product is an fp16 MMA on the exactly

@@ -3,6 +3,7 @@ reads, and CudaDecode, a problem's plan and its one launch."""
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from .plan import (
     query_units,
     split_rows,
 )
+
+if TYPE_CHECKING:  # the package imports nothing of mla_decode at run time
+    from ..contract import Problem
 
 V_HEAD_DIM = 512  # value width (DV in the source)
 KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
@@ -62,7 +66,7 @@ def launch_splits(key: LaunchKey) -> int:
     return plan_splits(key, device_facts(key.device, key.precise))
 
 
-def cuda_unusable_reason(problem) -> str | None:
+def cuda_unusable_reason(problem: "Problem") -> str | None:
     """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): a multiple of 16 heads, the
     FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build, in at most MAX_UNITS units of the
     plan's rows; else why not."""
@@ -103,7 +107,7 @@ class CudaDecode:
     fields set. run() sets the inputs' fields and makes one ctypes call: no allocation, no host read. Runs of one
     plan share its workspace: they must be issued in order on one stream."""
 
-    def __init__(self, problem, unit_rows: int | None = None):
+    def __init__(self, problem: "Problem", unit_rows: int | None = None):
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
         facts = device_facts(device, precise)
@@ -130,7 +134,8 @@ class CudaDecode:
                                unit_rows=rows, page_mul=page_mul, page_shift=page_shift, guess_rows=guess_rows)
         self.address = ctypes.addressof(self.call)
 
-    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, seqs: torch.Tensor,
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes, scale (1,) fp32 or
         (num_rows, >= 18) E8M0; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,) (ragged); table
         (batch, max_pages) or None; out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len) fp32 or

@@ -3,9 +3,12 @@ problem and the facts of its GPU and kernel library (DeviceFacts: decode.py gath
 every rule."""
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:  # the package imports nothing of mla_decode at run time
+    from ..contract import Problem
 
 QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token: heads come in multiples of it
 WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multiples of 32 (unit_rows)
@@ -82,13 +85,13 @@ def split_rows(length: int, splits: int) -> int:
     return -(-per_split // BLOCK_N) * BLOCK_N
 
 
-def query_units(problem, rows: int) -> int:
+def query_units(problem: "Problem", rows: int) -> int:
     """The CTAs a problem's query rows take per split in units of `rows`: batch x q_len x num_heads / rows (the
     grid's y)."""
     return problem.batch * problem.q_len * problem.num_heads // rows
 
 
-def served_unit_rows(problem, max_unit_rows: int) -> list[int]:
+def served_unit_rows(problem: "Problem", max_unit_rows: int) -> list[int]:
     """The query rows a unit (a CTA) of `problem` can take: 16; in the fast mode, with a library whose kernels take
     units up to `max_unit_rows` (the Hopper wgmma one's), also 32 where the heads come in 32s and 64 where they come
     in 64s with the FP8 cache (the 64-row kernel has no MXFP4 path: two dequantized tiles beside the 4 stages would
@@ -101,7 +104,7 @@ def served_unit_rows(problem, max_unit_rows: int) -> list[int]:
     return [QUERY_ROWS, *wide]
 
 
-def plan_unit_rows(problem, facts: DeviceFacts, requested: int | None = None) -> int:
+def plan_unit_rows(problem: "Problem", facts: DeviceFacts, requested: int | None = None) -> int:
     """The query rows of a unit (a CTA) in `problem`'s plan on a GPU of `facts`, of served_unit_rows. 64 where served
     and a 64-row CTA, split as cuda_plan splits it, walks at least WIDEST_MIN_TILES tiles, or the unsplit 64-row grid
     fills the SMs, or it walks at least WIDEST_MERGED_MIN_TILES where the 16-row plan splits too. Else 32 where
