@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import importlib
 import math
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -66,6 +67,12 @@ NUM_KV_HEADS = reference.NUM_KV_HEADS  # MLA's one latent head
 SOFTMAX_SCALE = reference.SM_SCALE  # 1 / sqrt(576), every method's
 FP8 = torch.float8_e4m3fn
 LENGTH_STEP = 7  # sequence b holds kv - (LENGTH_STEP * b) % page rows: lengths off the page size, the longest kv
+# How a row's lengths spread: "near" kv (the LENGTH_STEP rule), "uniform" (every one kv), "normal" (mean kv, sd
+# kv / 2, as FlashMLA's own test draws a varlen batch), "lognormal" (median kv, sigma LOGNORMAL_SIGMA: 2% of sequences
+# past 16 x kv), "one-long" (one sequence of kv beside ONE_LONG_OTHERS rows each), "range" (1 to kv, evenly in log).
+SPREADS = ("near", "uniform", "normal", "lognormal", "one-long", "range")
+LOGNORMAL_SIGMA = 1.4
+ONE_LONG_OTHERS = 1024
 # Two tiny rows (the second with partly filled pages, more heads and MTP); kept small for Triton's interpreter, whose
 # time grows with q_len x heads.
 DRY_RUN_SHAPES = ({"batch": 2, "kv": 100, "heads": 16, "q_len": 1, "page": 64, "seed": 11},
@@ -93,24 +100,39 @@ class ServingShape:
     the reference read them there), so a row may carry a length distribution of its own as one more field."""
 
     batch: int
-    kv: int  # the longest sequence's length
+    kv: int  # the longest sequence's length ("near"); the mean ("normal"); the median ("lognormal"); see SPREADS
     heads: int  # query heads sharing the latent KV head
     q_len: int  # query tokens per sequence (2: MTP)
     page: int  # rows per page
     seed: int
+    spread: str = "near"  # how the lengths spread about kv: SPREADS
 
     @property
     def name(self) -> str:
         kv = f"{self.kv // 1024}k" if self.kv % 1024 == 0 else str(self.kv)
-        return f"{self.batch}x{kv}-h{self.heads}-q{self.q_len}"
+        tag = "" if self.spread == "near" else f"-{self.spread}"
+        return f"{self.batch}x{kv}-h{self.heads}-q{self.q_len}{tag}"
 
     @property
     def causal(self) -> bool:
         return self.q_len > 1
 
     def lengths(self) -> list[int]:
-        """Sequence b holds kv - (LENGTH_STEP * b) % page rows."""
-        return [self.kv - (LENGTH_STEP * b) % self.page for b in range(self.batch)]
+        """Each sequence's rows, by the row's spread (SPREADS), at least q_len (a causal token sees a row)."""
+        rng = random.Random(self.seed)
+        if self.spread == "near":
+            lens = [self.kv - (LENGTH_STEP * b) % self.page for b in range(self.batch)]
+        elif self.spread == "uniform":
+            lens = [self.kv] * self.batch
+        elif self.spread == "normal":
+            lens = [round(rng.gauss(self.kv, self.kv / 2)) for _ in range(self.batch)]
+        elif self.spread == "lognormal":
+            lens = [round(self.kv * math.exp(rng.gauss(0.0, LOGNORMAL_SIGMA))) for _ in range(self.batch)]
+        elif self.spread == "one-long":
+            lens = [self.kv] + [ONE_LONG_OTHERS] * (self.batch - 1)
+        else:  # "range": 1 to kv, evenly in log
+            lens = [round(self.kv ** (b / max(1, self.batch - 1))) for b in range(self.batch)]
+        return [max(self.q_len, n) for n in lens]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -493,6 +515,8 @@ def load_shapes(path: Path) -> list[ServingShape]:
             raise SystemExit(f"{path}: row {entry}: {e}") from e
         if min(shape.batch, shape.heads, shape.q_len, shape.page) < 1 or shape.kv < shape.page:
             raise SystemExit(f"{path}: row {entry}: expected batch, heads, q_len, page >= 1 and kv >= page")
+        if shape.spread not in SPREADS:
+            raise SystemExit(f"{path}: row {entry}: expected a spread of {SPREADS}")
         shapes.append(shape)
     names = [s.name for s in shapes]
     if len(set(names)) != len(names):

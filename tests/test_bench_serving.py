@@ -93,11 +93,31 @@ def test_reference_is_the_torch_backends_attention(heads, q_len):
         assert verdict.rel_l2 < TORCH_OUT_BOUND and verdict.lse_err < TORCH_LSE_BOUND, (kv_format, verdict)
 
 
-@pytest.mark.parametrize("spec", ["serving.yml", "serving_heads.yml"])
+@pytest.mark.parametrize("spec", ["serving.yml", "serving_heads.yml", "uneven.yml"])
 def test_the_specs_load(spec):
     """Both grids of rows parse, each row valid, none repeated."""
     shapes = serving.load_shapes(ROOT / spec)
     assert shapes and len({s.name for s in shapes}) == len(shapes)
+
+
+def test_spreads_give_the_lengths_they_name(tmp_path):
+    """Each spread of uneven.yml's rows: uniform all kv; normal about kv with a wide spread; lognormal a long tail;
+    one-long one sequence of kv; range 1 to kv; every length at least q_len. An unknown spread is refused."""
+    def lengths(spread, batch=128, kv=4096, q_len=2):
+        return serving.ServingShape(batch, kv, 16, q_len, 64, seed=7, spread=spread).lengths()
+
+    assert lengths("uniform") == [4096] * 128
+    normal = torch.tensor(lengths("normal"), dtype=torch.float64)
+    assert abs(normal.mean() - 4096) < 400 and 1500 < normal.std() < 2600 and normal.min() >= 2
+    lognormal = lengths("lognormal", batch=256, kv=2048)
+    assert sorted(lognormal)[128] < 4096 and max(lognormal) > 32768
+    assert sorted(lengths("one-long", batch=32, kv=65536)) == [serving.ONE_LONG_OTHERS] * 31 + [65536]
+    assert lengths("range", batch=8, kv=32768, q_len=1)[::7] == [1, 32768]
+    assert serving.ServingShape(8, 4096, 16, 1, 64, seed=1, spread="normal").name == "8x4k-h16-q1-normal"
+    spec = tmp_path / "bad.yml"
+    spec.write_text("rows:\n  - {batch: 2, kv: 128, heads: 16, q_len: 1, page: 64, seed: 1, spread: zipf}\n")
+    with pytest.raises(SystemExit, match="expected a spread of"):
+        serving.load_shapes(spec)
 
 
 def test_pages_are_shuffled_and_each_owned_by_one_sequence():
