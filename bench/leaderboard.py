@@ -68,7 +68,7 @@ import yaml  # noqa: E402
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
 import submission  # noqa: E402
-from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
+from mla_decode.triton import triton_plan, triton_target  # noqa: E402
 from utils import Timer, get_device, l2_flush, scoped_env  # noqa: E402
 
 # KV bytes one decode must read per cache row, by format (the FP8 per-tensor scale is 4 bytes in all).

@@ -52,7 +52,7 @@ import yaml  # noqa: E402
 import mla_decode  # noqa: E402
 import reference  # noqa: E402
 from bench import leaderboard  # noqa: E402
-from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
+from mla_decode.triton import triton_plan, triton_target  # noqa: E402
 from utils import get_device  # noqa: E402
 
 SPEC = ROOT / "serving.yml"

@@ -47,7 +47,7 @@ from .contract import (
 )
 from .select import cuda_package, select_backend
 from .torch_backend import TorchDecode, sequence_rows
-from .triton_backend import TritonDecode
+from .triton import TritonDecode
 
 # The keyword arguments each backend's plan takes after the problem (backend_options).
 BACKEND_OPTIONS = {"torch": (), "cuda": ("unit_rows",), "triton": ("target", "plan"),

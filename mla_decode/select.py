@@ -9,7 +9,7 @@ import torch
 from .aiter_backend import aiter_auto_reason, aiter_unusable_reason
 from .contract import BACKEND_CHOICES, Problem, expect_choice, log
 from .torch_backend import torch_unusable_reason
-from .triton_backend import triton_unusable_reason
+from .triton import triton_unusable_reason
 
 CUDA_PACKAGE_MISSING = ("cuda backend: the mla_decode.cuda package is not importable: install this repo "
                         "(pip install -e .) for the CUDA kernels")
