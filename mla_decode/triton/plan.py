@@ -58,8 +58,8 @@ class TritonPlan(NamedTuple):
     # no spills and half the instructions a tile on the H200; AMD keeps the figures tools/amd_check.py gates
     v_cast_first: bool = False
     # query rows per program (a power of 2 >= 16; the last group masked where they do not divide q_len x num_heads):
-    # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
-    # has the compile figures), so the plans keep 16 and a caller may choose more
+    # more read each tile for more rows, in fewer programs. triton_plan takes 16, or WIDE_BLOCK_H for NVIDIA's fast
+    # FP8 kernel where that wins (its docstring says where); a caller may choose more
     block_h: int = TRITON_BLOCK_H
     # the split kernel for Hopper (hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
     # portable one, for the FP8 cache (fast or precise) and the MXFP4 one (fast); 16 query rows, 4 warps, two tiles
@@ -102,7 +102,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     that puts batch x groups x splits near the programs resident at once (more only add partials and waves); as many
     stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and gfx950's
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
-    (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
+    only. docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
     scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS  # where the MMAs take E2M1 and E8M0
     hopper = (not scaled and block_h in (None, TRITON_BLOCK_H)
