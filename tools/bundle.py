@@ -86,6 +86,11 @@ def bundle() -> str:
         where = path.relative_to(ROOT).as_posix()  # mla_decode/triton/common.py
         source = path.read_text()
         tree = ast.parse(source)
+        for node in tree.body:  # a dropped import's names must already be globals: MODULES' order is import order
+            missing = [a.name for a in getattr(node, "names", ()) if getattr(node, "level", 0) and a.name not in owner]
+            if missing:
+                raise SystemExit(f"bundle: {where} imports {missing} from {'.' * node.level}{node.module or ''}, "
+                                 "which no module before it in MODULES defines")
         for defined in _defined_names(tree.body):
             if defined in owner:
                 raise SystemExit(f"bundle: {defined!r} is defined in both {owner[defined]} and {where}")
