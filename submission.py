@@ -31,21 +31,6 @@ import torch
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-TRITON_IMPORT_ERROR = None
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # no triton here: the triton backend says so when asked (select_backend)
-    triton = tl = None
-    TRITON_IMPORT_ERROR = e
-try:  # Gluon, Triton's explicit-layout dialect (3.5+): the Hopper kernel of the triton backend (triton_hopper.py)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia import hopper
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-except ImportError:  # older Triton: the portable kernel serves Hopper too
-    gluon = gl = hopper = async_copy = None
-
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM  # 576: a query or key row
@@ -289,26 +274,97 @@ class TorchDecode:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# mla_decode/triton_common.py
-# What the triton backend's two split kernels (the portable one, triton_backend.py; the Hopper one,
-# triton_hopper.py) read alike: the row widths and MXFP4's block as constexprs, a sequence's positions and validity,
-# and where a query row's LSE goes. The combine kernel reads them too.
+# mla_decode/triton/common.py
+# What the triton backend's modules share: Triton and Gluon as this Python has them (None where they do not import),
+# the targets its plans and launch options are sized for, and the jit helpers both split kernels (the portable one,
+# kernels.py; the Hopper one, hopper.py), the combine and aiter's Q quantizer read alike: the row widths and MXFP4's
+# block as constexprs, a sequence's positions and validity, where a query row's LSE goes, E4M3 rounding for the
+# interpreter. Importing it never fails; without Triton the helpers are None.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+TRITON_IMPORT_ERROR = None
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # no triton here: the triton backend says so when asked (select_backend)
+    triton = tl = None
+    TRITON_IMPORT_ERROR = e
+try:  # Gluon, Triton's explicit-layout dialect (3.5+): the Hopper kernel of the triton backend (hopper.py)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # older Triton: the portable kernel serves Hopper too
+    gluon = gl = hopper = async_copy = None
+
+
+class TritonTarget(NamedTuple):
+    """What the plans and launch options depend on besides the call, read once per device (triton_target)."""
+
+    vendor: str  # "nvidia", "amd", or "interpreter" (TRITON_INTERPRET=1 on the CPU)
+    arch: str  # "sm_90", "gfx950", "gfx942", ...; "cpu" under the interpreter
+    num_sms: int  # SMs (NVIDIA) or CUs (AMD) that the split count fills
+    shared_bytes: int  # shared memory (LDS on AMD) one program may use
+
+
+# LDS per CU by AMD architecture (CDNA3 / CDNA4 ISA guides; torch does not report it on ROCm); others: the smallest.
+AMD_LDS_BYTES = {"gfx950": 160 * 1024, "gfx942": 64 * 1024, "gfx941": 64 * 1024, "gfx940": 64 * 1024,
+                 "gfx90a": 64 * 1024}
+# Split-kernel programs resident per CU, which the split count fills: the waves per SIMD of the offline compile
+# (tools/amd_check.py), a 4-warp program being one wave on each of a CU's 4 SIMDs.
+PROGRAMS_PER_SM = {"gfx950": 2, "gfx942": 1}
+NVIDIA_PROGRAMS_PER_SM = 2  # ~255 registers x 128 threads and ~100 KB of shared memory each
+# CDNA4's MFMAs take E2M1 operands with E8M0 block scales: there the MXFP4 scores are tl.dot_scaled on the codes.
+SCALED_MFMA_ARCHS = ("gfx950",)
+INTERPRETER_TARGET = TritonTarget("interpreter", "cpu", 132, 228 * 1024)  # plans as on an H200
+
+
+def amd_triton_target(arch: str, num_cus: int) -> TritonTarget:
+    """An AMD GPU's target from its architecture ("gfx950") and CU count (tools/amd_check.py builds them so)."""
+    return TritonTarget("amd", arch, num_cus, AMD_LDS_BYTES.get(arch, 64 * 1024))
+
+
+def triton_interpreted() -> bool:
+    """Triton's own switch (not a setting of ours): its interpreter runs the kernels on the CPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def triton_target(device: torch.device) -> TritonTarget:
+    if device.type != "cuda":
+        return INTERPRETER_TARGET
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        return amd_triton_target(props.gcnArchName.split(":")[0], props.multi_processor_count)  # "gfx950:sramecc+"
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return TritonTarget("nvidia", f"sm_{props.major}{props.minor}", props.multi_processor_count, shared)
+
+
+def triton_launch_options(target: TritonTarget, num_warps: int, num_stages: int | None = None,
+                          pdl: bool = False) -> dict:
+    """Launch options for `target`: AMD's backend refuses NVIDIA's launch_pdl, so it is named on NVIDIA only."""
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if target.vendor == "nvidia":
+        options["launch_pdl"] = pdl
+    return options
+
+
 # without Triton: no kernels to share them
-_QK_DIM = _V_DIM = _FP4_ROW_BYTES = _MX_BLOCK = _LN2 = _sequence = _lse_at = None
+QK_DIM = V_DIM = FP4_ROW_BYTES = MX_BLOCK = TL_LN2 = sequence_span = lse_at = round_to_e4m3 = None
 
 if triton is not None:
     # a jit function reads only constexpr globals
-    _QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
-    _V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
-    _FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
-    _MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
-    _LN2 = tl.constexpr(LN2)
+    QK_DIM = tl.constexpr(QK_HEAD_DIM)  # a query/key row: 576
+    V_DIM = tl.constexpr(V_HEAD_DIM)  # a value/output row: the first 512
+    FP4_ROW_BYTES = tl.constexpr(MXFP4_ROW_BYTES)  # an MXFP4 row: two codes a byte, 288
+    MX_BLOCK = tl.constexpr(MXFP4_BLOCK)  # values per E8M0 scale: 32
+    TL_LN2 = tl.constexpr(LN2)  # named apart from the contract's float: the bundle is one namespace
 
     @triton.jit
-    def _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE: tl.constexpr):
+    def sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE: tl.constexpr):
         """(start, end, valid) of sequence b's positions. PAGE_SIZE 0 (ragged): seq_ptr is kv_indptr, and the
         positions kv_indptr[b]:kv_indptr[b+1] are the cache's rows; else seq_ptr is cache_seqlens, the positions are
         0:cache_seqlens[b] and the rows come through the page table. An invalid range or length reads nothing and
@@ -324,15 +380,26 @@ if triton is not None:
             return 0, tl.where(valid, n, 0), valid
 
     @triton.jit
-    def _lse_at(lse_ptr, b, r, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
+    def lse_at(lse_ptr, b, r, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
         """Where query row r (token r // NUM_HEADS, head r % NUM_HEADS) of sequence b has its LSE: lse is
         (batch, num_heads, q_len)."""
         return lse_ptr + b * (Q_LEN * NUM_HEADS) + (r % NUM_HEADS) * Q_LEN + r // NUM_HEADS
 
+    @triton.jit
+    def round_to_e4m3(x):
+        """fp32 x (|x| <= 448) rounded to the nearest E4M3 value, ties to even, still fp32, so that its cast is exact.
+        For Triton's interpreter only (ROUND_FP8), whose fp32 -> fp8 cast drops the carry of a mantissa rounding up
+        into the exponent (126.2 -> 64) and rounds ties up; compiled kernels cast with the hardware's rounding."""
+        bits = x.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6
+        ulp = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): three mantissa bits
+        magnitude = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds to an integer
+        return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
+
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# mla_decode/triton_hopper.py
+# mla_decode/triton/hopper.py
 # The triton backend's split kernel for Hopper (sm_90a) and the FP8 and MXFP4 caches, written in Gluon (Triton's
 # explicit-layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not
 # give.
@@ -369,7 +436,7 @@ elif not triton.__version__.startswith(GLUON_TRITON):
                             f"this is Triton {triton.__version__}")
 else:
     HOPPER_KERNEL_REASON = None  # why the plans cannot take the kernel here, or None
-_hopper_split_kernel = None
+hopper_split_kernel = None
 # MXFP4 -> E5M2, exactly (the MXFP4 tiles of the Hopper kernel; tests/test_triton.py runs this PTX on the CPU). The
 # tables: the E5M2 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 at block scale 2^0, one word each; a
 # block scale 2^k adds 4k to each nonzero byte (E5M2's exponent field), exact for |k| <= E5M2_EXACT_SCALES.
@@ -540,14 +607,14 @@ if HOPPER_KERNEL_REASON is None:
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         if ROWS32:  # the tile's (or its page's) first row, then 32-bit offsets from it
-            words += base * (_FP4_ROW_BYTES // 4)
+            words += base * (FP4_ROW_BYTES // 4)
             kscale_ptr += base * kscale_stride
             rows = offs
         else:
             rows = base + offs.to(gl.int64)
-        at = (rows * (_FP4_ROW_BYTES // 4) + col0 // 8)[:, None] + blk[None, :] * 4
+        at = (rows * (FP4_ROW_BYTES // 4) + col0 // 8)[:, None] + blk[None, :] * 4
         codes = gl.load(words + at[:, :, None] + word[None, None, :], mask=ok[:, None, None], other=0)
-        scales = gl.load(kscale_ptr + (rows * kscale_stride + col0 // _MX_BLOCK)[:, None] + blk[None, :],
+        scales = gl.load(kscale_ptr + (rows * kscale_stride + col0 // MX_BLOCK)[:, None] + blk[None, :],
                          mask=ok[:, None], other=127)
         return codes, scales.to(gl.int32)
 
@@ -570,7 +637,7 @@ if HOPPER_KERNEL_REASON is None:
             first = entry.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE
         one = gl.full([1], 0, gl.int32, _ONE)
         gl.inline_asm_elementwise(_L2_PREFETCH, "=r,l,l,r,r",
-                                  [kv_ptr + first * _FP4_ROW_BYTES + one, kscale_ptr + first * kscale_stride + one,
+                                  [kv_ptr + first * FP4_ROW_BYTES + one, kscale_ptr + first * kscale_stride + one,
                                    rows + one, kscale_stride + one], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -592,7 +659,7 @@ if HOPPER_KERNEL_REASON is None:
         base, offs, ok, bad = _hopper_tile_rows(entries512, n0, hi, num_pages, _SCALES512, PAGE_SIZE)
         c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512, ROWS32)
         base, offs, ok, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _SCALES64, PAGE_SIZE)
-        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, _V_DIM, 2, _CODES64, ROWS32)
+        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, V_DIM, 2, _CODES64, ROWS32)
         return (c, s, cr, sr), bad
 
     @gluon.jit
@@ -608,11 +675,11 @@ if HOPPER_KERNEL_REASON is None:
         """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
         blocks, stacked (4 x 64, 128), and its rope block kr (64, 64)."""
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
-        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _QK_DIM + c128[None, :]
+        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * QK_DIM + c128[None, :]
         for c in gl.static_range(_NCHUNK):
             async_copy.async_copy_global_to_shared(blocks.slice(64 * c, 64), src + c * 128, mask=ok128[:, None])
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
-        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _QK_DIM + _V_DIM + c64[None, :]
+        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * QK_DIM + V_DIM + c64[None, :]
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
 
     @gluon.jit
@@ -662,7 +729,7 @@ if HOPPER_KERNEL_REASON is None:
         return bad
 
     @gluon.jit
-    def _hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+    def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
                              PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
                              NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
@@ -674,7 +741,7 @@ if HOPPER_KERNEL_REASON is None:
         b = gl.program_id(2)
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
-        start, end, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
+        start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
         lo = start + split * per_split
@@ -693,11 +760,11 @@ if HOPPER_KERNEL_REASON is None:
 
         # Q with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
         qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
-        q_at = q_ptr + (first_row + qr)[:, None] * _QK_DIM
+        q_at = q_ptr + (first_row + qr)[:, None] * QK_DIM
         q_ok = (group * 16 + qr < ROWS)[:, None]
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
-        q_max = gl.max(gl.abs(gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
+        q_max = gl.max(gl.abs(gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
             q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
@@ -711,7 +778,7 @@ if HOPPER_KERNEL_REASON is None:
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
             qs.index(c).store(_q_operand(q_c, PRECISE, FP8_MAX))
-        q_pe = gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
+        q_pe = gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
         qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64,
                                          _q_operand(q_pe, PRECISE, FP8_MAX))
         if MXFP4:
@@ -852,21 +919,21 @@ if HOPPER_KERNEL_REASON is None:
         lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
         h = gl.arange(0, 16, layout=cols)
-        at = h[None, :] * _V_DIM + _dim_of(r)[:, None]
+        at = h[None, :] * V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         if NUM_SPLITS == 1:
             ok = valid & (bad == 0)
-            dst = out_ptr + first_row * _V_DIM + at
+            dst = out_ptr + first_row * V_DIM + at
             gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             if WRITE_LSE:
-                gl.store(_lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * _LN2, float("nan")),
+                gl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * TL_LN2, float("nan")),
                          mask=row_in if PARTIAL_ROWS else None)
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache)
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * 16) * _V_DIM + at
+            dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
             gl.store(dst, acc0 * inv[None, :], mask=mask)
             gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
             gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
@@ -877,9 +944,10 @@ if HOPPER_KERNEL_REASON is None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# mla_decode/triton_backend.py
-# The triton backend: one split-KV decode kernel for every KV format and both layouts, and an LSE combine. It runs
-# on NVIDIA and AMD GPUs (and on the CPU under TRITON_INTERPRET=1); its plans are sized per target.
+# mla_decode/triton/kernels.py
+# The triton backend's portable kernels: one split-KV decode kernel for every KV format and both layouts, and an LSE
+# combine. They run on NVIDIA and AMD GPUs (and on the CPU under TRITON_INTERPRET=1); plan.py sizes their plans per
+# target, decode.py launches them.
 #
 # A sequence's q_len x num_heads query rows are folded as row t * num_heads + h (token t, head h; q's own layout) and
 # taken BLOCK_H at a time (16 unless the plan says otherwise: TritonPlan.block_h; any head count, the last group's
@@ -900,106 +968,20 @@ if HOPPER_KERNEL_REASON is None:
 #   bf16:        bf16 Q against the bf16 tile, fp32 sums.
 # V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is; fast FP8 on NVIDIA cast before the transpose).
 # Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
-# On Hopper with Triton 3.6 the FP8 plans (fast and precise) and the fast MXFP4 ones launch triton_hopper.py's Gluon
+# On Hopper with Triton 3.6 the FP8 plans (fast and precise) and the fast MXFP4 ones launch hopper.py's Gluon
 # kernel in this one's place (TritonPlan.hopper), with the same arguments and combine.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
-# NVIDIA's fast FP8 plan: programs of 32 query rows (8 warps) where heads come in 32s and a program still walks
-# WIDE_MIN_TILES tiles, or the grid is more than a wave without splits (triton_plan)
-WIDE_BLOCK_H, WIDE_NUM_WARPS, WIDE_MIN_TILES = 32, 8, 32
 PAGE_CHUNK_TILES = 32  # pages of whole tiles: the tiles whose bases are read from the table at once
-TRITON_MAX_GRID = 65535  # the split kernel's grid: (splits, groups, batch); CUDA and HIP cap the last two there
-
-
-class TritonTarget(NamedTuple):
-    """What the plans and launch options depend on besides the call, read once per device (triton_target)."""
-
-    vendor: str  # "nvidia", "amd", or "interpreter" (TRITON_INTERPRET=1 on the CPU)
-    arch: str  # "sm_90", "gfx950", "gfx942", ...; "cpu" under the interpreter
-    num_sms: int  # SMs (NVIDIA) or CUs (AMD) that the split count fills
-    shared_bytes: int  # shared memory (LDS on AMD) one program may use
-
-
-# LDS per CU by AMD architecture (CDNA3 / CDNA4 ISA guides; torch does not report it on ROCm); others: the smallest.
-AMD_LDS_BYTES = {"gfx950": 160 * 1024, "gfx942": 64 * 1024, "gfx941": 64 * 1024, "gfx940": 64 * 1024,
-                 "gfx90a": 64 * 1024}
-# Split-kernel programs resident per CU, which the split count fills: the waves per SIMD of the offline compile
-# (tools/amd_check.py), a 4-warp program being one wave on each of a CU's 4 SIMDs.
-PROGRAMS_PER_SM = {"gfx950": 2, "gfx942": 1}
-NVIDIA_PROGRAMS_PER_SM = 2  # ~255 registers x 128 threads and ~100 KB of shared memory each
-# CDNA4's MFMAs take E2M1 operands with E8M0 block scales: there the MXFP4 scores are tl.dot_scaled on the codes.
-SCALED_MFMA_ARCHS = ("gfx950",)
-INTERPRETER_TARGET = TritonTarget("interpreter", "cpu", 132, 228 * 1024)  # plans as on an H200
-
-
-def amd_triton_target(arch: str, num_cus: int) -> TritonTarget:
-    """An AMD GPU's target from its architecture ("gfx950") and CU count (tools/amd_check.py builds them so)."""
-    return TritonTarget("amd", arch, num_cus, AMD_LDS_BYTES.get(arch, 64 * 1024))
-
-
-def triton_interpreted() -> bool:
-    """Triton's own switch (not a setting of ours): its interpreter runs the kernels on the CPU."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def triton_target(device: torch.device) -> TritonTarget:
-    if device.type != "cuda":
-        return INTERPRETER_TARGET
-    props = torch.cuda.get_device_properties(device)
-    if torch.version.hip is not None:
-        return amd_triton_target(props.gcnArchName.split(":")[0], props.multi_processor_count)  # "gfx950:sramecc+"
-    shared = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-    return TritonTarget("nvidia", f"sm_{props.major}{props.minor}", props.multi_processor_count, shared)
-
-
-def triton_launch_options(target: TritonTarget, num_warps: int, num_stages: int | None = None,
-                          pdl: bool = False) -> dict:
-    """Launch options for `target`: AMD's backend refuses NVIDIA's launch_pdl, so it is named on NVIDIA only."""
-    options = {"num_warps": num_warps}
-    if num_stages is not None:
-        options["num_stages"] = num_stages
-    if target.vendor == "nvidia":
-        options["launch_pdl"] = pdl
-    return options
-
-
-def query_groups(q_len: int, num_heads: int, block_h: int = TRITON_BLOCK_H) -> int:
-    """The programs a sequence's query rows take per split, block_h rows each (the last masked where they do not
-    divide q_len x num_heads)."""
-    return -(-q_len * num_heads // block_h)
-
-
-def triton_unusable_reason(problem: Problem) -> str | None:
-    if triton is None:
-        return f"triton does not import: {TRITON_IMPORT_ERROR!r}"
-    if problem.device.type != "cuda" and not triton_interpreted():
-        return f"triton backend: needs a GPU (or TRITON_INTERPRET=1); device is {problem.device}"
-    groups = query_groups(problem.q_len, problem.num_heads)
-    if max(problem.batch, groups) > TRITON_MAX_GRID:
-        return (f"triton backend: batch {problem.batch} and {groups} groups of query rows a sequence must each be at "
-                f"most {TRITON_MAX_GRID} (the grid's second and third dimensions)")
-    return None
-
+# without Triton: no kernels (the backend is unusable, plan.triton_unusable_reason)
+mla_split_kernel = mla_combine_kernel = None
 
 if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals); the row widths and
-    # LN2 are triton_common's.
+    # LN2 are common.py's.
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
     _PAGE_CHUNK = tl.constexpr(PAGE_CHUNK_TILES)
-
-    @triton.jit
-    def _round_to_e4m3(x):
-        """fp32 x (|x| <= 448) rounded to the nearest E4M3 value, ties to even, still fp32, so that its cast is exact.
-        For Triton's interpreter only (ROUND_FP8), whose fp32 -> fp8 cast drops the carry of a mantissa rounding up
-        into the exponent (126.2 -> 64) and rounds ties up; compiled kernels cast with the hardware's rounding."""
-        bits = x.to(tl.int32, bitcast=True)
-        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6
-        ulp = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): three mantissa bits
-        magnitude = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds to an integer
-        return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # sign
 
     # 4 packed bytes ($4) -> the e4m3 bytes of their low nibbles and of their high nibbles, interleaved byte by byte
     # -> f16x2 pairs in the values' order: $k = (low, high) nibble of byte k, which the join after it keeps (a pair a
@@ -1055,10 +1037,10 @@ if triton is not None:
         """Columns COL0:COL0+WIDTH of the MXFP4 rows base + offs as they lie: their E2M1 codes, (BLOCK_N, WIDTH / 2)
         bytes, and their E8M0 block scales, (BLOCK_N, WIDTH / 32) bytes; rows not row_ok read as code 0, scale 127
         (1.0). CACHE: the loads' cache modifier."""
-        codes = tl.load(kv_ptr + base * _FP4_ROW_BYTES + COL0 // 2 + offs[:, None] * _FP4_ROW_BYTES
+        codes = tl.load(kv_ptr + base * FP4_ROW_BYTES + COL0 // 2 + offs[:, None] * FP4_ROW_BYTES
                         + tl.arange(0, WIDTH // 2)[None, :], mask=row_ok[:, None], other=0, cache_modifier=CACHE)
         scales = tl.load(kscale_ptr + base * kscale_stride + offs[:, None] * kscale_stride
-                         + (tl.arange(0, WIDTH // _MX_BLOCK) + COL0 // _MX_BLOCK)[None, :], mask=row_ok[:, None],
+                         + (tl.arange(0, WIDTH // MX_BLOCK) + COL0 // MX_BLOCK)[None, :], mask=row_ok[:, None],
                          other=127)
         return codes, scales
 
@@ -1071,7 +1053,7 @@ if triton is not None:
         row_ok read as 0. V_CAST_FIRST: fp8 V^T converted before its transpose (TritonPlan.v_cast_first)."""
         BLOCK_N: tl.constexpr = row_ok.shape[0]
         if KV_FORMAT != "mxfp4":
-            x = tl.load(kv_ptr + base * _QK_DIM + COL0 + offs[:, None] * _QK_DIM + tl.arange(0, WIDTH)[None, :],
+            x = tl.load(kv_ptr + base * QK_DIM + COL0 + offs[:, None] * QK_DIM + tl.arange(0, WIDTH)[None, :],
                         mask=row_ok[:, None], other=0.0)
             if TRANS and V_CAST_FIRST and KV_FORMAT == "fp8":
                 # Triton moves a plain cast after the transpose, which then reads the FP8 bytes one at a time; split
@@ -1083,7 +1065,7 @@ if triton is not None:
                 x = tl.trans(x)
             return x.to(DOT_DTYPE)
         else:
-            NB: tl.constexpr = WIDTH // _MX_BLOCK
+            NB: tl.constexpr = WIDTH // MX_BLOCK
             # another cache modifier keeps the V read apart from the K read (no CSE: one register tile for both
             # products was slower)
             packed, sbytes = _mx_bytes(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, COL0, WIDTH,
@@ -1097,7 +1079,7 @@ if triton is not None:
             else:
                 even = _e2m1_as_fp16(packed & 0xF)
                 odd = _e2m1_as_fp16(packed >> 4)
-            x = tl.join(even, odd).reshape(BLOCK_N, NB, _MX_BLOCK) * bscale[:, :, None]
+            x = tl.join(even, odd).reshape(BLOCK_N, NB, MX_BLOCK) * bscale[:, :, None]
             x = x.reshape(BLOCK_N, WIDTH).to(DOT_DTYPE)
             if TRANS:
                 x = tl.trans(x)
@@ -1127,13 +1109,13 @@ if triton is not None:
         per-row q_scale (BLOCK_H,), as Q_DTYPE; FP8_MAX > 0: Q_DTYPE is an FP8 type of that largest value, to which
         the values are clamped. PARTIAL_ROWS: rows not row_in (past the sequence's) read as 0."""
         d = COL0 + tl.arange(0, WIDTH)
-        x = _load_rows(q_grp + tl.arange(0, q_scale.shape[0])[None, :] * _QK_DIM + d[:, None], row_in[None, :],
+        x = _load_rows(q_grp + tl.arange(0, q_scale.shape[0])[None, :] * QK_DIM + d[:, None], row_in[None, :],
                        PARTIAL_ROWS)
         x = x.to(tl.float32) * q_scale[None, :]
         if FP8_MAX > 0:
             x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
             if ROUND_FP8:
-                x = _round_to_e4m3(x)
+                x = round_to_e4m3(x)
         return x.to(Q_DTYPE)
 
     @triton.jit
@@ -1143,7 +1125,7 @@ if triton is not None:
         valid; PARTIAL_ROWS: only the rows row_in."""
         d = COL0 + tl.arange(0, acc.shape[0])
         o = tl.where(valid, acc * inv[None, :], float("nan"))
-        tl.store(ptr + tl.arange(0, acc.shape[1])[None, :] * _V_DIM + d[:, None], o.to(OUT_DTYPE),
+        tl.store(ptr + tl.arange(0, acc.shape[1])[None, :] * V_DIM + d[:, None], o.to(OUT_DTYPE),
                  mask=row_in[None, :] if PARTIAL_ROWS else None)
 
     @triton.jit
@@ -1159,7 +1141,7 @@ if triton is not None:
             s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 128, 128, q1, s)
             s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 256, 128, q2, s)
             s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 384, 128, q3, s)
-            s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, _V_DIM, _ROPE_DIM, q_rope, s)
+            s = _mx_scores(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, V_DIM, _ROPE_DIM, q_rope, s)
         else:
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 0, 128, False, KV_FORMAT,
                                 K_DTYPE, USE_ASM), q0)
@@ -1169,7 +1151,7 @@ if triton is not None:
                                 K_DTYPE, USE_ASM), q2, s)
             s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, 384, 128, False, KV_FORMAT,
                                 K_DTYPE, USE_ASM), q3, s)
-            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, _V_DIM, _ROPE_DIM, False,
+            s = tl.dot(_kv_cols(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, V_DIM, _ROPE_DIM, False,
                                 KV_FORMAT, K_DTYPE, USE_ASM), q_rope, s)
         if CAUSAL:
             pos = n0 + tl.arange(0, row_ok.shape[0])
@@ -1198,7 +1180,7 @@ if triton is not None:
         return m_i, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
-    def _mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+    def mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
                           lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: tl.constexpr,
                           BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr,
                           PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -1213,7 +1195,7 @@ if triton is not None:
         PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
             tl.extra.cuda.gdc_launch_dependents()
-        start, end, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
+        start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, end)
@@ -1225,7 +1207,7 @@ if triton is not None:
         if CAUSAL:
             hi = tl.minimum(hi, tl.max(limit, 0))
         first_row = b.to(tl.int64) * ROWS + group * BLOCK_H  # the group's first row in q, out and the partials
-        q_grp = q_ptr + first_row * _QK_DIM
+        q_grp = q_ptr + first_row * QK_DIM
         table_row = table_ptr + b.to(tl.int64) * max_pages
         if PAGE_SIZE > 0:
             num_pages = kv_rows // PAGE_SIZE
@@ -1235,10 +1217,10 @@ if triton is not None:
         FP8_Q: tl.constexpr = (KV_FORMAT == "fp8" and not PRECISE) or SCALED_SCORES
         q_fp8_max: tl.constexpr = FP8_MAX if FP8_Q else 0.0
         if KV_FORMAT == "fp8" or SCALED_SCORES:  # one Q scale per head; the fp32 scores get qk_scale / q_scale
-            q_row = q_grp + tl.arange(0, BLOCK_H)[:, None] * _QK_DIM
+            q_row = q_grp + tl.arange(0, BLOCK_H)[:, None] * QK_DIM
             # rows past the sequence's (PARTIAL_ROWS) read as 0: a finite scale, zero scores
-            q_nope = _load_rows(q_row + tl.arange(0, _V_DIM)[None, :], row_in[:, None], PARTIAL_ROWS)
-            q_pe = _load_rows(q_row + _V_DIM + tl.arange(0, _ROPE_DIM)[None, :], row_in[:, None], PARTIAL_ROWS)
+            q_nope = _load_rows(q_row + tl.arange(0, V_DIM)[None, :], row_in[:, None], PARTIAL_ROWS)
+            q_pe = _load_rows(q_row + V_DIM + tl.arange(0, _ROPE_DIM)[None, :], row_in[:, None], PARTIAL_ROWS)
             q_max = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), 1), tl.max(tl.abs(q_pe.to(tl.float32)), 1))
             if not FP8_Q:  # DOT_DTYPE Q scaled by a power of two (exact) so its largest |q| lies in [2^14, 2^15)
                 q_scale = tl.exp2(14.0 - tl.floor(tl.log2(tl.maximum(q_max, 1e-30))))
@@ -1267,7 +1249,7 @@ if triton is not None:
         q1 = _q_cols(q_grp, q_scale, row_in, 128, 128, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
         q2 = _q_cols(q_grp, q_scale, row_in, 256, 128, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
         q3 = _q_cols(q_grp, q_scale, row_in, 384, 128, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
-        q_rope = _q_cols(q_grp, q_scale, row_in, _V_DIM, _ROPE_DIM, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
+        q_rope = _q_cols(q_grp, q_scale, row_in, V_DIM, _ROPE_DIM, q_dtype, q_fp8_max, ROUND_FP8, PARTIAL_ROWS)
 
         if KV_FORMAT == "fp8" and not PRECISE:
             K_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty
@@ -1315,17 +1297,17 @@ if triton is not None:
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
         if NUM_SPLITS == 1:
             valid = valid & (tl.max(bad, 0) == 0)
-            dst = out_ptr + first_row * _V_DIM
+            dst = out_ptr + first_row * V_DIM
             _store_chunk(dst, acc0, inv, valid, row_in, 0, tl.bfloat16, PARTIAL_ROWS)
             _store_chunk(dst, acc1, inv, valid, row_in, 128, tl.bfloat16, PARTIAL_ROWS)
             _store_chunk(dst, acc2, inv, valid, row_in, 256, tl.bfloat16, PARTIAL_ROWS)
             _store_chunk(dst, acc3, inv, valid, row_in, 384, tl.bfloat16, PARTIAL_ROWS)
             if WRITE_LSE:
-                tl.store(_lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), tl.where(valid, lse2 * _LN2, float("nan")),
+                tl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), tl.where(valid, lse2 * TL_LN2, float("nan")),
                          mask=row_in if PARTIAL_ROWS else None)
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache); the combine weighs them
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * _V_DIM
+            dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * V_DIM
             _store_chunk(dst, acc0, inv, True, row_in, 0, tl.float32, PARTIAL_ROWS)
             _store_chunk(dst, acc1, inv, True, row_in, 128, tl.float32, PARTIAL_ROWS)
             _store_chunk(dst, acc2, inv, True, row_in, 256, tl.float32, PARTIAL_ROWS)
@@ -1334,7 +1316,7 @@ if triton is not None:
                      mask=row_in if PARTIAL_ROWS else None)
 
     @triton.jit
-    def _mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    def mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
                             NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr, WRITE_LSE: tl.constexpr,
                             NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
@@ -1343,7 +1325,7 @@ if triton is not None:
         b = bh // ROWS
         r = bh % ROWS
         dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-        _, _, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
+        _, _, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         sp = tl.arange(0, SPLITS_P2)
         row = (b * NUM_SPLITS + sp) * ROWS + r
         if USE_PDL:  # everything above overlapped the split kernel; the partials are read only after it
@@ -1353,14 +1335,48 @@ if triton is not None:
         lse = tl.where(lse == lse, lse, float("-inf"))
         m = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-        o = tl.load(part_o_ptr + row[:, None] * _V_DIM + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
+        o = tl.load(part_o_ptr + row[:, None] * V_DIM + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
         denom = tl.sum(w, 0)
         res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + bh * _V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
+        tl.store(out_ptr + bh * V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
         if WRITE_LSE:
             if tl.program_id(1) == 0:
-                total = tl.where(denom > 0, (m + tl.log2(denom)) * _LN2, float("-inf"))
-                tl.store(_lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
+                total = tl.where(denom > 0, (m + tl.log2(denom)) * TL_LN2, float("-inf"))
+                tl.store(lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# mla_decode/triton/plan.py
+# The triton backend's plans: what a call launches (TritonPlan, triton_plan: splits, tiles, warps, stages, query rows
+# a program, which split kernel) and what the compiled kernels are specialized on (TritonKey, triton_key), and whether
+# the backend, and its Hopper kernel, can serve a call. Planning only: nothing here compiles or launches a kernel.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
+# NVIDIA's fast FP8 plan: programs of 32 query rows (8 warps) where heads come in 32s and a program still walks
+# WIDE_MIN_TILES tiles, or the grid is more than a wave without splits (triton_plan)
+WIDE_BLOCK_H, WIDE_NUM_WARPS, WIDE_MIN_TILES = 32, 8, 32
+TRITON_MAX_GRID = 65535  # the split kernel's grid: (splits, groups, batch); CUDA and HIP cap the last two there
+
+
+def query_groups(q_len: int, num_heads: int, block_h: int = TRITON_BLOCK_H) -> int:
+    """The programs a sequence's query rows take per split, block_h rows each (the last masked where they do not
+    divide q_len x num_heads)."""
+    return -(-q_len * num_heads // block_h)
+
+
+def triton_unusable_reason(problem: Problem) -> str | None:
+    if triton is None:
+        return f"triton does not import: {TRITON_IMPORT_ERROR!r}"
+    if problem.device.type != "cuda" and not triton_interpreted():
+        return f"triton backend: needs a GPU (or TRITON_INTERPRET=1); device is {problem.device}"
+    groups = query_groups(problem.q_len, problem.num_heads)
+    if max(problem.batch, groups) > TRITON_MAX_GRID:
+        return (f"triton backend: batch {problem.batch} and {groups} groups of query rows a sequence must each be at "
+                f"most {TRITON_MAX_GRID} (the grid's second and third dimensions)")
+    return None
 
 
 class TritonPlan(NamedTuple):
@@ -1376,10 +1392,10 @@ class TritonPlan(NamedTuple):
     # no spills and half the instructions a tile on the H200; AMD keeps the figures tools/amd_check.py gates
     v_cast_first: bool = False
     # query rows per program (a power of 2 >= 16; the last group masked where they do not divide q_len x num_heads):
-    # more read each tile for more rows, in fewer programs. Unmeasured above 16 (docs/2026-12-02-triton-speed.md
-    # has the compile figures), so the plans keep 16 and a caller may choose more
+    # more read each tile for more rows, in fewer programs. triton_plan takes 16, or WIDE_BLOCK_H for NVIDIA's fast
+    # FP8 kernel where that wins (its docstring says where); a caller may choose more
     block_h: int = TRITON_BLOCK_H
-    # the split kernel for Hopper (triton_hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
+    # the split kernel for Hopper (hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
     # portable one, for the FP8 cache (fast or precise) and the MXFP4 one (fast); 16 query rows, 4 warps, two tiles
     # buffered
     hopper: bool = False
@@ -1396,7 +1412,7 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
 
 def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype | None = None,
                            precise: bool = False) -> str | None:
-    """Why the Hopper kernel (triton_hopper.py) cannot serve a call of this format, cache dtype (None: the format's
+    """Why the Hopper kernel (hopper.py) cannot serve a call of this format, cache dtype (None: the format's
     usual one) and precision on `target`, or None: it takes the e4m3fn FP8 cache (fast or precise) and the MXFP4
     cache (fast) on sm_90, with the Triton it is written for."""
     if HOPPER_KERNEL_REASON is not None:
@@ -1420,7 +1436,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     that puts batch x groups x splits near the programs resident at once (more only add partials and waves); as many
     stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and gfx950's
     dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
-    (the precise one ran up to 1.45x slower with it). docs/design-notes.md has the measurements."""
+    only. docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
     scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS  # where the MMAs take E2M1 and E8M0
     hopper = (not scaled and block_h in (None, TRITON_BLOCK_H)
@@ -1499,6 +1515,14 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
                      problem.precision == "precise", problem.page_size, problem.max_seqlen, problem.return_lse, plan)
 
 
+
+# ---------------------------------------------------------------------------------------------------------------------
+# mla_decode/triton/decode.py
+# The triton backend's launch: TritonDecode, a problem's plan made once (the partials' workspace, the grids and
+# meta-arguments, the compiled kernels' launchers after a first run) and run many times.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
 class TritonDecode:
     """The triton backend's plan for a problem: its launch key, the split partials' workspace, grids, meta-arguments
     and, after the first run on a GPU, the compiled kernels' launchers, called with addresses (Triton's JIT dispatch
@@ -1534,7 +1558,7 @@ class TritonDecode:
                                 CHUNKED_PAGES=plan.chunked_pages, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
                                 CAUSAL=key.causal and key.q_len > 1, V_CAST_FIRST=plan.v_cast_first,
                                 BLOCK_H=plan.block_h)
-        self.split_kernel = _hopper_split_kernel if plan.hopper else _mla_split_kernel
+        self.split_kernel = hopper_split_kernel if plan.hopper else mla_split_kernel
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
                               USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
         self.split_grid = (splits, query_groups(key.q_len, key.num_heads, plan.block_h), key.batch)
@@ -1579,7 +1603,7 @@ class TritonDecode:
                                                    **self.split_meta)
         combine = None
         if self.key.plan.num_splits > 1:
-            combine = _mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, self.part_o,
+            combine = mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, self.part_o,
                                                              self.part_lse, **self.combine_meta)
         if aligned and split is not None and (combine is not None or self.key.plan.num_splits == 1):
             # the compiled kernels' launchers, with their grids bound once
@@ -1879,7 +1903,7 @@ if triton is not None:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.math.div_rn(tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), scale)
         if ROUND_FP8:  # |x| <= 448 (1 + 2^-23), which rounds to 448
-            x = _round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
+            x = round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
         q8 = x.to(q8_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q8_ptr + offs, q8, mask=offs < n)
 
@@ -1904,7 +1928,7 @@ class QQuantizer:
         self.blocks = triton.cdiv(self.q_fp8.numel(), Q_QUANT_BLOCK) if triton_ok else 0
         if self.blocks:
             self.partials = torch.empty(self.blocks, dtype=torch.float32, device=device)
-            # BLOCK, PARTIALS, ROUND_FP8 (the interpreter's fp8 cast needs help, see _round_to_e4m3)
+            # BLOCK, PARTIALS, ROUND_FP8 (the interpreter's fp8 cast needs help, see round_to_e4m3)
             self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks), target.vendor == "interpreter")
             self.addresses = (self.partials.data_ptr(), self.q_fp8.data_ptr(), self.scale.data_ptr())
             self.launchers = None  # the compiled kernels' launchers for a 16-byte aligned q (not under the interpreter)
@@ -2128,7 +2152,8 @@ def aiter_key(q: torch.Tensor, kv: torch.Tensor, kv_seq_len: int | None, variant
     return _aiter_plan_key(fns, fp8, q, kv, kv_seq_len, variant, q_len)
 
 
-def aiter_forward(key: AiterKey, q, kv, scale, qo_indptr, kv_indptr, sm_scale: float, out: torch.Tensor,
+def aiter_forward(key: AiterKey, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, qo_indptr: torch.Tensor,
+                  kv_indptr: torch.Tensor, sm_scale: float, out: torch.Tensor,
                   kv_indices: torch.Tensor | None = None) -> None:
     """Q x FP8 KV through aiter's MLA decode into `out`, by the key's variant (AITER_VARIANT_SPECS says what each
     launches; today's, "fp8_ps", is FP8 Q into one persistent aiter.mla.mla_decode_fwd call).
@@ -2246,7 +2271,8 @@ class AiterDecode:
         self.kv_indices.scatter_(0, dest.flatten().long(), tokens.flatten().to(torch.int32))
         return valid
 
-    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, seqs: torch.Tensor,
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """As TritonDecode.run; lse must be None (aiter_unusable_reason refuses return_lse). q (batch, q_len, heads,
         576) and out (batch, q_len, heads, 512) are handed to aiter as the (batch x q_len, heads, ...) they are."""
         p = self.problem

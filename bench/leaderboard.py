@@ -64,7 +64,7 @@ import reference  # noqa: E402
 import submission  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling, select  # noqa: E402
-from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
+from mla_decode.triton import triton_plan, triton_target  # noqa: E402
 from utils import get_device, scoped_env  # noqa: E402
 
 DRY_RUN_SHAPES = ((2, 64, 11), (3, 37, 12))  # (batch, kv length, seed): tiny, and one length not a tile multiple

@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT)]
 import mla_decode  # noqa: E402
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
-from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
+from mla_decode.triton import triton_plan, triton_target  # noqa: E402
 
 # name -> (backend, KV format, precision, plan override: None (submission.custom_kernel), or "scaled": the library's
 # ragged triton plan with the scaled MXFP4 score product forced)

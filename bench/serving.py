@@ -54,7 +54,7 @@ import mla_decode  # noqa: E402
 import reference  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.harness import BYTES_PER_ROW, Context, Method, Prepared, Unavailable, measure_read_ceiling, select  # noqa: E402
-from mla_decode.triton_backend import triton_plan, triton_target  # noqa: E402
+from mla_decode.triton import triton_plan, triton_target  # noqa: E402
 from utils import get_device  # noqa: E402
 
 SPEC = ROOT / "serving.yml"

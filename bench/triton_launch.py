@@ -3,7 +3,7 @@
 On a GPU, the triton backend's split kernel as the 4x1024 FP8 ragged plan launches it (its real argument list: 13
 arguments, 11 constexprs), timed on the CPU's clock over back-to-back launches (median µs per launch of --samples
 samples of --launches launches each, a synchronize between samples), by path:
-  jit            _mla_split_kernel[grid](tensors, constexprs by keyword): Triton's JIT dispatch (argument binding,
+  jit            mla_split_kernel[grid](tensors, constexprs by keyword): Triton's JIT dispatch (argument binding,
                  the specialization key, the cache lookup), then the launcher
   compiled       compiled[grid](tensors, constexprs): the compiled kernel's runner, made per launch
   runner         the runner made once, called with the tensors
@@ -14,7 +14,7 @@ samples of --launches launches each, a synchronize between samples), by path:
                  API that gives that handle
 and for scale: an empty Triton kernel through its runner, q.new_empty of the output, the plan's launch (TritonDecode
 .run: split and combine), its checked run (run_ragged, which allocates the output), and custom_kernel with the triton
-backend. The kernel itself is reached as mla_decode.triton_backend._mla_split_kernel: what is timed is its launch.
+backend. The kernel itself is reached as mla_decode.triton.kernels.mla_split_kernel: what is timed is its launch.
 
 Usage:  python3 bench/triton_launch.py [--launches 20] [--samples 50] [--json P]
 """
@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import reference as R  # noqa: E402
 import submission as S  # noqa: E402
-from mla_decode import triton_backend as T  # noqa: E402
+from mla_decode.triton import kernels as K  # noqa: E402
 from testkit.calls import ragged_call  # noqa: E402
 from utils import scoped_env  # noqa: E402
 
-if T.triton is not None:
+if K.triton is not None:
     import triton
     import triton.language as tl
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or T.triton is None:
+    if not torch.cuda.is_available() or K.triton is None:
         print("triton_launch: needs a CUDA GPU and triton")
         return 1
     data = R.generate_input(4, 1, 1024, seed=4220)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     tensors = (q4, kv, scale, 0, kvp, kvp, 0, kv.shape[0], out, out, launch.part_o, launch.part_lse, launch.qk_scale)
     addresses = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors)
     grid = launch.split_grid
-    compiled = T._mla_split_kernel[grid](*tensors, **launch.split_meta)
+    compiled = K.mla_split_kernel[grid](*tensors, **launch.split_meta)
     runner = compiled[grid]
     empty = empty_kernel[(1, 1, 1)](out, 1, BLOCK=16)
     empty_runner = empty[(1, 1, 1)]
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                      *addresses, *launch.split_consts)
 
     rows = {
-        "jit": lambda: T._mla_split_kernel[grid](*tensors, **launch.split_meta),
+        "jit": lambda: K.mla_split_kernel[grid](*tensors, **launch.split_meta),
         "compiled": lambda: compiled[grid](*tensors, *launch.split_consts),
         "runner": lambda: runner(*tensors, *launch.split_consts),
         "runner ints": lambda: runner(*addresses, *launch.split_consts),

@@ -12,7 +12,7 @@ against the BF16
 truth, the flushed time, the back-to-back time without a flush (utils.Timer.back_to_back: wall time of a loop of
 calls and one synchronize, per call) and the host time of one call (utils.Timer.host: median CPU time to return).
 Writes every record to DIR/tune.jsonl and prints a short table last. On Hopper with Triton 3.6 the fast FP8 configs of
-4 warps run the Hopper kernel (mla_decode/triton_hopper.py), whose e4m3 P is ~1e-2 from fp32: give --max-rel 2e-2.
+4 warps run the Hopper kernel (mla_decode/triton/hopper.py), whose e4m3 P is ~1e-2 from fp32: give --max-rel 2e-2.
 """
 
 import argparse

@@ -21,10 +21,8 @@ from .contract import (
     expect,
     log,
     remember,
-    tl,
-    triton,
 )
-from .triton_backend import TritonTarget, _round_to_e4m3, triton_interpreted, triton_target
+from .triton.common import TritonTarget, round_to_e4m3, tl, triton, triton_interpreted, triton_target
 
 AITER_HEADS = 16  # the qh16 kernels: the leaderboard's shape, q_len AITER_Q_LEN, runs every variant
 AITER_Q_LEN = 1
@@ -305,7 +303,7 @@ if triton is not None:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.math.div_rn(tl.load(q_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), scale)
         if ROUND_FP8:  # |x| <= 448 (1 + 2^-23), which rounds to 448
-            x = _round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
+            x = round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
         q8 = x.to(q8_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q8_ptr + offs, q8, mask=offs < n)
 
@@ -330,7 +328,7 @@ class QQuantizer:
         self.blocks = triton.cdiv(self.q_fp8.numel(), Q_QUANT_BLOCK) if triton_ok else 0
         if self.blocks:
             self.partials = torch.empty(self.blocks, dtype=torch.float32, device=device)
-            # BLOCK, PARTIALS, ROUND_FP8 (the interpreter's fp8 cast needs help, see _round_to_e4m3)
+            # BLOCK, PARTIALS, ROUND_FP8 (the interpreter's fp8 cast needs help, see round_to_e4m3)
             self.consts = (Q_QUANT_BLOCK, triton.next_power_of_2(self.blocks), target.vendor == "interpreter")
             self.addresses = (self.partials.data_ptr(), self.q_fp8.data_ptr(), self.scale.data_ptr())
             self.launchers = None  # the compiled kernels' launchers for a 16-byte aligned q (not under the interpreter)

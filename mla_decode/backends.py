@@ -11,7 +11,7 @@ import torch
 from .aiter_backend import AiterDecode, aiter_auto_reason, aiter_unusable_reason
 from .contract import Problem, expect_choice, log
 from .torch_backend import TorchDecode, torch_unusable_reason
-from .triton_backend import TritonDecode, triton_unusable_reason
+from .triton import TritonDecode, triton_unusable_reason
 
 CUDA_PACKAGE_MISSING = ("cuda backend: the mla_decode.cuda package is not importable: install this repo "
                         "(pip install -e .) for the CUDA kernels")

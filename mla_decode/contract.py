@@ -15,21 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-TRITON_IMPORT_ERROR = None
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # no triton here: the triton backend says so when asked (select_backend)
-    triton = tl = None
-    TRITON_IMPORT_ERROR = e
-try:  # Gluon, Triton's explicit-layout dialect (3.5+): the Hopper kernel of the triton backend (triton_hopper.py)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia import hopper
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-except ImportError:  # older Triton: the portable kernel serves Hopper too
-    gluon = gl = hopper = async_copy = None
-
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM  # 576: a query or key row

@@ -58,7 +58,7 @@ TRITON_REL_L2 = 5e-3
 
 def triton_expected(data, kv_format: str, walked=None) -> tuple[torch.Tensor, float]:
     """What the triton kernel custom_kernel runs on `data` (on its device) is held to, and the bound on the worst
-    sequence: triton_reference within TRITON_REL_L2; where its plan takes the Hopper kernel (triton_hopper.py, P in
+    sequence: triton_reference within TRITON_REL_L2; where its plan takes the Hopper kernel (triton/hopper.py, P in
     e4m3 as the cuda wgmma kernel rounds it), the emulation of that kernel's walk within the bound the cuda wgmma
     kernel is held to. walked: the input the kernel ran on, whose plan (splits) the walk follows, where it is not
     `data` (a poisoned copy: its extra rows change the adapter's plan)."""

@@ -135,7 +135,7 @@ EMULATION_OF = {("cuda", "fp8", "fast"): "+Q+P", ("cuda", "fp8", "precise"): "ca
 
 def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) -> tuple[str, Tiling | None]:
     """What that backend's kernel rounds on `data` (through custom_kernel): its EMULATIONS name and, where it rounds P
-    (the cuda wgmma kernel; the triton backend's Hopper kernel, triton_hopper.py, where its plan takes it), its walk:
+    (the cuda wgmma kernel; the triton backend's Hopper kernel, triton/hopper.py, where its plan takes it), its walk:
     the splits of the plan the leaderboard adapter makes for `data`."""
     emulation = EMULATION_OF[(backend, kv_format, precision)]
     if emulation == "cache" and not (backend == "triton" and precision == "fast"):
@@ -146,7 +146,7 @@ def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) ->
     kv_seq_len = config["kv_seq_len"]
     seq_len = kv_seq_len if kv_seq_len is not None else -(-kv_data[kv_format][0].shape[0] // q.shape[0])
     if backend == "triton":
-        from mla_decode.triton_backend import triton_plan, triton_target
+        from mla_decode.triton import triton_plan, triton_target
 
         plan = triton_plan(q.shape[0], seq_len, triton_target(q.device), kv_format)
         if not plan.hopper:

@@ -56,8 +56,8 @@ def test_the_launch_path_runs_for_amd_with_the_combine(tmp_path, target):
     (made,) = next(c for c in result["cases"] if c["case"] == case)["plans"]  # the adapter's ragged plan, no LSE
     assert (made["layout"], made["write_lse"], made["kv_format"], made["precise"]) == ("ragged", False, "fp8", False)
     by_name = kernels_of(result, case)
-    assert set(by_name) == {"_mla_split_kernel", "_mla_combine_kernel"}, output  # 4x1024 splits: both launch
-    split = by_name["_mla_split_kernel"]
+    assert set(by_name) == {"mla_split_kernel", "mla_combine_kernel"}, output  # 4x1024 splits: both launch
+    split = by_name["mla_split_kernel"]
     assert split["constexprs"]["NUM_SPLITS"] > 1 and not split["scratch"] and not split["failed"]
     assert split["constexprs"]["PAGE_SIZE"] == 0 and not split["constexprs"]["WRITE_LSE"]
     assert any("fp8" in m or "f8f6f4" in m for m in split["mfma"]), split["mfma"]
@@ -76,13 +76,13 @@ def test_the_library_call_runs_for_amd_paged_with_the_lse(tmp_path):
         (made,) = next(c for c in result["cases"] if c["case"] == case)["plans"]
         assert (made["layout"], made["page_size"], made["write_lse"], made["kv_format"]) == ("paged", 16, True, "bf16")
         by_name = kernels_of(result, case)
-        split = by_name["_mla_split_kernel"]
+        split = by_name["mla_split_kernel"]
         assert split["constexprs"]["PAGE_SIZE"] == 16 and split["constexprs"]["WRITE_LSE"], split["constexprs"]
         assert split["mfma"] and all("bf16" in m for m in split["mfma"]), split["mfma"]
         if splits == 1:
-            assert split["constexprs"]["NUM_SPLITS"] == 1 and set(by_name) == {"_mla_split_kernel"}, by_name
+            assert split["constexprs"]["NUM_SPLITS"] == 1 and set(by_name) == {"mla_split_kernel"}, by_name
         else:
-            assert split["constexprs"]["NUM_SPLITS"] > 1 and by_name["_mla_combine_kernel"]["constexprs"]["WRITE_LSE"]
+            assert split["constexprs"]["NUM_SPLITS"] > 1 and by_name["mla_combine_kernel"]["constexprs"]["WRITE_LSE"]
     assert result["errors"] == [] and "amd-check: pass" in output
 
 

@@ -22,7 +22,8 @@ LSE_BOUND = 1e-4
 LENS = [0, 1, 77, 130, 64]
 FORMATS = ["fp8", "mxfp4", "bf16"]
 # The triton kernel runs on the CPU under Triton's interpreter (conftest.py turns it on where there is no GPU).
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or mla_decode.contract.triton is None,
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
+                                       or mla_decode.triton.common.triton is None,
                                        reason="needs triton under its interpreter (a CPU-only machine)")
 CPU_BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
@@ -130,7 +131,7 @@ def test_backend_options_name_what_each_plan_takes():
     from mla_decode.aiter_backend import AiterDecode
     from mla_decode.cuda import CudaDecode
     from mla_decode.torch_backend import TorchDecode
-    from mla_decode.triton_backend import TritonDecode
+    from mla_decode.triton import TritonDecode
 
     classes = {"torch": TorchDecode, "cuda": CudaDecode, "triton": TritonDecode, "aiter": AiterDecode}
     assert set(classes) == set(mla_decode.BACKENDS)
@@ -180,7 +181,7 @@ def test_grids_past_the_launch_limits_are_refused(monkeypatch):
     monkeypatch.setattr(D, "plan_unit_rows", lambda problem, facts: 32)  # the Hopper kernel's units: half as many
     assert cuda_unusable_reason(big) is None
     assert "/ 32 = 65536 units of query rows" in cuda_unusable_reason(big._replace(batch=4096))
-    if mla_decode.contract.triton is not None:
+    if mla_decode.triton.common.triton is not None:
         assert "batch 65536" in triton_unusable_reason(big._replace(batch=65536, q_len=1, num_heads=16))
         assert "batch" not in (triton_unusable_reason(big._replace(batch=65535, q_len=1, num_heads=16)) or "")
 
@@ -407,9 +408,9 @@ GPU_BOUNDS = {("cuda", "fp8", "fast"): (4e-2, 2e-2), ("cuda", "mxfp4", "fast"): 
 
 
 def _triton_takes_hopper(kv_format: str, precision: str) -> bool:
-    """Whether this GPU's triton plans of that format and precision take the Hopper kernel (triton_hopper.py)."""
-    return mla_decode.triton_backend.triton_plan(1, 1, mla_decode.triton_backend.triton_target(torch.device("cuda")),
-                                                 kv_format, precise=precision == "precise").hopper
+    """Whether this GPU's triton plans of that format and precision take the Hopper kernel (triton/hopper.py)."""
+    return mla_decode.triton.triton_plan(1, 1, mla_decode.triton.triton_target(torch.device("cuda")), kv_format,
+                                         precise=precision == "precise").hopper
 
 
 def gpu_bounds(kernel: tuple[str, str, str]) -> tuple[float, float]:
@@ -552,12 +553,12 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
     within the precise bounds. The tokens not causal, or a 2% softmax scale error, fail it."""
     case = make_paged_case(kv_format, page_size, SERVING_LENS, seed=q_len * num_heads + page_size, q_len=q_len,
                            num_heads=num_heads, device="cuda")
-    target = mla_decode.triton_backend.triton_target(torch.device("cuda"))
-    plan = mla_decode.triton_backend.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format,
-                                                 q_len * num_heads, num_heads, precise=precision == "precise")
+    target = mla_decode.triton.triton_target(torch.device("cuda"))
+    plan = mla_decode.triton.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format, q_len * num_heads,
+                                         num_heads, precise=precision == "precise")
     if not plan.hopper:
         assert (torch.cuda.get_device_capability() != (9, 0)
-                or mla_decode.triton_hopper.HOPPER_KERNEL_REASON is not None), "sm_90 plans the portable kernel"
+                or mla_decode.triton.hopper.HOPPER_KERNEL_REASON is not None), "sm_90 plans the portable kernel"
         pytest.skip("the triton plan takes the portable kernel on this GPU or Triton")
 
     def decode(**bug):
@@ -599,9 +600,9 @@ def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads,
                                           page_size=64, max_pages=case.block_table.shape[1], num_heads=num_heads,
                                           q_len=q_len, causal=case.causal, max_seqlen=max(SERVING_LENS),
                                           scale_dtype=case.kv_scale.dtype if kv_format == "mxfp4" else torch.uint8)
-    target = mla_decode.triton_backend.triton_target(torch.device("cuda"))
-    plan = mla_decode.triton_backend.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format, rows,
-                                                 num_heads, block_h=block_h)
+    target = mla_decode.triton.triton_target(torch.device("cuda"))
+    plan = mla_decode.triton.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format, rows, num_heads,
+                                         block_h=block_h)
     decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
     out, lse = decode.run(*case.args())
     # the portable kernel (more rows than the Hopper kernel's 16): E4M3 Q against FP8, bf16 Q against MXFP4

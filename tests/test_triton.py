@@ -46,7 +46,8 @@ INVALID = {  # kv_indptr over KV lengths [10, 20, 5, 7] (total_kv 42) -> the seq
 SCALED_PLAN = (2, 64, 4, 1, True)
 SCALED_CASES = {"varlen_0_1_odd": [5, 0, 1, 70, 33], "one_long": [8191, 1, 0, 33]}
 
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or mla_decode.contract.triton is None,
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
+                                       or mla_decode.triton.common.triton is None,
                                        reason="needs triton under its interpreter (a CPU-only machine)")
 
 
@@ -183,41 +184,42 @@ def test_interpreted_q_quantization_is_reference_quantize_fp8():
 
 
 def test_plan_splits_fill_the_sms(monkeypatch):
-    from mla_decode import triton_backend as S
+    from mla_decode.triton import common as C
+    from mla_decode.triton import plan as P
 
-    h200 = S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
+    h200 = C.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
     # where this Triton has the Gluon the Hopper kernel is written for (else its reason, and the portable kernel)
-    assert S.triton_plan(4, 1024, h200, "fp8").hopper == (S.HOPPER_KERNEL_REASON is None)
-    monkeypatch.setattr(S, "HOPPER_KERNEL_REASON", None)  # the rule as on the H200's Triton
-    assert S.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3, False, True, True, 16, True)  # a 64-row tile a split
-    assert not S.triton_plan(4, 1024, h200, "mxfp4").scaled_scores  # no scaled MMA: the Hopper kernel expands codes
-    assert S.triton_plan(4, 8192, h200, "fp8").num_splits == 32
-    assert S.triton_plan(4, 8192, h200, "mxfp4").num_splits == 32  # the Hopper kernel's MXFP4, as FP8
-    assert S.triton_plan(4, 8192, S.INTERPRETER_TARGET, "mxfp4").num_splits == 64  # the portable kernel's
-    assert S.triton_plan(32, 8192, h200, "fp8").num_splits == 8
-    assert S.triton_plan(64, 8192, h200, "mxfp4").num_splits == 4
-    assert S.triton_plan(256, 8192, h200, "fp8").num_splits == 1
-    assert S.triton_plan(3, 10, h200, "fp8").num_splits == 1
-    assert S.triton_plan(1, 0, h200, "fp8").num_splits == 1
+    assert P.triton_plan(4, 1024, h200, "fp8").hopper == (P.HOPPER_KERNEL_REASON is None)
+    monkeypatch.setattr(P, "HOPPER_KERNEL_REASON", None)  # the rule as on the H200's Triton
+    assert P.triton_plan(4, 1024, h200, "fp8") == (16, 64, 4, 3, False, True, True, 16, True)  # a 64-row tile a split
+    assert not P.triton_plan(4, 1024, h200, "mxfp4").scaled_scores  # no scaled MMA: the Hopper kernel expands codes
+    assert P.triton_plan(4, 8192, h200, "fp8").num_splits == 32
+    assert P.triton_plan(4, 8192, h200, "mxfp4").num_splits == 32  # the Hopper kernel's MXFP4, as FP8
+    assert P.triton_plan(4, 8192, C.INTERPRETER_TARGET, "mxfp4").num_splits == 64  # the portable kernel's
+    assert P.triton_plan(32, 8192, h200, "fp8").num_splits == 8
+    assert P.triton_plan(64, 8192, h200, "mxfp4").num_splits == 4
+    assert P.triton_plan(256, 8192, h200, "fp8").num_splits == 1
+    assert P.triton_plan(3, 10, h200, "fp8").num_splits == 1
+    assert P.triton_plan(1, 0, h200, "fp8").num_splits == 1
     # the interpreter plans as an H200 but for the Hopper kernel (Gluon), which only compiles for the GPU
-    assert S.triton_plan(4, 8192, S.INTERPRETER_TARGET, "fp8") == S.triton_plan(4, 8192, h200, "fp8")._replace(
+    assert P.triton_plan(4, 8192, C.INTERPRETER_TARGET, "fp8") == P.triton_plan(4, 8192, h200, "fp8")._replace(
         hopper=False)
     # the Hopper kernel: the FP8 cache on sm_90, fast or precise, and the MXFP4 one, fast; 16 rows a program, whatever
     # the heads (a forced block_h keeps the portable kernel)
-    assert S.triton_plan(64, 8192, h200, "fp8", 128, 128)[2:] == (4, 3, False, True, True, 16, True)
-    assert S.triton_plan(64, 8192, h200, "fp8", 128, 128, precise=True)[2:] == (4, 3, False, True, False, 16, True)
-    assert S.triton_plan(64, 8192, h200, "mxfp4", 128, 128).hopper
+    assert P.triton_plan(64, 8192, h200, "fp8", 128, 128)[2:] == (4, 3, False, True, True, 16, True)
+    assert P.triton_plan(64, 8192, h200, "fp8", 128, 128, precise=True)[2:] == (4, 3, False, True, False, 16, True)
+    assert P.triton_plan(64, 8192, h200, "mxfp4", 128, 128).hopper
     for portable in (dict(kv_format="mxfp4", precise=True), dict(kv_format="bf16"), dict(block_h=32)):
-        assert not S.triton_plan(64, 8192, h200, **dict(dict(kv_format="fp8"), **portable)).hopper, portable
+        assert not P.triton_plan(64, 8192, h200, **dict(dict(kv_format="fp8"), **portable)).hopper, portable
     # V converted in pairs before its transpose: the fast FP8 kernel only
-    assert not S.triton_plan(4, 8192, h200, "fp8", precise=True).v_cast_first
-    assert not S.triton_plan(4, 8192, h200, "mxfp4").v_cast_first
+    assert not P.triton_plan(4, 8192, h200, "fp8", precise=True).v_cast_first
+    assert not P.triton_plan(4, 8192, h200, "mxfp4").v_cast_first
     # 32 query rows a program (8 warps) for the fast FP8 kernel where heads come in 32s and a program walks 32 tiles
     # or more, or 32-row programs unsplit are more than a wave; else 16 (the last arguments: q_len x heads, heads)
     other_nvidia = h200._replace(arch="sm_100")  # an NVIDIA GPU without the Hopper kernel: the H200 but for its arch
 
     def rows_plan(batch, seq_len, query_rows, num_heads, target=other_nvidia, kv_format="fp8", precise=False):
-        plan = S.triton_plan(batch, seq_len, target, kv_format, query_rows, num_heads, precise)
+        plan = P.triton_plan(batch, seq_len, target, kv_format, query_rows, num_heads, precise)
         return plan.num_splits, plan.num_warps, plan.block_h
 
     assert rows_plan(64, 8192, 128, 128) == (1, 8, 32)  # 128 tiles a program
@@ -227,38 +229,38 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     assert rows_plan(8, 8192, 128, 128) == (4, 4, 16)  # 32 rows: 16 tiles over 8 splits
     assert rows_plan(32, 1024, 128, 128) == (1, 4, 16)  # 32 rows: 8 tiles over 2 splits
     assert rows_plan(64, 8192, 32, 16) == (2, 4, 16)  # 16 heads: a 32-row group would span tokens
-    for narrow in (dict(kv_format="mxfp4"), dict(precise=True), dict(target=S.amd_triton_target("gfx950", 256)),
-                   dict(target=S.INTERPRETER_TARGET)):
+    for narrow in (dict(kv_format="mxfp4"), dict(precise=True), dict(target=C.amd_triton_target("gfx950", 256)),
+                   dict(target=C.INTERPRETER_TARGET)):
         assert rows_plan(64, 8192, 128, 128, **narrow)[1:] == (4, 16), narrow
     # a caller's first fields, the others the plan's own: the precise kernel keeps the byte transpose
     problem = mla_decode.api.make_problem(4, torch.float8_e4m3fn, "cpu", layout="ragged", max_seqlen=8192,
                                           precision="precise")
-    assert S.triton_key(problem, h200, (2, 64, 4, 3)).plan == (2, 64, 4, 3, False, True, False, 16, True)
-    assert S.triton_key(problem._replace(precision="fast"), h200, (2, 64, 4, 3)).plan.v_cast_first
+    assert P.triton_key(problem, h200, (2, 64, 4, 3)).plan == (2, 64, 4, 3, False, True, False, 16, True)
+    assert P.triton_key(problem._replace(precision="fast"), h200, (2, 64, 4, 3)).plan.v_cast_first
     # a caller's first fields: the Hopper kernel where they fit it, else the portable kernel; a whole plan that asks
     # for the Hopper kernel with other warps is refused by name
     fast = problem._replace(precision="fast")
-    assert S.triton_key(fast, h200, (2, 64, 4, 3)).plan.hopper
-    assert not S.triton_key(fast, h200, (2, 64, 8, 3)).plan.hopper
-    assert not S.triton_key(fast, h200, (2, 64, 4, 3, False, True, True, 32)).plan.hopper
+    assert P.triton_key(fast, h200, (2, 64, 4, 3)).plan.hopper
+    assert not P.triton_key(fast, h200, (2, 64, 8, 3)).plan.hopper
+    assert not P.triton_key(fast, h200, (2, 64, 4, 3, False, True, True, 32)).plan.hopper
     with pytest.raises(ValueError, match="Hopper kernel"):
-        S.triton_key(fast, h200, S.TritonPlan(2, 64, 8, 3, hopper=True))
-    assert S.triton_key(fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200, (2, 64, 4, 3)).plan.hopper
+        P.triton_key(fast, h200, P.TritonPlan(2, 64, 8, 3, hopper=True))
+    assert P.triton_key(fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200, (2, 64, 4, 3)).plan.hopper
     # ... or for a call it cannot serve: another format, cache dtype, precision or GPU
     for other, target in ((problem._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200),
                           (fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16), h200),
                           (fast._replace(kv_dtype=torch.float8_e4m3fnuz), h200),
-                          (fast, h200._replace(arch="sm_100")), (fast, S.INTERPRETER_TARGET)):
+                          (fast, h200._replace(arch="sm_100")), (fast, C.INTERPRETER_TARGET)):
         with pytest.raises(ValueError, match="Hopper kernel"):
-            S.triton_key(other, target, S.TritonPlan(2, 64, 4, 3, hopper=True))
-        assert not S.triton_key(other, target, (2, 64, 4, 3)).plan.hopper
+            P.triton_key(other, target, P.TritonPlan(2, 64, 4, 3, hopper=True))
+        assert not P.triton_key(other, target, (2, 64, 4, 3)).plan.hopper
     mxfp4 = fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8)
     with pytest.raises(ValueError, match="no scaled"):
-        S.triton_key(mxfp4, h200, S.TritonPlan(2, 64, 4, 3, scaled_scores=True, hopper=True))
+        P.triton_key(mxfp4, h200, P.TritonPlan(2, 64, 4, 3, scaled_scores=True, hopper=True))
     # a target whose MMAs take E2M1 codes and E8M0 scales plans the scaled product, not the Hopper kernel (the GPU
     # test of the scaled path adds the H200 to them)
-    monkeypatch.setattr(S, "SCALED_MFMA_ARCHS", ("sm_90",))
-    plan = S.triton_plan(4, 1024, h200, "mxfp4")
+    monkeypatch.setattr(P, "SCALED_MFMA_ARCHS", ("sm_90",))
+    plan = P.triton_plan(4, 1024, h200, "mxfp4")
     assert plan.scaled_scores and not plan.hopper
 
 
@@ -310,7 +312,7 @@ def _e5m2_table(k: int) -> tuple[int, int]:
 def _table_errors(ptx: str) -> list[int]:
     """The E8M0 bytes for which the tables PTX gives other words than: the exact E5M2 tables at scales 2^-13 ..
     2^13, zeros below (the block flushed), NaN bytes above and for the E8M0 NaN (255)."""
-    from mla_decode import triton_hopper as H
+    from mla_decode.triton import hopper as H
 
     errors = []
     for e8m0 in range(256):
@@ -325,7 +327,7 @@ def _table_errors(ptx: str) -> list[int]:
 def _expansion_errors(ptx: str, k: int, words: list[int]) -> int:
     """Code words whose expansion by `ptx` with the tables PTX's words at block scale 2^k is not exactly the E2M1
     values times 2^k, in order, as E5M2."""
-    from mla_decode import triton_hopper as H
+    from mla_decode.triton import hopper as H
 
     magnitudes = _e2m1_magnitudes(k)
     tables = run_ptx(H.E8M0_TO_E5M2_TABLES_PTX, {"$2": k + 127})
@@ -344,7 +346,7 @@ def test_the_hopper_kernels_mxfp4_expansion_is_exact():
     """The Hopper kernel's E2M1 -> E5M2 PTX, run on the CPU with its tables: every code word (random ones and each
     code in all 8 places) gives the exact values in order at every block scale it takes (2^-13 .. 2^13); the signs'
     permutes swapped, or the second half's magnitudes in both words, fail it."""
-    from mla_decode import triton_hopper as H
+    from mla_decode.triton import hopper as H
 
     gen = torch.Generator().manual_seed(0)
     words = [int(x) & WORD for x in torch.randint(0, 2 ** 32, (48,), generator=gen, dtype=torch.int64)]
@@ -363,7 +365,7 @@ def test_the_hopper_kernels_mxfp4_tables():
     """The Hopper kernel's E8M0 -> tables PTX on the CPU for all 256 scale bytes: torch's E5M2 tables at 2^-13 ..
     2^13, zeros below, NaN above and for 255. The exact range one short at the top, or the ends' sign test read
     unsigned (the flushed blocks then NaN), fail it."""
-    from mla_decode import triton_hopper as H
+    from mla_decode.triton import hopper as H
 
     ptx = H.E8M0_TO_E5M2_TABLES_PTX
     assert _table_errors(ptx) == []
@@ -381,21 +383,24 @@ def test_the_hopper_kernel_takes_what_its_launch_passes(monkeypatch):
     import ast
     import inspect
 
-    from mla_decode import triton_backend as S
-    from mla_decode import triton_hopper
+    from mla_decode.triton import common as C
+    from mla_decode.triton import decode as D
+    from mla_decode.triton import hopper as H
+    from mla_decode.triton import kernels as K
+    from mla_decode.triton import plan as P
 
     def parameters(name):
-        tree = ast.parse(inspect.getsource(triton_hopper if name.startswith("_hopper") else S))
+        tree = ast.parse(inspect.getsource(H if name.startswith("hopper") else K))
         (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
         return [a.arg for a in fn.args.args]
 
-    monkeypatch.setattr(S, "HOPPER_KERNEL_REASON", None)  # a plan as on the H200's Triton
+    monkeypatch.setattr(P, "HOPPER_KERNEL_REASON", None)  # a plan as on the H200's Triton
     problem = mla_decode.api.make_problem(4, torch.float8_e4m3fn, "cpu", layout="ragged", max_seqlen=8192)
-    h200 = S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
-    plan = S.triton_plan(4, 8192, h200, "fp8")
+    h200 = C.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
+    plan = P.triton_plan(4, 8192, h200, "fp8")
     assert plan.hopper
-    decode = S.TritonDecode(problem, h200, plan)
-    hopper, portable = parameters("_hopper_split_kernel"), parameters("_mla_split_kernel")
+    decode = D.TritonDecode(problem, h200, plan)
+    hopper, portable = parameters("hopper_split_kernel"), parameters("mla_split_kernel")
     runtime = len(hopper) - len(decode.split_consts)
     assert hopper[runtime:] == list(decode.split_meta)[:len(decode.split_consts)]
     assert hopper[:runtime] == [p for p in portable if not p.isupper()]
@@ -405,24 +410,25 @@ def test_amd_plans_fit_the_lds_and_fill_the_cus():
     """gfx950 (MI355X, 256 CUs, 2 programs a CU, 160 KB LDS) keeps 3 stages for FP8; gfx942 (MI300X, 304 CUs, 1 a
     CU, 64 KiB) takes 2, whose modelled LDS fits; MXFP4 takes the scaled scores at 1 stage on gfx950, 2 stages of
     the dequantizing kernel on gfx942 (3 spill); AMD takes no launch_pdl."""
-    from mla_decode import triton_backend as S
+    from mla_decode.triton import common as C
+    from mla_decode.triton import plan as P
 
-    mi355, mi300 = S.amd_triton_target("gfx950", 256), S.amd_triton_target("gfx942", 304)
+    mi355, mi300 = C.amd_triton_target("gfx950", 256), C.amd_triton_target("gfx942", 304)
     # AMD walks pages of whole tiles row by row: the chunked walk does not compile for gfx950 with Triton 3.6
-    assert S.triton_plan(4, 8192, mi355, "fp8") == (32, 64, 4, 3, False, False, False, 16, False)
-    assert S.triton_plan(32, 8192, mi355, "fp8").num_splits == 16  # 2 x 256 / 32
-    assert S.triton_plan(32, 8192, mi300, "fp8") == (8, 64, 4, 2, False, False, False, 16, False)  # 304 / 32 = 9 -> 8
+    assert P.triton_plan(4, 8192, mi355, "fp8") == (32, 64, 4, 3, False, False, False, 16, False)
+    assert P.triton_plan(32, 8192, mi355, "fp8").num_splits == 16  # 2 x 256 / 32
+    assert P.triton_plan(32, 8192, mi300, "fp8") == (8, 64, 4, 2, False, False, False, 16, False)  # 304 / 32 = 9 -> 8
     # MXFP4: the scaled MFMA at 2 waves (gfx950), dequantized K (CDNA3)
-    assert S.triton_plan(4, 8192, mi355, "mxfp4") == (64, 64, 4, 1, True, False, False, 16, False)
-    assert S.triton_plan(4, 8192, mi300, "mxfp4") == (64, 64, 4, 2, False, False, False, 16, False)
+    assert P.triton_plan(4, 8192, mi355, "mxfp4") == (64, 64, 4, 1, True, False, False, 16, False)
+    assert P.triton_plan(4, 8192, mi300, "mxfp4") == (64, 64, 4, 2, False, False, False, 16, False)
     for target in (mi355, mi300):
         for kv_format in ("fp8", "mxfp4"):
-            plan = S.triton_plan(64, 1024, target, kv_format)
-            assert S.split_kernel_shared_bytes(plan.block_n, plan.num_stages, kv_format) <= target.shared_bytes
-        assert "launch_pdl" not in S.triton_launch_options(target, 4, 3, pdl=True)
-    assert S.triton_launch_options(S.TritonTarget("nvidia", "sm_90", 132, 227 * 1024), 4, pdl=True) == {
+            plan = P.triton_plan(64, 1024, target, kv_format)
+            assert P.split_kernel_shared_bytes(plan.block_n, plan.num_stages, kv_format) <= target.shared_bytes
+        assert "launch_pdl" not in C.triton_launch_options(target, 4, 3, pdl=True)
+    assert C.triton_launch_options(C.TritonTarget("nvidia", "sm_90", 132, 227 * 1024), 4, pdl=True) == {
         "num_warps": 4, "launch_pdl": True}
-    assert S.amd_triton_target("gfx1100", 48).shared_bytes == 64 * 1024  # an unknown one: the smallest LDS
+    assert C.amd_triton_target("gfx1100", 48).shared_bytes == 64 * 1024  # an unknown one: the smallest LDS
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ LIBRARY_CASES = ((4, 1024, 1), (4, 1024, 16), (4, 1024, 64), (4, 1024, 48), (512
 # mode -> (KV format, precision); the leaderboard serves the first three (its LEADERBOARD_KV_FORMATS), the library all.
 MODES = {"fp8-fast": ("fp8", "fast"), "fp8-precise": ("fp8", "precise"), "mxfp4": ("mxfp4", "fast"),
          "bf16": ("bf16", "fast")}
-KERNELS = ("_mla_split_kernel", "_mla_combine_kernel", "_q_absmax_kernel", "_q_quantize_kernel")
+KERNELS = ("mla_split_kernel", "mla_combine_kernel", "_q_absmax_kernel", "_q_quantize_kernel")
 WAVE = 64
 VGPR_NOTE = 16  # VGPRs over a ragged twin's that earn a NOTE when the waves per SIMD stay
 # LLVM's and Triton's error lines, as they print them to the process's stderr (Triton 3.9 prints such errors for
@@ -317,7 +317,7 @@ def _gates(arch: str, gpu: AmdGpu, kernel: dict) -> list[str]:
     failed = []
     if kernel["lds"] > gpu.lds_bytes:
         failed.append(f"LDS {kernel['lds']} B over the {gpu.name}'s {gpu.lds_bytes} B")
-    if kernel["name"] == "_mla_split_kernel":
+    if kernel["name"] == "mla_split_kernel":
         kv_format = c.get("KV_FORMAT")
         fast_fp8 = kv_format == "fp8" and not c.get("PRECISE")
         if (fast_fp8 or kv_format in ("mxfp4", "bf16")) and kernel["scratch"]:
@@ -442,7 +442,7 @@ def run_worker(arch: str, submission: Path, spec: Cases) -> dict:
 
 def _twin(kernel: dict) -> tuple | None:
     """What a split kernel's ragged twin shares with it: all but the layout, the LSE and the split count."""
-    if kernel["name"] != "_mla_split_kernel":
+    if kernel["name"] != "mla_split_kernel":
         return None
     c = kernel["constexprs"]
     return (c.get("KV_FORMAT"), bool(c.get("PRECISE")), bool(c.get("SCALED_SCORES")), c.get("BLOCK_N"),
@@ -488,12 +488,12 @@ def _describe(kernel: dict) -> str:
     layout = (f"page {c['PAGE_SIZE']}" if c.get("PAGE_SIZE") else "ragged") + (" lse" if c.get("WRITE_LSE") else "")
     if (c.get("Q_LEN", 1), c.get("NUM_HEADS", 16)) != (1, 16):  # a serving shape's query rows
         layout += f", q_len {c.get('Q_LEN', 1)}{' causal' if c.get('CAUSAL') else ''} x {c.get('NUM_HEADS', 16)} heads"
-    if kernel["name"] == "_mla_split_kernel":
+    if kernel["name"] == "mla_split_kernel":
         mode = c.get("KV_FORMAT", "?") + (" precise" if c.get("PRECISE") and c.get("KV_FORMAT") == "fp8" else "") + (
             " dot_scaled" if c.get("SCALED_SCORES") else "")
         return (f"split {mode}, {layout}, block_n {c.get('BLOCK_N')}, {kernel['num_warps']} warps, "
                 f"{kernel['num_stages']} stages")
-    if kernel["name"] == "_mla_combine_kernel":
+    if kernel["name"] == "mla_combine_kernel":
         return f"combine, {layout}, block_dv {c.get('BLOCK_DV')}"
     return kernel["name"].strip("_").replace("_kernel", "")
 

@@ -4,9 +4,10 @@
     python tools/bundle.py            # (re)writes submission.py
     python tools/bundle.py --check    # exit 1 when submission.py differs from what the package makes (CI runs it)
 
-Each module keeps its own text under a banner naming it: its docstring becomes the banner's comment, its imports of
-sibling modules are dropped (the names are the bundle's globals), and its other imports are gathered at the top. A
-name defined at the top level of two modules is an error: in one namespace the later would replace the earlier.
+Each module (a subpackage's too: "triton/common") keeps its own text under a banner naming its path: its docstring
+becomes the banner's comment, its imports of the package's own modules (relative: `.common`, `..contract`) are
+dropped (the names are the bundle's globals), and its other imports are gathered at the top. A name defined at the
+top level of two modules is an error: in one namespace the later would replace the earlier.
 The cuda backend (mla_decode/cuda) is not inlined: the bundle imports it where the package is installed.
 """
 
@@ -18,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mla_decode"
 TARGET = ROOT / "submission.py"
-# The portable modules, each after the modules it imports.
-MODULES = ("contract", "torch_backend", "triton_common", "triton_hopper", "triton_backend", "aiter_backend", "backends",
-           "api", "leaderboard")
+# The portable modules (paths under mla_decode/, without ".py"), each after the modules it imports.
+MODULES = ("contract", "torch_backend", "triton/common", "triton/hopper", "triton/kernels", "triton/plan",
+           "triton/decode", "aiter_backend", "backends", "api", "leaderboard")
 HEADER = '''#!POPCORN leaderboard amd-mixed-mla
 #!POPCORN gpu MI355X
 """MLA decode for the amd-mixed-mla leaderboard: custom_kernel(data) over the competition tuple (its contract is in
@@ -36,7 +37,7 @@ BANNER = "# " + "-" * 117
 
 def _import_lines(tree: ast.Module) -> tuple[list[str], set[int]]:
     """(the module's top-level imports of other packages as source lines, the line numbers of all its top-level
-    imports, those of sibling modules included)."""
+    imports, the package's own (relative, of any level: `.common`, `..contract`) included)."""
     external, lines = [], set()
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -82,13 +83,18 @@ def bundle() -> str:
     imports, bodies, owner = set(), [], {}
     for name in MODULES:
         path = PACKAGE / f"{name}.py"
+        where = path.relative_to(ROOT).as_posix()  # mla_decode/triton/common.py
         source = path.read_text()
         tree = ast.parse(source)
+        for node in tree.body:  # a dropped import's names must already be globals: MODULES' order is import order
+            missing = [a.name for a in getattr(node, "names", ()) if getattr(node, "level", 0) and a.name not in owner]
+            if missing:
+                raise SystemExit(f"bundle: {where} imports {missing} from {'.' * node.level}{node.module or ''}, "
+                                 "which no module before it in MODULES defines")
         for defined in _defined_names(tree.body):
             if defined in owner:
-                raise SystemExit(f"bundle: {defined!r} is defined in both mla_decode/{owner[defined]}.py and "
-                                 f"mla_decode/{name}.py")
-            owner[defined] = name
+                raise SystemExit(f"bundle: {defined!r} is defined in both {owner[defined]} and {where}")
+            owner[defined] = where
         external, skip = _import_lines(tree)
         imports.update(external)
         docstring = ast.get_docstring(tree, clean=False)
@@ -98,8 +104,8 @@ def bundle() -> str:
         kept = [line for i, line in enumerate(source.splitlines(), 1) if i not in skip]
         while kept and not kept[0].strip():
             kept.pop(0)
-        banner = [BANNER, f"# mla_decode/{name}.py", *(f"# {line}".rstrip() for line in
-                                                      (docstring or "").strip().splitlines()), BANNER]
+        banner = [BANNER, f"# {where}", *(f"# {line}".rstrip() for line in (docstring or "").strip().splitlines()),
+                  BANNER]
         bodies.append("\n".join(banner + ["", ""] + kept).rstrip() + "\n")
     return HEADER + "\n" + "\n".join(_sorted_imports(imports)) + "\n\n" + "\n\n\n".join(bodies)
 

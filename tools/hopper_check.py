@@ -1,4 +1,4 @@
-"""The triton backend's Hopper kernel (mla_decode/triton_hopper.py, Gluon) compiled for sm_90a on this CPU with the
+"""The triton backend's Hopper kernel (mla_decode/triton/hopper.py, Gluon) compiled for sm_90a on this CPU with the
 Triton it is written for, and its figures gated: what an H200 would run, checked without one.
 
     python tools/hopper_check.py --triton .amd-triton/3.6.0 [--file submission.py]
@@ -78,7 +78,7 @@ def compile_case(module, triton, case) -> dict:
     arguments = MXFP4_SIGNATURE if mxfp4 else SIGNATURE
     signature = dict(arguments, **{name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(arguments.values()) if kind.startswith("*")}
-    source = GluonASTSource(module._hopper_split_kernel, signature, constexprs, aligned)
+    source = GluonASTSource(module.hopper_split_kernel, signature, constexprs, aligned)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,8 +21,21 @@ registers they lie in, P in fp16. A thread's fp16 fragments then hold another k 
 and P are stored in that order too. A paged tile's table entries are read a tile ahead of its reads (_tile_entries).
 """
 
-from .contract import MXFP4_ROW_BYTES, V_HEAD_DIM, async_copy, gl, gluon, hopper, triton
-from .triton_common import _FP4_ROW_BYTES, _LN2, _MX_BLOCK, _QK_DIM, _V_DIM, _lse_at, _sequence
+from ..contract import MXFP4_ROW_BYTES, V_HEAD_DIM
+from .common import (
+    FP4_ROW_BYTES,
+    MX_BLOCK,
+    QK_DIM,
+    TL_LN2,
+    V_DIM,
+    async_copy,
+    gl,
+    gluon,
+    hopper,
+    lse_at,
+    sequence_span,
+    triton,
+)
 
 HOPPER_PLAN_SHAPE = (64, 4, 16)  # (tile rows, warps, query rows a program) its layouts are written for
 P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
@@ -36,7 +49,7 @@ elif not triton.__version__.startswith(GLUON_TRITON):
                             f"this is Triton {triton.__version__}")
 else:
     HOPPER_KERNEL_REASON = None  # why the plans cannot take the kernel here, or None
-_hopper_split_kernel = None
+hopper_split_kernel = None
 # MXFP4 -> E5M2, exactly (the MXFP4 tiles of the Hopper kernel; tests/test_triton.py runs this PTX on the CPU). The
 # tables: the E5M2 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 at block scale 2^0, one word each; a
 # block scale 2^k adds 4k to each nonzero byte (E5M2's exponent field), exact for |k| <= E5M2_EXACT_SCALES.
@@ -207,14 +220,14 @@ if HOPPER_KERNEL_REASON is None:
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         if ROWS32:  # the tile's (or its page's) first row, then 32-bit offsets from it
-            words += base * (_FP4_ROW_BYTES // 4)
+            words += base * (FP4_ROW_BYTES // 4)
             kscale_ptr += base * kscale_stride
             rows = offs
         else:
             rows = base + offs.to(gl.int64)
-        at = (rows * (_FP4_ROW_BYTES // 4) + col0 // 8)[:, None] + blk[None, :] * 4
+        at = (rows * (FP4_ROW_BYTES // 4) + col0 // 8)[:, None] + blk[None, :] * 4
         codes = gl.load(words + at[:, :, None] + word[None, None, :], mask=ok[:, None, None], other=0)
-        scales = gl.load(kscale_ptr + (rows * kscale_stride + col0 // _MX_BLOCK)[:, None] + blk[None, :],
+        scales = gl.load(kscale_ptr + (rows * kscale_stride + col0 // MX_BLOCK)[:, None] + blk[None, :],
                          mask=ok[:, None], other=127)
         return codes, scales.to(gl.int32)
 
@@ -237,7 +250,7 @@ if HOPPER_KERNEL_REASON is None:
             first = entry.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE
         one = gl.full([1], 0, gl.int32, _ONE)
         gl.inline_asm_elementwise(_L2_PREFETCH, "=r,l,l,r,r",
-                                  [kv_ptr + first * _FP4_ROW_BYTES + one, kscale_ptr + first * kscale_stride + one,
+                                  [kv_ptr + first * FP4_ROW_BYTES + one, kscale_ptr + first * kscale_stride + one,
                                    rows + one, kscale_stride + one], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -259,7 +272,7 @@ if HOPPER_KERNEL_REASON is None:
         base, offs, ok, bad = _hopper_tile_rows(entries512, n0, hi, num_pages, _SCALES512, PAGE_SIZE)
         c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512, ROWS32)
         base, offs, ok, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _SCALES64, PAGE_SIZE)
-        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, _V_DIM, 2, _CODES64, ROWS32)
+        cr, sr = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, V_DIM, 2, _CODES64, ROWS32)
         return (c, s, cr, sr), bad
 
     @gluon.jit
@@ -275,11 +288,11 @@ if HOPPER_KERNEL_REASON is None:
         """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
         blocks, stacked (4 x 64, 128), and its rope block kr (64, 64)."""
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
-        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * _QK_DIM + c128[None, :]
+        src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * QK_DIM + c128[None, :]
         for c in gl.static_range(_NCHUNK):
             async_copy.async_copy_global_to_shared(blocks.slice(64 * c, 64), src + c * 128, mask=ok128[:, None])
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
-        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * _QK_DIM + _V_DIM + c64[None, :]
+        src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * QK_DIM + V_DIM + c64[None, :]
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
 
     @gluon.jit
@@ -329,7 +342,7 @@ if HOPPER_KERNEL_REASON is None:
         return bad
 
     @gluon.jit
-    def _hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+    def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
                              PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
                              NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
@@ -341,7 +354,7 @@ if HOPPER_KERNEL_REASON is None:
         b = gl.program_id(2)
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
-        start, end, valid = _sequence(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
+        start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
         lo = start + split * per_split
@@ -360,11 +373,11 @@ if HOPPER_KERNEL_REASON is None:
 
         # Q with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
         qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
-        q_at = q_ptr + (first_row + qr)[:, None] * _QK_DIM
+        q_at = q_ptr + (first_row + qr)[:, None] * QK_DIM
         q_ok = (group * 16 + qr < ROWS)[:, None]
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
-        q_max = gl.max(gl.abs(gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
+        q_max = gl.max(gl.abs(gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
             q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
@@ -378,7 +391,7 @@ if HOPPER_KERNEL_REASON is None:
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
             qs.index(c).store(_q_operand(q_c, PRECISE, FP8_MAX))
-        q_pe = gl.load(q_at + _V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
+        q_pe = gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
         qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64,
                                          _q_operand(q_pe, PRECISE, FP8_MAX))
         if MXFP4:
@@ -519,21 +532,21 @@ if HOPPER_KERNEL_REASON is None:
         lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
         h = gl.arange(0, 16, layout=cols)
-        at = h[None, :] * _V_DIM + _dim_of(r)[:, None]
+        at = h[None, :] * V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         if NUM_SPLITS == 1:
             ok = valid & (bad == 0)
-            dst = out_ptr + first_row * _V_DIM + at
+            dst = out_ptr + first_row * V_DIM + at
             gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
             if WRITE_LSE:
-                gl.store(_lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * _LN2, float("nan")),
+                gl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * TL_LN2, float("nan")),
                          mask=row_in if PARTIAL_ROWS else None)
         else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache)
             part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * 16) * _V_DIM + at
+            dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
             gl.store(dst, acc0 * inv[None, :], mask=mask)
             gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
             gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
