@@ -57,7 +57,8 @@ class TritonDecode:
         self.combine_meta = dict(combine_consts, **triton_launch_options(target, 4, pdl=nvidia))
         self.split_run = self.combine_run = None
 
-    def run(self, q, kv, scale, seqs, table, out, lse) -> None:
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) in the key's format, scale as it has it (fp8
         (1,) fp32, mxfp4 (num_rows, >= 18) E8M0 with the key's row stride, bf16 None); seqs: cache_seqlens (batch,)
         (paged) or kv_indptr (batch + 1,) (ragged); table (batch, max_pages) or None; out (batch, q_len, num_heads,
