@@ -52,7 +52,7 @@ def environment(device: torch.device) -> list[str]:
              f"nvcc: {nvcc or missing or 'not found (the cuda backend is off)'}"]
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        arch = getattr(props, "gcnArchName", None) or "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+        arch = props.gcnArchName if torch.version.hip else "sm_{}{}".format(*torch.cuda.get_device_capability(device))
         lines.append(f"device: {device} {props.name}, {arch}, {props.multi_processor_count} SMs/CUs, "
                      f"{props.total_memory / 2**30:.0f} GiB")
     else:

@@ -14,8 +14,8 @@ import torch
 
 import mla_decode
 from mla_decode import flash_mla
-from mla_decode.contract import triton
 from mla_decode.flash_mla import MlaMetadata, flash_mla_with_kvcache, flash_mla_with_kvcache_fp8, get_mla_metadata
+from mla_decode.triton.common import triton
 
 PAGE = 16
 HEADS = 16
