@@ -113,7 +113,7 @@ def test_fails_on_bf16_products_off_bf16_mfmas(tmp_path):
 
 def test_fails_on_a_leaderboard_plan_of_another_kind(tmp_path):
     """The adapter's plan asking for an LSE it does not pass (the kernels would write it over the output)."""
-    path = planted(tmp_path, 'precision=precision, return_lse=False,', 'precision=precision, return_lse=True,')
+    path = planted(tmp_path, 'return_lse=False, scale_dtype=scale.dtype,', 'return_lse=True, scale_dtype=scale.dtype,')
     assert_fails(path, "gfx950", tmp_path, "triton plans are not the kind", "'write_lse': True")
 
 

@@ -254,19 +254,21 @@ def _on_amd_target(S, amd_target, plans: list) -> None:
     triton backend takes the problem (as on a GPU), and every TritonDecode is made for `amd_target`, into `plans`."""
     import torch
 
-    def select_backend(problem, backend="auto"):
-        reason = S.triton_unusable_reason(problem._replace(device=torch.device("cuda")))  # as on a GPU
-        if reason is not None:
-            raise S.BackendUnavailable("triton", reason)
-        return S.Selection("triton", ())
-
     class AmdTritonDecode(S.TritonDecode):
         def __init__(self, problem, target=None, plan=None):
             super().__init__(problem, target=amd_target, plan=plan)
             plans.append(self)
 
+    # The registry's triton record, its plans made for amd_target
+    record = next(r for r in S.BACKEND_REGISTRY if r.name == "triton")._replace(make_plan=AmdTritonDecode)
+
+    def select_backend(problem, backend="auto"):
+        reason = S.triton_unusable_reason(problem._replace(device=torch.device("cuda")))  # as on a GPU
+        if reason is not None:
+            raise S.BackendUnavailable("triton", reason)
+        return S.Selection(record, ())
+
     S.select_backend = select_backend
-    S.TritonDecode = AmdTritonDecode
 
 
 @contextlib.contextmanager
