@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mla_decode"
 TARGET = ROOT / "submission.py"
-# The portable modules (paths under mla_decode/, without ".py"), each after the modules it imports.
-MODULES = ("contract", "torch_backend", "triton/common", "triton/hopper", "triton/kernels", "triton/plan",
-           "triton/decode", "aiter_backend", "backends", "api", "leaderboard")
+# The leaderboard adapter: the bundle is it and every module it imports (relative imports at the top level, followed
+# through subpackages' __init__), each after the modules it imports. A backend's module joins by its registry record.
+ENTRY = "leaderboard"
 HEADER = '''#!POPCORN leaderboard amd-mixed-mla
 #!POPCORN gpu MI355X
 """MLA decode for the amd-mixed-mla leaderboard: custom_kernel(data) over the competition tuple (its contract is in
@@ -79,18 +79,49 @@ def _sorted_imports(lines: set[str]) -> list[str]:
     return out
 
 
+def _relative_imports(tree: ast.Module, name: str) -> list[str]:
+    """The package modules a module (a path under mla_decode/ without ".py") imports at its top level; a subpackage
+    as its __init__."""
+    package = name.split("/")[:-1]
+    targets = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parts = package[:len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+            target = "/".join(parts)
+            targets.append(f"{target}/__init__" if (PACKAGE / target).is_dir() else target)
+    return targets
+
+
+def import_order(entry: str | None = None) -> list[str]:
+    """ENTRY and every package module it imports, each after those it imports (a depth-first walk); a subpackage's
+    __init__ is walked through, not inlined (its names are its modules')."""
+    order, seen = [], set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for target in _relative_imports(ast.parse((PACKAGE / f"{name}.py").read_text()), name):
+            visit(target)
+        if not name.endswith("/__init__"):
+            order.append(name)
+
+    visit(entry or ENTRY)
+    return order
+
+
 def bundle() -> str:
     imports, bodies, owner = set(), [], {}
-    for name in MODULES:
+    for name in import_order():
         path = PACKAGE / f"{name}.py"
         where = path.relative_to(ROOT).as_posix()  # mla_decode/triton/common.py
         source = path.read_text()
         tree = ast.parse(source)
-        for node in tree.body:  # a dropped import's names must already be globals: MODULES' order is import order
+        for node in tree.body:  # a dropped import's names must already be globals: an import cycle breaks this
             missing = [a.name for a in getattr(node, "names", ()) if getattr(node, "level", 0) and a.name not in owner]
             if missing:
                 raise SystemExit(f"bundle: {where} imports {missing} from {'.' * node.level}{node.module or ''}, "
-                                 "which no module before it in MODULES defines")
+                                 "which no module before it defines (an import cycle?)")
         for defined in _defined_names(tree.body):
             if defined in owner:
                 raise SystemExit(f"bundle: {defined!r} is defined in both {owner[defined]} and {where}")
