@@ -1,6 +1,7 @@
 """Hostile and exact inputs in the competition's tuple (reference.input_from's): logits shifted by a common offset
 or an attention sink, where softmax's shift invariance keeps the truth and the kernels' precision shows; and grid
-data, on which every fast kernel's roundings are exact, so a 1% bug stands out."""
+data, on which every fast kernel's roundings are exact, so a 1% bug stands out; and a tensor's copy off a 16-byte
+boundary (shifted), which the kernels' wide loads refuse."""
 
 import itertools
 
@@ -78,3 +79,8 @@ def generate_grid_input(kv_lens: list[int], seed: int, device: torch.device | No
     kv[..., KV_LORA_RANK:] = (draw[..., KV_LORA_RANK:] % 2).to(torch.bfloat16)
     kv[..., QK_HEAD_DIM - 1] = 0.0
     return input_from(q * GRID_Q_UNIT, kv, kv_lens)
+
+
+def shifted(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """A contiguous copy of t that starts `elements` elements past a 16-byte boundary (of a dtype copy_ takes)."""
+    return torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)[elements:].view(t.shape).copy_(t)

@@ -4,7 +4,9 @@ make_paged_case builds a batch the way a serving engine's cache looks: pages han
 slot no sequence owns poisoned (NaN where a kernel would read it: the FP8 NaN byte, the E8M0 NaN scale, a bf16 NaN),
 and the block table's entries past each sequence's last page pointing at a poisoned page or outside the cache. A
 kernel that reads a row it does not own, or follows a table entry past a sequence's length, gives that sequence a
-NaN; one that skips a row it owns misses the float64 truth of paged_reference.
+NaN; one that skips a row it owns misses the float64 truth of paged_reference. ragged_twin lays a case's owned rows
+out consecutively (the ragged layout); BAD_CONTENTS are the invalid tables and lengths the kernels must turn into NaN
+rows; OUT_BOUND and LSE_BOUND hold the CPU backends to paged_reference (errors).
 """
 
 import math
@@ -18,6 +20,12 @@ from testkit.emulation import Tiling, e4m3_p_attention
 QK_DIM, V_DIM = 576, 512
 FP8_NAN_BYTE = 0x7F  # e4m3fn and e4m3fnuz: NaN
 E8M0_NAN_BYTE = 0xFF
+# The worst query token's output against the float64 truth: the bf16 output's rounding alone is ~1.7e-3 (the
+# interpreter's bf16 cast truncates: ~3.3e-3), and a 1% softmax-scale error is >= 1.2e-2
+# (tests/test_library.py::test_bounds_fail_on_bugs).
+OUT_BOUND = 5e-3
+# The largest LSE error: fp32 sums give < 1e-6; a 1% softmax-scale error moves it by ~2e-2.
+LSE_BOUND = 1e-4
 
 
 class PagedCase(NamedTuple):
@@ -93,6 +101,29 @@ def owned_rows(case: PagedCase, b: int) -> torch.Tensor:
     n, page = int(case.cache_seqlens[b]), case.page_size
     pages = case.block_table[b, :-(-n // page)].long().cpu()
     return (pages[:, None] * page + torch.arange(page)).flatten()[:n]
+
+
+def ragged_twin(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The rows each sequence owns gathered consecutively: (kv (total, 1, width), scale, kv_indptr)."""
+    order = torch.cat([owned_rows(case, b) for b in range(case.q.shape[0])]).to(case.q.device)
+    rows = case.kv_cache.view(torch.uint8)  # byte rows: MXFP4's float4_e2m1fn_x2 has no indexing
+    kv = rows.view(-1, 1, rows.shape[-1])[order].view(case.kv_cache.dtype)
+    scale = case.kv_scale
+    if case.kv_format == "mxfp4":
+        scale = case.kv_scale.view(torch.uint8).view(-1, 18)[order].view(case.kv_scale.dtype)
+    indptr = torch.zeros(case.q.shape[0] + 1, dtype=torch.int32, device=case.q.device)
+    indptr[1:] = torch.cumsum(case.cache_seqlens, 0)
+    return kv.contiguous(), None if scale is None else scale.contiguous(), indptr
+
+
+# Invalid contents of a case's sequence 1: name -> (an edit of the block table or None, an edit of cache_seqlens or
+# None, the field check_contents' error names); each edit takes (table, lens) and changes one of them in place.
+BAD_CONTENTS = {
+    "a page outside the cache": (lambda t, n: t.__setitem__((1, 2), 10_000), None, "block_table[1, 2]"),
+    "a negative page": (lambda t, n: t.__setitem__((1, 0), -1), None, "block_table[1, 0]"),
+    "a negative length": (None, lambda t, n: n.__setitem__(1, -3), "cache_seqlens[1]"),
+    "a length past the table": (None, lambda t, n: n.__setitem__(1, 10_000), "cache_seqlens[1]"),
+}
 
 
 def paged_reference(case: PagedCase, softmax_scale: float | None = None, q: torch.Tensor | None = None,

@@ -12,13 +12,17 @@ import torch
 
 import mla_decode
 from testkit.emulation import E4M3_P_RANDOM_BOUND, Tiling, round_q_per_head
-from testkit.paged import errors, make_paged_case, owned_rows, paged_reference
+from testkit.paged import (
+    BAD_CONTENTS,
+    LSE_BOUND,
+    OUT_BOUND,
+    errors,
+    make_paged_case,
+    owned_rows,
+    paged_reference,
+    ragged_twin,
+)
 
-# The worst query token's output against the float64 truth: the bf16 output's rounding alone is ~1.7e-3 (the
-# interpreter's bf16 cast truncates: ~3.3e-3), and a 1% softmax-scale error is >= 1.2e-2 (test_bounds_fail_on_bugs).
-OUT_BOUND = 5e-3
-# The largest LSE error: fp32 sums give < 1e-6; a 1% softmax-scale error moves it by ~2e-2.
-LSE_BOUND = 1e-4
 LENS = [0, 1, 77, 130, 64]
 FORMATS = ["fp8", "mxfp4", "bf16"]
 # The triton kernel runs on the CPU under Triton's interpreter (conftest.py turns it on where there is no GPU).
@@ -209,40 +213,21 @@ def test_a_plan_runs_again_with_new_lengths_and_tables(backend):
         check(case, out, lse, backend)
 
 
-def _ragged_twin(case):
-    """The rows each sequence owns gathered consecutively: (kv (total, 1, width), scale, kv_indptr)."""
-    order = torch.cat([owned_rows(case, b) for b in range(case.q.shape[0])]).to(case.q.device)
-    rows = case.kv_cache.view(torch.uint8)  # byte rows: MXFP4's float4_e2m1fn_x2 has no indexing
-    kv = rows.view(-1, 1, rows.shape[-1])[order].view(case.kv_cache.dtype)
-    scale = case.kv_scale
-    if case.kv_format == "mxfp4":
-        scale = case.kv_scale.view(torch.uint8).view(-1, 18)[order].view(case.kv_scale.dtype)
-    indptr = torch.zeros(case.q.shape[0] + 1, dtype=torch.int32, device=case.q.device)
-    indptr[1:] = torch.cumsum(case.cache_seqlens, 0)
-    return kv.contiguous(), None if scale is None else scale.contiguous(), indptr
-
-
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_ragged_plan_matches_the_paged_call(backend):
     """The ragged layout (kv_indptr over consecutive rows, the leaderboard's) gives what page size 1 gives over the
     same rows."""
     case = make_paged_case("mxfp4", 1, [9, 0, 70], seed=4)
-    kv, scale, indptr = _ragged_twin(case)
+    kv, scale, indptr = ragged_twin(case)
     decode = mla_decode.plan_ragged(3, kv.dtype, "cpu", 70, backend=backend, kv_scale_dtype=scale.dtype)
     out, lse = decode.run_ragged(case.q, kv, indptr, scale)
     check(case, out, lse, backend)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Invalid contents: never followed; NaN rows from the kernels, an error from the checking option and from torch
+# Invalid contents (testkit.paged.BAD_CONTENTS): never followed; NaN rows from the kernels, an error from the
+# checking option and from torch
 # ---------------------------------------------------------------------------------------------------------------
-
-BAD_CONTENTS = {
-    "a page outside the cache": (lambda t, n: t.__setitem__((1, 2), 10_000), None, "block_table[1, 2]"),
-    "a negative page": (lambda t, n: t.__setitem__((1, 0), -1), None, "block_table[1, 0]"),
-    "a negative length": (None, lambda t, n: n.__setitem__(1, -3), "cache_seqlens[1]"),
-    "a length past the table": (None, lambda t, n: n.__setitem__(1, 10_000), "cache_seqlens[1]"),
-}
 
 
 @needs_interpreter
@@ -272,8 +257,8 @@ def test_invalid_contents_give_nan_rows_or_an_error(name):
 
 
 def test_bounds_fail_on_bugs():
-    """Each bound of this module fails for: the softmax scale 1% high, the output 2% high, one sequence's last row
-    left out, all-zero outputs; the correct call passes."""
+    """Each bound (testkit.paged's OUT_BOUND and LSE_BOUND) fails for: the softmax scale 1% high, the output 2% high,
+    one sequence's last row left out, all-zero outputs; the correct call passes."""
     case = make_paged_case("fp8", 16, [130, 77, 5], seed=11)
     ref_out, ref_lse = paged_reference(case)
     out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), backend="torch")
@@ -451,7 +436,7 @@ def test_gpu_paged_is_the_ragged_kernel_over_the_same_rows(kernel, page_size):
     max_seqlen = max(GPU_LENS)
     out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), backend=backend, precision=precision,
                                                   max_seqlen=max_seqlen)
-    kv, scale, indptr = _ragged_twin(case)
+    kv, scale, indptr = ragged_twin(case)
     twin = mla_decode.plan_ragged(len(GPU_LENS), kv.dtype, "cuda", max_seqlen, backend=backend, precision=precision,
                                   kv_scale_dtype=None if scale is None else scale.dtype)
     twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
@@ -512,7 +497,7 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
                            device="cuda")
     settings = dict(backend=backend, precision=precision, max_seqlen=max(SERVING_LENS))
     out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, **settings)
-    kv, scale, indptr = _ragged_twin(case)
+    kv, scale, indptr = ragged_twin(case)
     twin = mla_decode.plan_ragged(len(SERVING_LENS), kv.dtype, "cuda", max(SERVING_LENS), q_len=q_len,
                                   num_heads=num_heads, causal=case.causal, backend=backend, precision=precision,
                                   kv_scale_dtype=None if scale is None else scale.dtype)
@@ -610,7 +595,7 @@ def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads,
     out_bound, lse_bound = GPU_BOUNDS[("triton", kv_format, "fast")]
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
-    kv, scale, indptr = _ragged_twin(case)
+    kv, scale, indptr = ragged_twin(case)
     twin = mla_decode.plan_ragged(len(SERVING_LENS), kv.dtype, "cuda", max(SERVING_LENS), q_len=q_len,
                                   num_heads=num_heads, causal=case.causal, backend="triton",
                                   kv_scale_dtype=None if scale is None else scale.dtype,
@@ -681,7 +666,7 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
 
 
 def _cuda_plan_in_units_of(rows: int, case, max_seqlen: int, ragged: bool = False, **settings):
-    """The cuda backend's plan for `case` (FP8; paged, or ragged over its _ragged_twin) in units of `rows` query rows,
+    """The cuda backend's plan for `case` (FP8; paged, or ragged over its ragged_twin) in units of `rows` query rows,
     whatever plan_unit_rows would pick; settings override the case's causal and the default softmax scale."""
     batch, q_len, num_heads = case.q.shape[:3]
     shared = dict(num_heads=num_heads, q_len=q_len, causal=case.causal, backend="cuda", max_seqlen=max_seqlen,
@@ -803,7 +788,7 @@ def test_gpu_cuda_units_of_64_rows_serving_shapes(q_len, num_heads):
     decode = _cuda_plan_in_units_of(64, case, max(SERVING_LENS))
     assert decode.impl.call.unit_rows == 64
     out, lse = decode.run(*case.args())
-    kv, scale, indptr = _ragged_twin(case)
+    kv, scale, indptr = ragged_twin(case)
     twin = _cuda_plan_in_units_of(64, case, max(SERVING_LENS), ragged=True)
     twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
     assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)

@@ -21,7 +21,7 @@ from testkit.attention import (
 )
 from testkit.calls import ragged_decode
 from testkit.emulation import emulate, kernel_emulation
-from testkit.inputs import generate_shifted_input
+from testkit.inputs import generate_shifted_input, shifted
 
 CPU = torch.device("cpu")
 CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages) or None for triton_plan)
@@ -49,11 +49,6 @@ SCALED_CASES = {"varlen_0_1_odd": [5, 0, 1, 70, 33], "one_long": [8191, 1, 0, 33
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
                                        or mla_decode.triton.common.triton is None,
                                        reason="needs triton under its interpreter (a CPU-only machine)")
-
-
-def shifted(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
-    """A contiguous copy of t that starts `elements` elements past a 16-byte boundary (of a dtype copy_ takes)."""
-    return torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)[elements:].view(t.shape).copy_(t)
 
 
 @pytest.fixture
