@@ -18,7 +18,7 @@ from testkit.inputs import GRID_REL_L2_BOUND
 
 # (kernel, data) -> the bound on the worst sequence's error against the emulation. Measured on the H200
 # (bench/negative_controls.py, 2026-12-01, both batches of each kind), the correct call / the smallest planted bug:
-# random: cuda wgmma fp8 8.0e-3 / 2.07e-2 (9.6e-3 at worst over test_cuda's shapes), cuda mxfp4 6.0e-3 / 2.03e-2;
+# random: cuda wgmma fp8 8.0e-3 / 2.07e-2 (9.6e-3 at worst over test_cuda_gpu's shapes), cuda mxfp4 6.0e-3 / 2.03e-2;
 # triton fp8 fast 2.0e-3 / 1.30e-2; cuda mma.sync 2.3e-3 / 1.34e-2; triton fp8 precise 1.7e-3 / 1.32e-2; triton mxfp4
 # 1.7e-3 / 1.41e-2. grid: every kernel 1.7-2.4e-3 / 1.09e-2 or more.
 # Kernels that round P to e4m3 (the cuda wgmma kernels; the triton backend's Hopper kernel, whose measurement on
