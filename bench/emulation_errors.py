@@ -1,7 +1,7 @@
 """The worst-sequence error of the cuda and triton backends' fast kernels against the emulation of what they round,
-over the GPU tests' random-data batches (the 8 task shapes and the variable-length batches of tests/test_cuda.py and
-tests/test_triton.py, with their seeds): the measurements behind test_cuda's RANDOM_WGMMA_BOUND and test_triton's
-KERNEL_REL_L2 on a GPU.
+over the GPU tests' random-data batches (the 8 task shapes and the variable-length batches of tests/test_cuda_gpu.py
+and tests/test_triton_gpu.py, with their seeds): the measurements behind test_cuda_gpu's RANDOM_WGMMA_BOUND and
+test_triton_gpu's KERNEL_REL_L2 on a GPU.
 
 Columns: cuda (the wgmma kernel on Hopper) against testkit.emulation's emulate (its splits and tiles walked), against
 the "+Q+P" emulation of one split (kernel_emulation), and against fp32 attention with bf16 Q; triton against

@@ -14,7 +14,7 @@ import inspect
 
 import pytest
 import torch
-from aiter_standin import MODELLED, HostReadsForbidden, Recorded, drop, inside_standin, make, modified
+from aiter_standin import MODELLED, TIGHT, HostReadsForbidden, Recorded, drop, inside_standin, make, modified
 from q_quant_ref import AMAXES, assert_quantized_as_the_reference, scaled_q
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,7 +23,6 @@ import submission as S
 from testkit.attention import assert_matches, fp8_per_tensor, fp32_attention
 
 CPU = torch.device("cpu")
-TIGHT = 4e-3  # worst-row relative L2 vs fp32 attention over the same FP8 data: bf16 output rounding only
 E4M3FN, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 
 LENGTHS = {  # KV length of every sequence

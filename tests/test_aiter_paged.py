@@ -18,8 +18,7 @@ import math
 
 import pytest
 import torch
-from aiter_standin import HostReadsForbidden
-from test_aiter_backend import TIGHT
+from aiter_standin import TIGHT, HostReadsForbidden
 
 import mla_decode
 import mla_decode.aiter_backend as AB
