@@ -75,7 +75,10 @@ def verdicts(device: torch.device) -> list[str]:
         serves = []
         for label, problem in problems:
             reason = record.unusable_reason(problem)
-            serves.append(label) if reason is None else refused.setdefault(reason, []).append(label)
+            if reason is None:
+                serves.append(label)
+            else:
+                refused.setdefault(reason, []).append(label)
         lines.append(f"  {record.name:7s} serves: {', '.join(serves) or 'none of these'}")
         lines += [f"          not {', '.join(labels)}: {reason}" for reason, labels in refused.items()]
     picks = ", ".join(f"{label} -> {select_backend(problem).backend}" for label, problem in problems)

@@ -129,8 +129,8 @@ ARGUMENT_NAMES = CacheNames()
 
 
 def expect_ragged_inputs(p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                         kv_scale: torch.Tensor | None, names: CacheNames = ARGUMENT_NAMES) -> tuple[torch.Tensor,
-                         torch.Tensor | None]:
+                         kv_scale: torch.Tensor | None,
+                         names: CacheNames = ARGUMENT_NAMES) -> tuple[torch.Tensor, torch.Tensor | None]:
     """run_ragged's checks of its inputs against a ragged problem -> (kv, scale) as the kernels read them."""
     _expect_q(q, p)
     kv, scale = _expect_cache(kv_cache, kv_scale, p, (), names)
