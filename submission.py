@@ -2363,7 +2363,7 @@ class Backend(NamedTuple):
 # auto's order of preference: the first that auto considers on the device and that can serve the problem wins.
 BACKEND_REGISTRY = (
     Backend("aiter", on_rocm, aiter_unusable_reason, aiter_auto_reason, AiterDecode, ("variant", "kv_seq_len")),
-    Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode, ("unit_rows",)),
+    Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode, ("unit_rows", "schedule")),
     Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
             TritonDecode, ("target", "plan")),
     Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),
@@ -2454,6 +2454,16 @@ def make_backend_plan(record: Backend, problem: Problem, options: dict) -> objec
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+class StepSchedule(NamedTuple):
+    """DecodePlan.schedule's work-balanced schedule of one step's lengths, for run(schedule=) in every layer of the
+    step. Tied to the tensor it was made from and that tensor's version: a run with another lengths tensor, or after
+    the lengths were written in place, is refused (make a new one each step, or capture both in one CUDA graph)."""
+
+    seqs: torch.Tensor  # the cache_seqlens or kv_indptr it was made from
+    version: int  # seqs._version when it was made
+    items: torch.Tensor | None  # the backend's schedule; None where the backend cuts the work in each call
+
+
 class DecodePlan:
     """A decode planned for one problem (every shape, dtype and setting of a call but the data) on one backend: its
     workspace allocated, its split plan made. run() checks its arguments against the plan, then launches; on the
@@ -2484,42 +2494,70 @@ class DecodePlan:
             _expect_buffer(lse, "lse", (p.batch, p.num_heads, p.q_len), torch.float32, p.device)
         return out, lse
 
+    def schedule(self, seqs: torch.Tensor) -> StepSchedule:
+        """The work-balanced schedule of a step's lengths: cache_seqlens (batch,) int32 for a paged plan, kv_indptr
+        (batch + 1,) int32 for a ragged one. Made on the GPU (no host read; capturable), once a step, and passed to
+        run(schedule=) in every layer. Backends that cut the work in each call give one that holds no items."""
+        p = self.problem
+        name, shape = ("cache_seqlens", (p.batch,)) if p.layout == "paged" else ("kv_indptr", (p.batch + 1,))
+        _expect_buffer(seqs, name, shape, torch.int32, p.device)
+        make = getattr(self.impl, "make_schedule", None)
+        items = make(seqs) if make is not None and getattr(self.impl, "balanced", False) else None
+        return StepSchedule(seqs, seqs._version, items)
+
+    def _schedule_items(self, schedule: StepSchedule | None, seqs: torch.Tensor) -> torch.Tensor | None:
+        if schedule is None:
+            return None
+        expect(isinstance(schedule, StepSchedule), "schedule", "this plan's schedule() of the same lengths",
+               type(schedule).__name__)
+        expect(schedule.seqs is seqs, "schedule", "one made from the lengths tensor passed here",
+               "one made from another tensor")
+        expect(schedule.version == seqs._version, "schedule", "one made after the lengths were last written",
+               "a stale one (the lengths were written since)")
+        return schedule.items
+
     def launch(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
-               table: torch.Tensor | None, out: torch.Tensor,
-               lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
+               items: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """run's launch, on arguments it does not check: as the backends take them (TritonDecode.run), for a caller
-        that checked them once per kind of call (the leaderboard adapter)."""
+        that checked them once per kind of call (the leaderboard adapter). items: a StepSchedule's."""
         if self.check_contents:
             sequence_rows(self.problem, seqs, table, kv.shape[0])
+        extra = {} if items is None else {"schedule": items}
         if self._switch_device and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):  # ctypes, Triton and aiter launch on the current device
-                self.impl.run(q, kv, scale, seqs, table, out, lse)
+                self.impl.run(q, kv, scale, seqs, table, out, lse, **extra)
         else:
-            self.impl.run(q, kv, scale, seqs, table, out, lse)
+            self.impl.run(q, kv, scale, seqs, table, out, lse, **extra)
         return out, lse
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
             kv_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            lse: torch.Tensor | None = None,
+            schedule: StepSchedule | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode of a paged cache (the module's docstring gives the layouts) -> (out, lse); lse is None when
-        the plan was made with return_lse=False. out, lse: buffers to write (else allocated)."""
+        the plan was made with return_lse=False. out, lse: buffers to write (else allocated); schedule: this
+        plan's schedule(cache_seqlens) of this step (else the call makes its own)."""
         p = self.problem
         expect(p.layout == "paged", "run", "kv_indptr (this plan is ragged: run_ragged)", "block_table")
         _expect_q(q, p)
         kv, scale = _expect_cache(kv_cache, kv_scale, p, (p.page_size,))
         _expect_buffer(block_table, "block_table", (p.batch, p.max_pages), torch.int32, p.device)
         _expect_buffer(cache_seqlens, "cache_seqlens", (p.batch,), torch.int32, p.device)
-        return self.launch(q, kv, scale, cache_seqlens, block_table, *self._outputs(q, out, lse))
+        items = self._schedule_items(schedule, cache_seqlens)
+        return self.launch(q, kv, scale, cache_seqlens, block_table, *self._outputs(q, out, lse), items)
 
     def run_ragged(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
                    kv_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   lse: torch.Tensor | None = None,
+                   schedule: StepSchedule | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode of a ragged cache: sequence b owns rows kv_indptr[b] .. kv_indptr[b + 1] - 1 of kv_cache
-        (num_rows, 1, width) -> (out, lse)."""
+        (num_rows, 1, width) -> (out, lse). schedule: this plan's schedule(kv_indptr), as run's."""
         expect(self.problem.layout == "ragged", "run_ragged",
                "block_table and cache_seqlens (this plan is paged: run)", "kv_indptr")
         kv, scale = expect_ragged_inputs(self.problem, q, kv_cache, kv_indptr, kv_scale)
-        return self.launch(q, kv, scale, kv_indptr, None, *self._outputs(q, out, lse))
+        items = self._schedule_items(schedule, kv_indptr)
+        return self.launch(q, kv, scale, kv_indptr, None, *self._outputs(q, out, lse), items)
 
 
 class CacheNames(NamedTuple):

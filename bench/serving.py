@@ -304,10 +304,11 @@ def as_returned(result: tuple) -> tuple:
 
 
 def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | None = None,
-          unit_rows: int | None = None):
+          unit_rows: int | None = None, schedule: str | None = None):
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
     plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
-    (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA."""
+    (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda), the backend
+    option, "balanced" (the default) or "fixed" splits."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -319,6 +320,8 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
             if shape.heads % unit_rows:
                 raise Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
             options = {"unit_rows": unit_rows}
+        if schedule is not None:
+            options = {**(options or {}), "schedule": schedule}
         try:
             if block_h is not None:
                 options = {"plan": triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
@@ -427,6 +430,10 @@ METHODS = (
     Method("cuda-fp8-precise", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, precise (mma.sync)",
            _ours("cuda", "fp8", "precise")),
     Method("cuda-mxfp4", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache", _ours("cuda", "mxfp4")),
+    Method("cuda-fp8-fixed", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, fixed splits (schedule)",
+           _ours("cuda", "fp8", schedule="fixed")),
+    Method("cuda-mxfp4-fixed", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache, fixed splits (schedule)",
+           _ours("cuda", "mxfp4", schedule="fixed")),
     Method("triton-fp8", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache", _ours("triton", "fp8")),
     Method("triton-fp8-precise", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, precise",
            _ours("triton", "fp8", "precise")),

@@ -13,9 +13,9 @@ mla_decode.api's docstring gives the layouts.
 
 __version__ = "0.2.0"
 
-from .api import DecodePlan, mla_decode_with_kvcache, plan, plan_ragged
+from .api import DecodePlan, StepSchedule, mla_decode_with_kvcache, plan, plan_ragged
 from .backends import BACKEND_REGISTRY, BACKENDS, select_backend
 from .contract import KV_FORMATS, LAYOUTS, PRECISIONS, Problem
 
 __all__ = ["__version__", "BACKEND_REGISTRY", "BACKENDS", "KV_FORMATS", "LAYOUTS", "PRECISIONS", "DecodePlan",
-           "Problem", "mla_decode_with_kvcache", "plan", "plan_ragged", "select_backend"]
+           "Problem", "StepSchedule", "mla_decode_with_kvcache", "plan", "plan_ragged", "select_backend"]

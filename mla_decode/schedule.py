@@ -9,10 +9,11 @@ Part p takes the units [p * share, (p + 1) * share), share = ceil(total / parts)
   - a sequence lies in parts first_part(b) .. last_part(b), the parts its segment meets; each is one piece of it,
     and a piece may hold no tile (the part met only the fixed units): it weighs 0 in the merge;
   - a part is whole sequences in its middle and at most a tail piece of its first sequence and a head piece of its
-    last one: two partial slots a part hold every piece that needs a merge (PIECE_SLOTS);
-  - every part computes its own range from the prefix sums alone (a scan of the lengths and a binary search), so a
-    GPU twin needs no table made before the decode, and a CPU one (this module) fills the same numbers in.
-Lengths are clamped to [0, capacity] for the cut: an invalid length still gets its NaN from the kernel that reads it.
+    last one, so a batch has at most parts + batch - 1 pieces (each share boundary adds one): a partial slot each;
+  - the whole cut follows from the prefix sums of the costs: one scan of the lengths, which the cuda backend's
+    schedule kernel (csrc/schedule.cuh) makes on the GPU, listing the pieces as schedule_items does here.
+A length outside [0, capacity] is invalid: it costs its fixed units alone (no tile), and the kernel that reads it
+makes its rows NaN.
 """
 
 from typing import NamedTuple
@@ -21,7 +22,6 @@ import torch
 
 TILE_ROWS = 64  # KV rows a unit of work reads: the kernels' tile (the cuda kernels' BLOCK_N)
 SEQUENCE_COST = 1  # a sequence's fixed cost in tiles (Q staged, the output written): also keeps length 0 on the line
-PIECE_SLOTS = 2  # partial slots a part holds: the tail of its first sequence and the head of its last
 
 
 class Schedule(NamedTuple):
@@ -55,15 +55,11 @@ class Schedule(NamedTuple):
         hi = min((p + 1) * self.share, int(self.start[b + 1])) - tiles_from
         return max(lo, 0), max(hi, max(lo, 0))
 
-    def slot(self, p: int, b: int) -> int:
-        """The partial slot of part p where sequence b's piece goes: 0 for the part's first sequence, 1 for its
-        last (a part's middle sequences are whole and need none)."""
-        return 0 if b == self.part_range(p)[0] else 1
-
 
 def sequence_tiles(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
-    """KV tiles of each sequence: its length clamped to [0, capacity], in TILE_ROWS rows, rounded up."""
-    return (lengths.clamp(0, capacity) + (TILE_ROWS - 1)) // TILE_ROWS
+    """KV tiles of each sequence: its length in TILE_ROWS rows, rounded up; 0 for a length outside [0, capacity]."""
+    valid = (lengths >= 0) & (lengths <= capacity)
+    return torch.where(valid, lengths, 0).add(TILE_ROWS - 1).div(TILE_ROWS, rounding_mode="floor")
 
 
 def make_schedule(lengths: torch.Tensor, parts: int, capacity: int) -> Schedule:
@@ -79,7 +75,16 @@ def make_schedule(lengths: torch.Tensor, parts: int, capacity: int) -> Schedule:
     return Schedule(parts, max(1, -(-total // parts)), start, tiles)
 
 
-def schedule_parts(sms: int, ctas_per_sm: int, row_groups: int) -> int:
-    """Parts of a grid whose CTAs must all be resident (the merge's barrier waits on them): ctas_per_sm x SMs CTAs,
-    each row group of a sequence (q_len x heads / unit rows) running the same schedule."""
-    return max(1, ctas_per_sm * sms // max(1, row_groups))
+def schedule_items(schedule: Schedule, max_items: int) -> torch.Tensor:
+    """The pieces of `schedule` in line order, as the schedule kernel lists them: (max_items, 4) int32 rows {b, first
+    tile, end tile, index << 16 | count} (piece `index` of sequence b's `count`), then {-1, 0, 0, 0}."""
+    items = torch.tensor([[-1, 0, 0, 0]], dtype=torch.int32).repeat(max_items, 1)
+    k = 0
+    for b in range(schedule.tiles.shape[0]):
+        first, last = int(schedule.first_part(b)), int(schedule.last_part(b))
+        count = last - first + 1
+        for j in range(count):
+            lo, hi = schedule.piece_tiles(first + j, b)
+            items[k] = torch.tensor([b, lo, hi, j << 16 | count], dtype=torch.int32)
+            k += 1
+    return items

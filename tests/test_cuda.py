@@ -62,7 +62,7 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
         [2, 2, 1] if capability == B.WGMMA_CAPABILITY else [1, 1, 1])
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert B.library(capability) is lib  # built once, then reused
-    assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 27
+    assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 31
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
     fields = [getattr(B.DecodeCall, name).offset for name, _ in B.DecodeCall._fields_]
@@ -82,9 +82,9 @@ def field_shifted(layout: list[int], field: int, by: int) -> list[int]:
 @pytest.mark.parametrize("layout,named", [
     (field_shifted(LAYOUT, 4, 8), r"field 4 \(seqs\) lies at byte 40 there, 32 here"),
     (field_shifted(field_shifted(LAYOUT, 22, 4), 24, -4), r"field 22 \(qk_scale\) lies at byte"),
-    (LAYOUT[:26] + LAYOUT[-1:], r"26 fields, not 27 \(the first unmatched: guess_rows\)"),
-    (LAYOUT[:27] + [160, 164], r"28 fields, not 27 \(the first unmatched: its field 27\)"),
-    (LAYOUT[:27] + [168], "its size is 168 bytes there, 160 here"),
+    (LAYOUT[:30] + LAYOUT[-1:], r"30 fields, not 31 \(the first unmatched: max_items\)"),
+    (LAYOUT[:31] + [184, 188], r"32 fields, not 31 \(the first unmatched: its field 31\)"),
+    (LAYOUT[:31] + [192], "its size is 192 bytes there, 184 here"),
     (None, "does not report its DecodeCall's layout"),
 ], ids=["offset", "first-of-two", "fewer", "more", "size", "no-export"])
 def test_a_library_whose_decode_call_differs_is_refused_naming_the_field(layout, named):
@@ -98,7 +98,7 @@ def test_a_library_whose_decode_call_differs_is_refused_naming_the_field(layout,
 
 
 def test_a_library_whose_decode_call_matches_passes_the_check():
-    assert LAYOUT[-1] == ctypes.sizeof(B.DecodeCall) == 160
+    assert LAYOUT[-1] == ctypes.sizeof(B.DecodeCall) == 184
     B.check_decode_call(standin_library())
 
 

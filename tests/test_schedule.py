@@ -1,7 +1,7 @@
 """The work-balanced schedule (mla_decode/schedule.py) as a pure function on the CPU: every (sequence, tile) taken
-exactly once, no part over the mean by more than one unit, at most PIECE_SLOTS partials a part and no slot written
-twice, and a decode merged from its pieces equal to the whole decode in float64. Each check is shown to fail on a
-planted bug."""
+exactly once, by the parts and by the listed pieces (schedule_items, the cuda schedule kernel's twin), no part over
+the mean by more than one unit, at most parts + batch - 1 pieces, and a decode merged from its pieces equal to the
+whole decode in float64. Each check is shown to fail on a planted bug."""
 
 import math
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mla_decode.schedule as sched
-from mla_decode.schedule import PIECE_SLOTS, SEQUENCE_COST, TILE_ROWS, Schedule, make_schedule, schedule_parts
+from mla_decode.cuda.plan import MAX_PIECES, balanced_parts
+from mla_decode.schedule import SEQUENCE_COST, TILE_ROWS, Schedule, make_schedule, schedule_items
 
 CAPACITY = 1 << 16
 
@@ -31,18 +32,31 @@ def spread(batch: int, kind: str, seed: int) -> torch.Tensor:
 
 
 def coverage(s: Schedule) -> list[torch.Tensor]:
-    """How many times each tile of each sequence is read across the parts, and that every piece's slot is free."""
+    """How many times each tile of each sequence is read across the parts."""
     counts = [torch.zeros(int(t), dtype=torch.int64) for t in s.tiles]
-    slots = set()
     for p in range(s.parts):
         first, last = s.part_range(p)
         for b in range(first, last + 1):
             lo, hi = s.piece_tiles(p, b)
             counts[b][lo:hi] += 1
-            if int(s.first_part(b)) < int(s.last_part(b)):  # a split sequence: its piece needs a partial slot
-                slot = s.slot(p, b)
-                assert 0 <= slot < PIECE_SLOTS and (p, slot) not in slots, (p, b, slot)
-                slots.add((p, slot))
+    return counts
+
+
+def item_coverage(items: torch.Tensor, tiles: torch.Tensor) -> list[torch.Tensor]:
+    """How many times each tile of each sequence is read across the listed pieces; each sequence's pieces are listed
+    together, in order, with their index and count."""
+    counts = [torch.zeros(int(t), dtype=torch.int64) for t in tiles]
+    listed = [row for row in items.tolist() if row[0] >= 0]
+    assert all(row[0] < 0 for row in items.tolist()[len(listed):])  # the pieces first, then the padding
+    k = 0
+    for b in range(len(tiles)):
+        count = listed[k][3] & 0xFFFF
+        for j in range(count):
+            seq, lo, hi, packed = listed[k + j]
+            assert (seq, packed >> 16, packed & 0xFFFF) == (b, j, count) and 0 <= lo <= hi <= int(tiles[b])
+            counts[b][lo:hi] += 1
+        k += count
+    assert k == len(listed)
     return counts
 
 
@@ -66,20 +80,25 @@ def test_every_tile_is_read_once_and_parts_are_balanced(batch, kind, parts):
     mean = int(s.start[-1]) / parts
     assert all(part_units(s, p) <= mean + 1 for p in range(parts))
     assert sum(part_units(s, p) for p in range(parts)) == int(s.start[-1])
+    items = schedule_items(s, parts + batch)
+    assert int((items[:, 0] >= 0).sum()) <= parts + batch - 1
+    assert all(bool((count == 1).all()) for count in item_coverage(items, s.tiles))
 
 
-def test_lengths_are_clamped_to_the_capacity():
-    """A negative length or one past the table's rows costs what a valid one at the limit would: the kernel that
-    reads the sequence makes it NaN."""
+def test_invalid_lengths_cost_their_fixed_units_alone():
+    """A negative length or one past the table's rows reads no tile (the kernel that reads the sequence makes it
+    NaN), and still has a piece, which writes it."""
     s = make_schedule(torch.tensor([-5, 0, 10**6, 64], dtype=torch.int32), 4, 640)
-    assert s.tiles.tolist() == [0, 0, 10, 1]
-    assert s.start.tolist() == [0, SEQUENCE_COST, 2 * SEQUENCE_COST, 3 * SEQUENCE_COST + 10, 4 * SEQUENCE_COST + 11]
+    assert s.tiles.tolist() == [0, 0, 0, 1]
+    assert s.start.tolist() == [0, SEQUENCE_COST, 2 * SEQUENCE_COST, 3 * SEQUENCE_COST, 4 * SEQUENCE_COST + 1]
+    assert [row[0] for row in schedule_items(s, 8).tolist()[:4]] == [0, 1, 2, 3]
 
 
 def test_parts_follow_the_resident_grid():
-    assert schedule_parts(132, 2, 1) == 264
-    assert schedule_parts(132, 2, 8) == 33  # 128 heads x q_len 2 in units of 32 rows: 8 CTAs a share
-    assert schedule_parts(4, 1, 64) == 1
+    assert balanced_parts(132, 2, 1) == 264
+    assert balanced_parts(132, 2, 8) == 33  # 128 heads x q_len 2 in units of 32 rows: 8 CTAs a share
+    assert balanced_parts(4, 1, 64) == 1
+    assert balanced_parts(1000, 2, 1) == MAX_PIECES  # a unit's pieces: the merge's weights in shared memory
     with pytest.raises(ValueError, match="parts: expected >= 1"):
         make_schedule(torch.ones(3, dtype=torch.int32), 0, CAPACITY)
 
@@ -163,12 +182,19 @@ def test_a_share_rounded_down_leaves_work_uncut():
     assert sum(part_units(short, p) for p in range(short.parts)) < int(short.start[-1])
 
 
-def test_one_slot_a_part_collides():
-    s = make_schedule(spread(64, "lognormal", 2), 132, CAPACITY)
-    coverage(s)  # the real slots pass
-    one_slot = type("OneSlot", (Schedule,), {"slot": lambda self, p, b: 0})(*s)
+@pytest.mark.parametrize("fault", ["dropped", "twice", "shifted"])
+def test_a_wrong_item_fails_item_coverage(fault):
+    s = make_schedule(spread(32, "one-long", 1), 132, CAPACITY)
+    items = schedule_items(s, 132 + 32)
+    k = next(k for k, row in enumerate(items.tolist()) if row[2] - row[1] >= 2)
+    if fault == "dropped":
+        items[k, 2] -= 1
+    elif fault == "twice":
+        items[k + 1, 1] -= 1
+    else:
+        items[k, 1] += 1
     with pytest.raises(AssertionError):
-        coverage(one_slot)
+        assert all(bool((count == 1).all()) for count in item_coverage(items, s.tiles))
 
 
 def test_a_piece_merged_with_the_wrong_weight_fails():

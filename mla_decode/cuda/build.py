@@ -23,14 +23,15 @@ _LIBS: dict = {}
 class DecodeCall(ctypes.Structure):
     """mla_decode's one argument (csrc/common.cuh, struct DecodeCall: the same fields in the same order). A plan
     holds one with its own fields set (workspace, batch, splits, format, layout); a run sets its inputs' and passes
-    the address: one converted argument instead of 27."""
+    the address: one converted argument instead of 31."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "kv", "kv_scale", "kv_block_scales", "seqs", "block_table",
                                                        "out", "lse", "part_o", "part_lse", "sync", "stream")]
                 + [(name, ctypes.c_int) for name in ("scale_stride", "kv_format", "batch", "total_kv", "num_splits",
                                                      "page_size", "max_pages", "num_heads", "q_len", "causal")]
                 + [("qk_scale", ctypes.c_float), ("unit_rows", ctypes.c_int), ("page_mul", ctypes.c_uint),
-                   ("page_shift", ctypes.c_int), ("guess_rows", ctypes.c_int)])
+                   ("page_shift", ctypes.c_int), ("guess_rows", ctypes.c_int), ("items", ctypes.c_void_p)]
+                + [(name, ctypes.c_int) for name in ("schedule", "parts", "max_items")])
 
 
 class DecodeCallMismatch(RuntimeError):
@@ -126,8 +127,9 @@ def _load(path: str):
     """The library at `path`, its DecodeCall checked (check_decode_call) and its exports typed."""
     lib = ctypes.CDLL(path)
     check_decode_call(lib)
-    lib.mla_decode.restype = ctypes.c_int
-    lib.mla_decode.argtypes = [ctypes.c_void_p]  # the address of a DecodeCall
+    for name in ("mla_decode", "mla_schedule"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.c_void_p]  # the address of a DecodeCall
     lib.mla_decode_call_layout.restype = None
     lib.mla_decode_call_layout.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.mla_limit_shared_memory.restype = ctypes.c_int

@@ -3,16 +3,20 @@ reads, and CudaDecode, a problem's plan and its one launch."""
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .build import DecodeCall, library
 from .plan import (
+    BALANCED_MAX_UNIT_ROWS,
     MAX_UNITS,
     QUERY_ROWS,
+    SCHEDULES,
     DeviceFacts,
     LaunchKey,
+    balanced_parts,
     page_divisor,
     plan_splits,
     plan_unit_rows,
@@ -100,52 +104,117 @@ def current_raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
-class CudaDecode:
-    """The cuda backend's plan for a problem: the kernel library, the unit rows and split count, the workspace (the
-    splits' partials, part_o (units x splits, unit_rows, 512) bf16 and part_lse (units x splits, unit_rows) fp32, and
-    the per-unit barrier's counters (units,) int32, all empty with one split) and one DecodeCall with the plan's
-    fields set. run() sets the inputs' fields and makes one ctypes call: no allocation, no host read. Runs of one
-    plan share its workspace: they must be issued in order on one stream."""
+SCHEDULE_IN_CALL, SCHEDULE_GIVEN = 1, 2  # DecodeCall's schedule (common.cuh): made by mla_decode, or by mla_schedule
+ITEM_FIELDS = 4  # a schedule item: {b, first tile, end tile, index << 16 | count} (schedule.cuh)
 
-    def __init__(self, problem: "Problem", unit_rows: int | None = None):
+
+class Workspace(NamedTuple):
+    """One caller's partials, counters and schedule items, with its own DecodeCall: a plan keeps one per (thread,
+    stream), so callers on two streams or two threads never share a partial or a counter."""
+
+    call: DecodeCall
+    address: int
+    buffers: tuple  # the tensors the call points into, kept alive with it
+
+
+class CudaDecode:
+    """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("balanced": the
+    work-balanced schedule of schedule.cuh, made on the GPU from the lengths; or "fixed": num_splits equal splits a
+    unit), and a DecodeCall with the plan's fields set. The workspace (the pieces' partials, part_o (pieces, unit_rows,
+    512) bf16 and part_lse (pieces, unit_rows) fp32, the per-unit counters (units,) int32 and the balanced schedule's
+    items (max_items, 4) int32) is made once per (thread, stream) that runs the plan. run() sets the inputs' fields
+    and makes one ctypes call: no host read; no allocation after a stream's first run."""
+
+    def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = "balanced"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
         facts = device_facts(device, precise)
+        self.balanced = balanced = schedule == "balanced"
+        if balanced:
+            facts = facts._replace(max_unit_rows=min(facts.max_unit_rows, BALANCED_MAX_UNIT_ROWS))
         rows = plan_unit_rows(problem, facts, unit_rows)
         units = query_units(problem, rows)
         if units > MAX_UNITS:
             raise ValueError(f"cuda backend: {units} units of {rows} query rows, more than the grid's {MAX_UNITS}")
         self.key = LaunchKey(device, units, problem.max_seqlen, problem.kv_format, precise, rows, problem.page_size)
-        self.decode = library(capability(device), precise).mla_decode
-        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
-        self.num_splits = splits = plan_splits(self.key, facts)
+        lib = library(capability(device), precise)
+        self.decode, self.schedule_call = lib.mla_decode, lib.mla_schedule
+        self.device, self.device_index = device, (device.index if device.index is not None
+                                                  else torch.cuda.current_device())
+        groups = units // batch
+        if balanced:
+            self.num_splits, self.parts = 1, balanced_parts(facts.sms, facts.ctas_per_sm(rows), groups)
+            self.max_items = self.parts + batch
+            self.pieces = self.max_items * groups
+        else:
+            self.num_splits, self.parts, self.max_items = plan_splits(self.key, facts), 0, 0
+            self.pieces = units * self.num_splits if self.num_splits > 1 else 0
         page_mul, page_shift = page_divisor(problem.page_size) if problem.page_size else (0, 0)
         # The split the kernel's first table reads guess at (guess_entries): a sequence of the plan's length.
-        guess_rows = split_rows(min(problem.max_seqlen, problem.max_pages * problem.page_size), splits)
-        parts = units * splits if splits > 1 else 0
-        self.part_o = torch.empty((parts, rows, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
-        self.part_lse = torch.empty((parts, rows), dtype=torch.float32, device=device)
-        self.sync = torch.zeros((units if splits > 1 else 0,), dtype=torch.int32, device=device)
-        self.call = DecodeCall(part_o=self.part_o.data_ptr(), part_lse=self.part_lse.data_ptr(),
-                               sync=self.sync.data_ptr(), batch=batch, num_splits=splits,
-                               kv_format=int(problem.kv_format == "mxfp4"), page_size=problem.page_size,
-                               max_pages=problem.max_pages, num_heads=problem.num_heads, q_len=problem.q_len,
-                               causal=int(problem.causal and problem.q_len > 1), qk_scale=problem.qk_scale,
-                               unit_rows=rows, page_mul=page_mul, page_shift=page_shift, guess_rows=guess_rows)
-        self.address = ctypes.addressof(self.call)
+        guess_rows = split_rows(min(problem.max_seqlen, problem.max_pages * problem.page_size), self.num_splits)
+        self.fields = dict(batch=batch, num_splits=self.num_splits, kv_format=int(problem.kv_format == "mxfp4"),
+                           page_size=problem.page_size, max_pages=problem.max_pages, num_heads=problem.num_heads,
+                           q_len=problem.q_len, causal=int(problem.causal and problem.q_len > 1),
+                           qk_scale=problem.qk_scale, unit_rows=rows, page_mul=page_mul, page_shift=page_shift,
+                           guess_rows=guess_rows, schedule=SCHEDULE_IN_CALL if balanced else 0, parts=self.parts,
+                           max_items=self.max_items)
+        self.units, self.rows = units, rows
+        self._workspaces: dict[tuple[int, int], Workspace] = {}
+        self._lock = threading.Lock()
+
+    def _new_workspace(self) -> Workspace:
+        device, rows = self.device, self.rows
+        part_o = torch.empty((self.pieces, rows, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+        part_lse = torch.empty((self.pieces, rows), dtype=torch.float32, device=device)
+        counted = self.balanced or self.num_splits > 1
+        sync = torch.zeros((self.units if counted else 0,), dtype=torch.int32, device=device)
+        items = torch.empty((self.max_items, ITEM_FIELDS), dtype=torch.int32, device=device)
+        call = DecodeCall(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), sync=sync.data_ptr(),
+                          items=items.data_ptr(), **self.fields)
+        return Workspace(call, ctypes.addressof(call), (part_o, part_lse, sync, items))
+
+    def workspace(self, stream: int) -> Workspace:
+        """The workspace of this thread on `stream` (a raw handle), made at its first run."""
+        key = (threading.get_ident(), stream)
+        found = self._workspaces.get(key)
+        if found is None:
+            with self._lock:
+                found = self._workspaces.setdefault(key, self._new_workspace())
+        return found
+
+    def make_schedule(self, seqs: torch.Tensor) -> torch.Tensor:
+        """The balanced schedule of `seqs` (cache_seqlens (batch,) when paged, kv_indptr (batch + 1,) when ragged,
+        int32 on the plan's device) made on the current stream: items (max_items, 4) int32, for run(schedule=) in
+        every layer of a step. Reads no length on the host."""
+        if not self.balanced:
+            raise ValueError("cuda backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
+        items = torch.empty((self.max_items, ITEM_FIELDS), dtype=torch.int32, device=seqs.device)
+        call = DecodeCall(seqs=seqs.data_ptr(), items=items.data_ptr(),
+                          stream=current_raw_stream(self.device_index), **self.fields)
+        call.schedule = SCHEDULE_GIVEN
+        err = self.schedule_call(ctypes.addressof(call))
+        if err:
+            raise RuntimeError(f"cuda backend: the schedule's launch failed with cudaError {err}")
+        return items
 
     def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, seqs: torch.Tensor,
-            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
+            schedule: torch.Tensor | None = None) -> None:
         """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes, scale (1,) fp32 or
         (num_rows, >= 18) E8M0; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,) (ragged); table
         (batch, max_pages) or None; out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len) fp32 or
-        None. q, kv, seqs and table start on 16-byte boundaries."""
+        None; schedule: make_schedule's items for these seqs, or None (a balanced plan then makes its own in the
+        call). q, kv, seqs and table start on 16-byte boundaries."""
         q_ptr, kv_ptr, seqs_ptr = q.data_ptr(), kv.data_ptr(), seqs.data_ptr()
         table_ptr = 0 if table is None else table.data_ptr()
         if (q_ptr | kv_ptr | seqs_ptr | table_ptr) % 16:
             raise ValueError(f"cuda backend: q, the KV cache ({kv.dtype}), the sequence lengths or offsets and the "
                              "page table must start on 16-byte boundaries")
-        call = self.call
+        stream = current_raw_stream(self.device_index)
+        work = self.workspace(stream)
+        call = work.call
         call.q, call.kv, call.seqs, call.block_table = q_ptr, kv_ptr, seqs_ptr, table_ptr
         call.out, call.lse = out.data_ptr(), 0 if lse is None else lse.data_ptr()
         if call.kv_format:
@@ -153,7 +222,12 @@ class CudaDecode:
         else:
             call.kv_scale = scale.data_ptr()
         call.total_kv = kv.shape[0]
-        call.stream = current_raw_stream(self.device_index)
-        err = self.decode(self.address)
+        call.stream = stream
+        if self.balanced:
+            if schedule is None:
+                call.schedule, call.items = SCHEDULE_IN_CALL, work.buffers[3].data_ptr()
+            else:
+                call.schedule, call.items = SCHEDULE_GIVEN, schedule.data_ptr()
+        err = self.decode(work.address)
         if err:
             raise RuntimeError(f"cuda backend: launch failed with cudaError {err}")

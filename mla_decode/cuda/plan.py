@@ -24,6 +24,12 @@ BLOCK_N = 64  # KV rows per tile (BN in the source)
 SPLIT_MIN_TILES, GATHERED_KEEP_SPLITS = 4, 8
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
 MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x heads / unit_rows)
+# How a plan cuts the work (DecodeCall's schedule): "balanced", the work-balanced schedule (schedule.cuh, made on the
+# GPU from the lengths each call or once a step), or "fixed", num_splits equal splits of every unit sized by the
+# plan's longest sequence (cuda_plan)
+SCHEDULES = ("balanced", "fixed")
+MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule cuts
+BALANCED_MAX_UNIT_ROWS = WIDE_QUERY_ROWS  # the 64-row kernel takes fixed splits only
 
 
 class DeviceFacts(NamedTuple):
@@ -141,3 +147,9 @@ def plan_unit_rows(problem: "Problem", facts: DeviceFacts, requested: int | None
     if units * splits <= facts.sms or tiles < WIDE_MERGED_MIN_TILES:
         return QUERY_ROWS
     return WIDE_QUERY_ROWS if tiles >= WIDE_MIN_TILES or narrow_splits > 1 else QUERY_ROWS
+
+
+def balanced_parts(sms: int, ctas_per_sm: int, groups: int) -> int:
+    """The shares a balanced schedule cuts a batch into: one per CTA that fits at once, over the `groups` units of
+    each sequence (q_len x heads / unit_rows: every group runs the same cut), at most MAX_PIECES."""
+    return max(1, min(MAX_PIECES, ctas_per_sm * sms // max(groups, 1)))

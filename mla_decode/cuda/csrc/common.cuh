@@ -28,6 +28,12 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // splits' partials and barrier (unused with one split); causal (q_len > 1): token t sees the first length - (q_len -
 // 1 - t) positions; stream: the cudaStream_t to launch on; qk_scale = sm_scale * log2(e). Paged: page_mul and
 // page_shift divide by page_size (page_of); guess_rows, split_rows of the plan's length (guess_entries).
+// schedule: FIXED_SPLITS, num_splits a unit as above; or the work-balanced schedule (schedule.cuh), whose items
+// (max_items,) int4 cut the batch into `parts` shares: SCHEDULE_IN_CALL, mla_decode makes them from seqs before the
+// split kernel; SCHEDULE_GIVEN, mla_schedule made them earlier in the stream (one schedule for every layer of a step).
+// Then part_o (max_items * groups, unit_rows, 512), part_lse (max_items * groups, unit_rows) and sync (units,),
+// zero before the first launch, with groups = q_len * num_heads / unit_rows.
+enum Schedule : int { FIXED_SPLITS = 0, SCHEDULE_IN_CALL = 1, SCHEDULE_GIVEN = 2 };
 struct DecodeCall {
   const __nv_bfloat16* q;
   const uint8_t* kv;
@@ -46,6 +52,8 @@ struct DecodeCall {
   int unit_rows;  // the fields before it kept their offsets
   unsigned page_mul;
   int page_shift, guess_rows;
+  int4* items;
+  int schedule, parts, max_items;
 };
 
 // A CTA's H query rows: grid row `unit` = b * groups + group holds rows H group .. H group + H - 1 of sequence b's
@@ -126,6 +134,59 @@ __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, in
   return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, start, valid};
 }
 
+// A CTA's work: piece `index` of the `count` pieces that cut unit rows.unit's positions, positions [lo, ...) (the
+// first: exact, or with fixed splits the plan's guess: the range is piece_range's); count 1: the CTA writes out,
+// else its partial at part_o's slot `part`, the unit's piece i at slot part0 + i * part_stride.
+struct Piece {
+  QueryRows rows;
+  int index, count, lo, tile_hi;  // tile_hi: the balanced piece's end, in tiles of its sequence
+  size_t part, part0, part_stride;
+};
+
+// This CTA's piece; false: none (the balanced grid's CTAs past the schedule's items).
+template <int H, bool BALANCED>
+__device__ __forceinline__ bool piece_of(const DecodeCall& c, Piece& p) {
+  if constexpr (BALANCED) {  // grid (max_items, groups): item blockIdx.x's piece of every group's unit
+    const int4 item = c.items[blockIdx.x];  // {b, first tile, end tile, index << 16 | count}, b -1 past the items
+    if (item.x < 0) return false;
+    const int groups = c.q_len * c.num_heads / H;
+    p.rows = query_rows<H>(c, item.x * groups + blockIdx.y);
+    p.index = item.w >> 16;
+    p.count = item.w & 0xffff;
+    p.lo = item.y * BN;
+    p.tile_hi = item.z;
+    p.part_stride = groups;
+    p.part = static_cast<size_t>(blockIdx.x) * groups + blockIdx.y;
+    p.part0 = p.part - static_cast<size_t>(p.index) * groups;
+  } else {  // grid (num_splits, units)
+    p.rows = query_rows<H>(c, blockIdx.y);
+    p.index = blockIdx.x;
+    p.count = c.num_splits;
+    p.lo = p.index * c.guess_rows;
+    p.tile_hi = 0;
+    p.part_stride = 1;
+    p.part0 = static_cast<size_t>(p.rows.unit) * c.num_splits;
+    p.part = p.part0 + p.index;
+  }
+  return true;
+}
+
+// The positions of piece p for token t: split_range's with fixed splits; the item's tiles with the balanced schedule,
+// cut at what the token sees.
+template <bool BALANCED>
+__device__ __forceinline__ SplitRange piece_range(const DecodeCall& c, const Piece& p, int t) {
+  if constexpr (!BALANCED) {
+    return split_range(c, p.rows.b, p.index, t);
+  } else {
+    SplitRange r = split_range(c, p.rows.b, 0, t);  // one split of the call: the whole range the token sees
+    const int hi = min(p.tile_hi * BN, r.hi);
+    r.lo = p.lo;
+    r.hi = hi;
+    r.ntiles = hi > p.lo ? (hi - p.lo + BN - 1) / BN : 0;
+    return r;
+  }
+}
+
 // The page of position pos >= 0, pos / page_size as a multiply and a shift (the host's page_divisor; exact below
 // 2^31): the first copies of a paged split wait behind it, where a division takes ~25 dependent instructions.
 __device__ __forceinline__ int page_of(const DecodeCall& c, int pos) {
@@ -141,7 +202,8 @@ __device__ __forceinline__ int page_row(const DecodeCall& c, int entry, int pos)
 }
 
 // A paged split's table entries for its first STAGES tiles, asked for beside the sequence's length instead of after
-// it: those of the split that a sequence of the plan's length would have (guess_rows a split), from position lo.
+// it, from position lo: Piece's lo (fixed splits: that of a sequence of the plan's length, guess_rows a split; the
+// balanced schedule's items give it exactly).
 // Where the real split starts there too (always at split 0, and wherever the length gives the plan's split rows)
 // they are the right ones, else the caller reads them again. e[i]: the entry of row `row` of tile i (positions
 // clamped into the table; past the split's end they go unused). No branch and a short chain from the arguments:
@@ -154,9 +216,9 @@ struct GuessedEntries {
 };
 
 template <int STAGES>
-__device__ __forceinline__ GuessedEntries<STAGES> guess_entries(const DecodeCall& c, int b, int split, int row) {
+__device__ __forceinline__ GuessedEntries<STAGES> guess_entries(const DecodeCall& c, int b, int lo, int row) {
   GuessedEntries<STAGES> g;
-  g.lo = split * c.guess_rows;
+  g.lo = lo;
   const int table_rows = c.max_pages * c.page_size;
   const int* table_row = c.block_table + static_cast<size_t>(b) * c.max_pages;
 #pragma unroll

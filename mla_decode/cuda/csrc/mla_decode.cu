@@ -25,6 +25,7 @@
 #else
 #include "mma_sync.cuh"
 #endif
+#include "schedule.cuh"
 
 using mla::DecodeCall;
 
@@ -116,15 +117,16 @@ static int wide_ctas(int units, int) { return units; }
 // first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
-template <int STAGES, bool MX, int LAYOUT, int H>
+// BAL: the balanced schedule's grid (max_items, groups), launched plainly: its merge waits for no CTA.
+template <int STAGES, bool MX, int LAYOUT, int H, bool BAL>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
   constexpr bool PAGED = LAYOUT != mla::RAGGED;
 #if MLA_WGMMA
-  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX), "64-row units: FP8, 4 stages");
+  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX && !BAL), "64-row units: FP8, 4 stages");
   constexpr bool wide = H == mla::WIDE_ROWS;
   const auto kernel = [] {
     if constexpr (wide) return mla::split_kernel64<PAGED>;
-    else return mla::split_kernel<STAGES, MX, LAYOUT, H>;
+    else return mla::split_kernel<STAGES, MX, LAYOUT, H, BAL>;
   }();
   constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, MX, H>();
   constexpr int threads = wide ? mla::WIDE_THREADS : mla::NTHREADS;
@@ -132,7 +134,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
   constexpr bool wide = false;
   constexpr int threads = mla::NTHREADS;
   static_assert(H == mla::H, "the mma.sync kernel's units are 16 rows");
-  const auto kernel = mla::split_kernel<STAGES, MX, PAGED>;
+  const auto kernel = mla::split_kernel<STAGES, MX, PAGED, BAL>;
   constexpr int smem = mla::smem_bytes<STAGES, MX>();
 #endif
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
@@ -142,8 +144,9 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
     configured |= 1u << dev;
   }
   cudaLaunchConfig_t cfg = {};
-  const int units = a.batch * (a.q_len * a.num_heads / H);
-  cfg.gridDim = dim3(a.num_splits, wide && a.num_splits == 1 ? wide_ctas(units, sms) : units);
+  const int groups = a.q_len * a.num_heads / H, units = a.batch * groups;
+  if constexpr (BAL) cfg.gridDim = dim3(a.max_items, groups);
+  else cfg.gridDim = dim3(a.num_splits, wide && a.num_splits == 1 ? wide_ctas(units, sms) : units);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(a.stream);
@@ -159,7 +162,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
     window.hitProp = cudaAccessPropertyStreaming;
     window.missProp = cudaAccessPropertyStreaming;
   }
-  if (a.num_splits > 1) {
+  if (!BAL && a.num_splits > 1) {
     attrs[n].id = cudaLaunchAttributeCooperative;
     attrs[n++].val.cooperative = 1;
   }
@@ -177,37 +180,44 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
 
 // The instance of a configuration for the call's layout (common.cuh's Layout: the wgmma kernel's FP8 pages of a
 // multiple of BN rows read their tiles' table entries per thread) and rows per unit.
-template <int STAGES, bool MX, int H>
+template <int STAGES, bool MX, int H, bool BAL>
 static cudaError_t launch_rows(int dev, const DecodeCall& a, int max_window, int sms) {
   using namespace mla;
-  if (!a.page_size) return launch_split<STAGES, MX, RAGGED, H>(dev, a, max_window, sms);
+  if (!a.page_size) return launch_split<STAGES, MX, RAGGED, H, BAL>(dev, a, max_window, sms);
 #if MLA_WGMMA
   if constexpr (!MX) {
-    if (a.page_size % BN == 0) return launch_split<STAGES, MX, TILE_PAGES, H>(dev, a, max_window, sms);
+    if (a.page_size % BN == 0) return launch_split<STAGES, MX, TILE_PAGES, H, BAL>(dev, a, max_window, sms);
   }
 #endif
-  return launch_split<STAGES, MX, ROW_PAGES, H>(dev, a, max_window, sms);
+  return launch_split<STAGES, MX, ROW_PAGES, H, BAL>(dev, a, max_window, sms);
+}
+
+template <int STAGES, bool MX, int H>
+static cudaError_t launch_schedule(int dev, const DecodeCall& a, int max_window, int sms) {
+  return a.schedule == mla::FIXED_SPLITS ? launch_rows<STAGES, MX, H, false>(dev, a, max_window, sms)
+                                         : launch_rows<STAGES, MX, H, true>(dev, a, max_window, sms);
 }
 
 template <int STAGES, bool MX>
 static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window, int sms) {
 #if MLA_WGMMA
-  if (a.unit_rows == 32) return launch_rows<STAGES, MX, 32>(dev, a, max_window, sms);
+  if (a.unit_rows == 32) return launch_schedule<STAGES, MX, 32>(dev, a, max_window, sms);
 #endif
-  return launch_rows<STAGES, MX, 16>(dev, a, max_window, sms);
+  return launch_schedule<STAGES, MX, 16>(dev, a, max_window, sms);
 }
 
 #if MLA_WGMMA
 // The 64-row kernel's one configuration (FP8, 4 stages, one CTA an SM), ragged or paged.
 static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int sms) {
-  return a.page_size ? launch_split<mla::WIDE_STAGES, false, mla::ROW_PAGES, mla::WIDE_ROWS>(dev, a, max_window, sms)
-                     : launch_split<mla::WIDE_STAGES, false, mla::RAGGED, mla::WIDE_ROWS>(dev, a, max_window, sms);
+  using mla::WIDE_ROWS, mla::WIDE_STAGES;
+  return a.page_size ? launch_split<WIDE_STAGES, false, mla::ROW_PAGES, WIDE_ROWS, false>(dev, a, max_window, sms)
+                     : launch_split<WIDE_STAGES, false, mla::RAGGED, WIDE_ROWS, false>(dev, a, max_window, sms);
 }
 #endif
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
-constexpr int DECODE_CALL_FIELDS = 27;
+constexpr int DECODE_CALL_FIELDS = 31;
 extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
   const size_t layout[DECODE_CALL_FIELDS + 1] = {
@@ -220,7 +230,8 @@ extern "C" void mla_decode_call_layout(int* offsets) {
       offsetof(DecodeCall, max_pages), offsetof(DecodeCall, num_heads), offsetof(DecodeCall, q_len),
       offsetof(DecodeCall, causal), offsetof(DecodeCall, qk_scale), offsetof(DecodeCall, unit_rows),
       offsetof(DecodeCall, page_mul), offsetof(DecodeCall, page_shift), offsetof(DecodeCall, guess_rows),
-      sizeof(DecodeCall)};
+      offsetof(DecodeCall, items), offsetof(DecodeCall, schedule), offsetof(DecodeCall, parts),
+      offsetof(DecodeCall, max_items), sizeof(DecodeCall)};
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
@@ -233,7 +244,25 @@ static bool page_divisor_exact(const DecodeCall& c) {
   return product >= power && product - power < size && size <= 1ull << (c.page_shift - 31);
 }
 
-// Launches the split kernel (which merges its splits itself) on c->stream.
+// The balanced schedule's arguments: its items, at most MAX_PIECES parts, max_items = parts + batch, one split, and
+// units of 16 or 32 rows (the 64-row kernel takes fixed splits only).
+static bool schedule_ok(const DecodeCall& c) {
+  if (c.schedule == mla::FIXED_SPLITS) return true;
+  return (c.schedule == mla::SCHEDULE_IN_CALL || c.schedule == mla::SCHEDULE_GIVEN) && c.items && c.parts >= 1 &&
+         c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1 && c.unit_rows <= 32;
+}
+
+// Launches the schedule kernel alone on c->stream: c->items from c->seqs (schedule.cuh), for calls with
+// SCHEDULE_GIVEN. Returns a cudaError_t.
+extern "C" int mla_schedule(const DecodeCall* c) {
+  if (c->schedule == mla::FIXED_SPLITS || !schedule_ok(*c) || c->batch < 1)
+    return static_cast<int>(cudaErrorInvalidValue);
+  mla::schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, static_cast<cudaStream_t>(c->stream)>>>(*c);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// Launches the split kernel (which merges its splits itself) on c->stream, after the schedule kernel where the call
+// makes its schedule (SCHEDULE_IN_CALL).
 // C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
 extern "C" int mla_decode(const DecodeCall* c) {
   static thread_local int sms[32] = {}, smem_per_block[32] = {}, max_window[32] = {};  // per device
@@ -247,21 +276,29 @@ extern "C" int mla_decode(const DecodeCall* c) {
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table &&
                                                page_divisor_exact(*c) && c->guess_rows >= 0);
-  if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || (kv_format == 1 && !mla::SUPPORTS_MXFP4))
+  if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || !schedule_ok(*c) ||
+      (kv_format == 1 && !mla::SUPPORTS_MXFP4))
     return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) {
     cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
     cudaDeviceGetAttribute(&smem_per_block[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     cudaDeviceGetAttribute(&max_window[dev], cudaDevAttrMaxAccessPolicyWindowSize, dev);
   }
+  if (c->schedule == mla::SCHEDULE_IN_CALL) {
+    mla::schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, static_cast<cudaStream_t>(c->stream)>>>(*c);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
   cudaError_t e;
 #if MLA_WGMMA
-  const int units = c->batch * (c->q_len * c->num_heads / rows);  // CTAs per split
+  const int groups = c->q_len * c->num_heads / rows;
+  // CTAs of the grid: with more than the SMs, two share an SM (fewer stages each)
+  const int ctas = c->schedule == mla::FIXED_SPLITS ? c->batch * groups * num_splits : c->max_items * groups;
   if (rows == mla::WIDE_ROWS)
     e = launch_wide(dev, *c, max_window[dev], sms[dev]);
   else if (kv_format == 1)
     e = launch_layout<mla::MX_STAGES, true>(dev, *c, max_window[dev], sms[dev]);
-  else if (units * num_splits > sms[dev])
+  else if (ctas > sms[dev])
     e = launch_layout<mla::STAGES_SHARED, false>(dev, *c, max_window[dev], sms[dev]);
   else
     e = launch_layout<mla::STAGES_ALONE, false>(dev, *c, max_window[dev], sms[dev]);

@@ -46,7 +46,8 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <int STAGES, bool MX, bool PAGED>  // MX: not supported here (the launcher never instantiates it)
+// MX: not supported here (the launcher never instantiates it); BALANCED: the balanced schedule's grid (piece_of).
+template <int STAGES, bool MX, bool PAGED, bool BALANCED>
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const DecodeCall call) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -58,16 +59,17 @@ split_kernel(const DecodeCall call) {
   int* const rows_smem = reinterpret_cast<int*>(tail + SMEM_Q + SMEM_P + SMEM_RED);
   const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
-  const int split = blockIdx.x;
-  const QueryRows rows = query_rows<H>(call, blockIdx.y);
+  Piece piece;
+  if (!piece_of<H, BALANCED>(call, piece)) return;
+  const QueryRows& rows = piece.rows;
   const int b = rows.b, unit = rows.unit;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   constexpr bool paged = PAGED;  // call.page_size != 0: the launcher picks the instance
   GuessedEntries<STAGES> guess = {-1, {}};  // before the length's load, which it must not wait for
-  if constexpr (paged) guess = guess_entries<STAGES>(call, b, split, tid);
-  const SplitRange range = split_range(call, b, split, rows.t);
+  if constexpr (paged) guess = guess_entries<STAGES>(call, b, piece.lo, tid);
+  const SplitRange range = piece_range<BALANCED>(call, piece, rows.t);
   const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
-  const unsigned base = arrival_base(call.sync, unit, call.num_splits);
+  const unsigned base = BALANCED ? 0u : arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
 
@@ -238,7 +240,8 @@ split_kernel(const DecodeCall call) {
   const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
   const bool ok = valid && !bad_page;
   // Group `grp` holds dims base + 4*t4 + {0, 1, 2, 3} as (even c0, odd c0, even c1, odd c1) for head g (c2, c3: g + 8).
-  const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
+  const size_t part = piece.part;
+  const bool direct = piece.count == 1;  // else a partial, merged below
 #pragma unroll
   for (int grp = 0; grp < VCOLS / 16; ++grp) {
     const float* ev = acc[2 * grp];
@@ -246,7 +249,7 @@ split_kernel(const DecodeCall call) {
     const int col = warp * VCOLS + grp * 16 + 4 * t4;
     float4 v0 = make_float4(ev[0] * inv0, od[0] * inv0, ev[1] * inv0, od[1] * inv0);
     float4 v1 = make_float4(ev[2] * inv1, od[2] * inv1, ev[3] * inv1, od[3] * inv1);
-    if (call.num_splits == 1) {
+    if (direct) {
       if (!ok) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
       __nv_bfloat16* o = call.out + static_cast<size_t>(unit) * H * DV + col;
       store_bf16x4(o + g * DV, v0);
@@ -259,7 +262,7 @@ split_kernel(const DecodeCall call) {
   }
   if (warp == 0 && t4 == 0) {
     const float lse0 = l0 > 0.f ? m0 + log2f(l0) : -INFINITY, lse1 = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
-    if (call.num_splits > 1) {  // NaN: a page outside the cache; the merge makes the unit NaN
+    if (!direct) {  // NaN: a page outside the cache; the merge makes the unit NaN
       call.part_lse[part * H + g] = bad_page ? NAN : lse0;
       call.part_lse[part * H + g + 8] = bad_page ? NAN : lse1;
     } else if (call.lse) {
@@ -267,7 +270,10 @@ split_kernel(const DecodeCall call) {
       call.lse[rows.lse0 + (g + 8) * rows.lse_stride] = ok ? lse1 * LN2 : NAN;
     }
   }
-  if (call.num_splits > 1) merge_splits<H>(call, base, rows, split, valid);
+  if (!direct) {
+    if constexpr (BALANCED) merge_pieces<H, NTHREADS>(call, piece, valid, reinterpret_cast<float*>(smem));
+    else merge_splits<H>(call, base, rows, piece.index, valid);
+  }
 }
 
 }  // namespace mla

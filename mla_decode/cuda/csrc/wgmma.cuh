@@ -236,12 +236,12 @@ __device__ __forceinline__ void v_fragment(uint32_t* a, uint32_t addr) {
   a[3] = __byte_perm(vb[2], vb[3], 0x7531);
 }
 
-// Query row h's log2-sum-exp lse2 (of H rows): with splits to part_lse's row `part` (NaN on a bad page: the merge
-// makes the unit NaN), else to lse (natural log; NaN where not ok).
+// Query row h's log2-sum-exp lse2 (of H rows): where the unit has more than one piece, to part_lse's row `part` (NaN
+// on a bad page: the merge makes the unit NaN), else to lse (natural log; NaN where not ok).
 template <int H>
-__device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRows& rows, size_t part, int h, float lse2,
-                                          bool bad_page, bool ok) {
-  if (call.num_splits > 1)
+__device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRows& rows, int pieces, size_t part,
+                                          int h, float lse2, bool bad_page, bool ok) {
+  if (pieces > 1)
     call.part_lse[part * H + h] = bad_page ? NAN : lse2;
   else if (call.lse)
     call.lse[rows.lse0 + h * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
@@ -438,8 +438,9 @@ struct QueryQuant {
   }
 };
 
-// H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products.
-template <int STAGES, bool MX, int LAYOUT, int H>
+// H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products. BALANCED: the grid is
+// the balanced schedule's (piece_of), else fixed splits.
+template <int STAGES, bool MX, int LAYOUT, int H, bool BALANCED>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const DecodeCall call) {
   static_assert(H == 16 || H == 32, "16 or 32 query rows a CTA");
@@ -456,16 +457,17 @@ split_kernel(const DecodeCall call) {
   float* qscale = red + NWARPS * H;
   const PagedRows paged_rows{reinterpret_cast<int*>(qscale + H), reinterpret_cast<int*>(qscale + H) + ROW_SLOTS * BN};
 
-  const int split = blockIdx.x;
-  const QueryRows rows = query_rows<H>(call, blockIdx.y);
+  Piece piece;
+  if (!piece_of<H, BALANCED>(call, piece)) return;
+  const QueryRows& rows = piece.rows;
   const int b = rows.b, unit = rows.unit;
   constexpr bool paged = LAYOUT != RAGGED, row_pages = LAYOUT == ROW_PAGES;  // the launcher picks the instance
   GuessedEntries<STAGES> guess = {-1, {}};  // before the length's load, which it must not wait for
-  if constexpr (paged) guess = guess_entries<STAGES>(call, b, split, row_pages ? tid : 0);
-  const SplitRange range = split_range(call, b, split, rows.t);
+  if constexpr (paged) guess = guess_entries<STAGES>(call, b, piece.lo, row_pages ? tid : 0);
+  const SplitRange range = piece_range<BALANCED>(call, piece, rows.t);
   // Read with the length, not behind the first copies: Q's scale waits for it, a round trip after the L2 flush.
   const float kv_scale = MX ? 1.f : *call.kv_scale;
-  const unsigned base = arrival_base(call.sync, unit, call.num_splits);
+  const unsigned base = BALANCED ? 0u : arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
   // A tile's rows are consecutive in the cache (one address per tile) when ragged or in pages of a multiple of BN
@@ -677,11 +679,11 @@ split_kernel(const DecodeCall call) {
   for (int e = 0; e < NE; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
   const bool bad_page = row_pages ? *paged_rows.bad : tile_pages_bad;  // rows: written before the loop's last barrier
   const bool ok = valid && !bad_page;
-  const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
+  const bool direct = piece.count == 1;  // else a partial, merged below
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
-      store_lse<H>(call, rows, part, heads[e], l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY, bad_page, ok);
+      store_lse<H>(call, rows, piece.count, piece.part, heads[e], l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY, bad_page, ok);
     }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
@@ -707,13 +709,15 @@ split_kernel(const DecodeCall call) {
 #pragma unroll 4
   for (int h = 0; h < H; ++h) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
-    if (call.num_splits == 1 && !ok) v = make_float4(NAN, NAN, NAN, NAN);
-    __nv_bfloat16* dst =
-        call.num_splits == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
+    if (direct && !ok) v = make_float4(NAN, NAN, NAN, NAN);
+    __nv_bfloat16* dst = direct ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + piece.part * H * DV;
     store_bf16x4(dst + h * DV + col, v);
   }
   // TUNE: partial
-  if (call.num_splits > 1) merge_splits<H>(call, base, rows, split, valid);
+  if (!direct) {
+    if constexpr (BALANCED) merge_pieces<H, NTHREADS>(call, piece, valid, staged);
+    else merge_splits<H>(call, base, rows, piece.index, valid);
+  }
   // TUNE: merged
 }
 

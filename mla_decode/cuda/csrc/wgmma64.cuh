@@ -399,7 +399,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       const float l[2] = {sum[h0] + sum[H + h0], sum[h1] + sum[H + h1]}, m[2] = {m0, m1};
 #pragma unroll
       for (int i = 0; i < 2; ++i)
-        store_lse<H>(call, rows, part, h0 + 8 * i, l[i] > 0.f ? m[i] + __log2f(l[i]) - WIDE_P_BIAS : -INFINITY,
+        store_lse<H>(call, rows, call.num_splits, part, h0 + 8 * i, l[i] > 0.f ? m[i] + __log2f(l[i]) - WIDE_P_BIAS : -INFINITY,
                      bad_page, ok);
     }
     // The output (or partial) from the accumulators: a store writes 2 dims of a head, a warp's 4 whole 32-byte

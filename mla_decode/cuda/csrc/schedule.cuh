@@ -1,0 +1,94 @@
+// The work-balanced schedule (mla_decode/schedule.py is its reference and docs/2026-12-06-schedule.md its design):
+// the batch's work on one line of cost units, SEQUENCE_COST for each sequence's fixed work and one a KV tile, cut into
+// `parts` equal shares. A piece is a sequence's run within one share: item k of the call's items, in line order, is
+// {b, first tile, end tile, index << 16 | count} (piece `index` of sequence b's `count`), and {-1, 0, 0, 0} past the
+// last piece (max_items = parts + batch bounds the pieces: each share boundary adds at most one). Made by one CTA
+// from seqs on the device, so no length is read on the host and a CUDA graph replays it with new lengths.
+#pragma once
+
+#include "common.cuh"
+
+namespace mla {
+
+constexpr int SEQUENCE_COST = 1;         // schedule.py's SEQUENCE_COST: a sequence's fixed work, in tiles
+constexpr int SCHEDULE_THREADS = 1024;   // one CTA: a sequence a thread, in rounds of this many
+constexpr int MAX_PIECES = 512;          // the most parts a schedule cuts (a unit's pieces: the merge's weights)
+
+// Sequence b's tiles: 0 where its length or range is invalid (the split kernels make its rows NaN, reading nothing).
+// A ragged range is judged without the cache's rows (a schedule is made from kv_indptr alone): one that ends past
+// the cache costs its tiles here and still reads nothing there.
+__device__ __forceinline__ int sequence_tiles(const DecodeCall& c, int b) {
+  int len;
+  if (c.page_size == 0) {
+    const int start = c.seqs[b], end = c.seqs[b + 1];
+    len = start >= 0 && end >= start ? end - start : 0;
+  } else {
+    len = c.seqs[b];
+    len = len >= 0 && len <= c.max_pages * c.page_size ? len : 0;
+  }
+  return (len + BN - 1) / BN;
+}
+
+// The exclusive prefix sum of v over the CTA, and the total in *total (scratch: 32 values of shared memory).
+template <typename T>
+__device__ __forceinline__ T exclusive_scan(T v, T* scratch, T* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  T x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < warps ? scratch[lane] : T(0);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const T y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    scratch[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const T before = (warp > 0 ? scratch[warp - 1] : T(0)) + x - v;
+  *total = scratch[warps - 1];
+  __syncthreads();  // scratch is free for the next call
+  return before;
+}
+
+__global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const DecodeCall c) {
+  __shared__ long long scratch_cost[32];
+  __shared__ int scratch_items[32];
+  long long total = 0, round_total;
+  for (int b0 = 0; b0 < c.batch; b0 += blockDim.x) {  // the line's length
+    const int b = b0 + threadIdx.x;
+    exclusive_scan<long long>(b < c.batch ? sequence_tiles(c, b) + SEQUENCE_COST : 0, scratch_cost, &round_total);
+    total += round_total;
+  }
+  const long long share = max((total + c.parts - 1) / c.parts, 1LL);
+  long long line = 0;  // where this round's first sequence starts
+  int item = 0;        // its first piece
+  for (int b0 = 0; b0 < c.batch; b0 += blockDim.x) {
+    const int b = b0 + threadIdx.x;
+    const int tiles = b < c.batch ? sequence_tiles(c, b) : 0;
+    const long long cost = b < c.batch ? tiles + SEQUENCE_COST : 0;
+    const long long start = line + exclusive_scan<long long>(cost, scratch_cost, &round_total);
+    const long long first_part = start / share, last_part = (start + cost - 1) / share;
+    const int count = b < c.batch ? static_cast<int>(last_part - first_part + 1) : 0;
+    int round_items;
+    const int first = item + exclusive_scan<int>(count, scratch_items, &round_items);
+    for (int j = 0; j < count; ++j) {
+      const long long part = first_part + j;
+      const long long from = max(start, part * share), to = min(start + cost, (part + 1) * share);
+      const int lo = static_cast<int>(max(from - start - SEQUENCE_COST, 0LL));
+      const int hi = max(static_cast<int>(to - start - SEQUENCE_COST), lo);
+      c.items[first + j] = make_int4(b, lo, hi, j << 16 | count);
+    }
+    line += round_total;
+    item += round_items;
+  }
+  for (int k = item + threadIdx.x; k < c.max_items; k += blockDim.x) c.items[k] = make_int4(-1, 0, 0, 0);
+}
+
+}  // namespace mla

@@ -1,0 +1,172 @@
+"""The cuda backend's work-balanced schedule on the GPU: the schedule kernel lists exactly the pieces of the CPU
+reference (mla_decode.schedule.schedule_items); balanced decodes of uneven batches (lengths 0, 1, odd, one long
+sequence beside short ones, heavy tails; shuffled pages, NaN in every unowned slot) meet the float64 truth within the
+library's GPU bounds and agree with the fixed splits; a step's schedule serves every layer, is refused when stale,
+replays in a CUDA graph with new lengths, and two threads on two streams get what each gets alone. Planted faults in
+the schedule (a tile dropped, a tile taken twice, a piece's count wrong) fail the bounds."""
+
+import threading
+
+import pytest
+import torch
+
+import mla_decode
+from mla_decode.schedule import make_schedule, schedule_items
+from testkit.emulation import round_q_per_head
+from testkit.paged import errors, make_paged_case, paged_reference, ragged_twin
+
+needs_nvidia = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                                  reason="needs an NVIDIA GPU")
+pytestmark = [pytest.mark.gpu, needs_nvidia]
+
+# Against the float64 truth with Q rounded to e4m3 per head as the fast kernels round it (test_library_gpu's GPU_BOUNDS)
+BOUNDS = {("fp8", "fast"): (4e-2, 2e-2), ("fp8", "precise"): (5e-3, 5e-3), ("mxfp4", "fast"): (4e-2, 1e-2)}
+SPREADS = {
+    "edges": [0, 1, 63, 64, 65, 127, 1001, 0, 5000, 3],
+    "one-long": [20000] + [700] * 15,
+    "lognormal": [int(x) for x in torch.exp(torch.randn(24, generator=torch.Generator().manual_seed(5)) * 1.3
+                                            + 7.0).clamp(max=30000)],
+}
+
+
+def cuda_plan(case, precision: str, schedule: str = "balanced", **options):
+    pytest.importorskip("mla_decode.cuda")
+    batch, q_len, heads = case.q.shape[:3]
+    return mla_decode.plan(batch, case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
+                           num_heads=heads, q_len=q_len, causal=case.causal, backend="cuda", precision=precision,
+                           kv_scale_dtype=case.kv_scale.dtype, backend_options={"schedule": schedule, **options})
+
+
+def truth(case, precision: str):
+    q = None
+    if precision == "fast":
+        values, scale = round_q_per_head(case.q)
+        q = values.double() / scale.double()
+    return paged_reference(case, q=q)
+
+
+@pytest.mark.parametrize("spread", sorted(SPREADS))
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
+    lens = SPREADS[spread]
+    case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
+    plan = cuda_plan(case, "fast")
+    made = plan.schedule(case.cache_seqlens)
+    capacity = case.block_table.shape[1] * page_size
+    want = schedule_items(make_schedule(case.cache_seqlens.cpu(), plan.impl.parts, capacity), plan.impl.max_items)
+    assert torch.equal(made.items.cpu(), want)
+    kv, _, indptr = ragged_twin(case)  # the ragged plan cuts the same pieces from kv_indptr
+    ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="cuda")
+    assert ragged.impl.parts == plan.impl.parts
+    assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
+
+
+@pytest.mark.parametrize("num_heads,q_len", [(16, 1), (32, 2), (128, 1), (64, 2)])
+@pytest.mark.parametrize("kernel", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast")], ids="-".join)
+@pytest.mark.parametrize("spread", sorted(SPREADS))
+def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len):
+    kv_format, precision = kernel
+    if precision == "precise" and (num_heads, q_len) != (16, 1):
+        pytest.skip("one shape of the precise kernel: its units are 16 rows, like the first")
+    case = make_paged_case(kv_format, 64 if spread != "edges" else 16, SPREADS[spread], seed=len(spread),
+                           device="cuda", q_len=q_len, num_heads=num_heads)
+    plan = cuda_plan(case, precision)
+    out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+    out, lse = plan.run(*case.args(), out=out)
+    ref_out, ref_lse = truth(case, precision)
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    out_bound, lse_bound = BOUNDS[kernel]
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    fixed_out, fixed_lse = cuda_plan(case, precision, "fixed").run(*case.args())
+    assert errors(out, lse, fixed_out.double(), fixed_lse.double())[0] < out_bound
+
+
+def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
+    case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=2, device="cuda")
+    plan = cuda_plan(case, "fast")
+    step = plan.schedule(case.cache_seqlens)
+    alone = plan.run(*case.args())
+    for _ in range(3):  # the layers of a step
+        assert all(torch.equal(a, b) for a, b in zip(plan.run(*case.args(), schedule=step), alone, strict=True))
+    with pytest.raises(ValueError, match="schedule: expected one made from the lengths tensor passed here"):
+        plan.run(*case.args()[:3], case.cache_seqlens.clone(), case.kv_scale, schedule=step)
+    case.cache_seqlens[1] -= 1  # the next step's lengths, written in place
+    with pytest.raises(ValueError, match="stale"):
+        plan.run(*case.args(), schedule=step)
+
+
+def test_a_graph_replays_the_schedule_with_new_lengths():
+    lens = SPREADS["lognormal"]
+    case = make_paged_case("fp8", 64, lens, seed=3, device="cuda")
+    plan = cuda_plan(case, "fast")
+    out = torch.empty((len(lens), 1, 16, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((len(lens), 16, 1), dtype=torch.float32, device="cuda")
+
+    def step():
+        schedule = plan.schedule(case.cache_seqlens)
+        for _ in range(2):
+            plan.run(*case.args(), out=out, lse=lse, schedule=schedule)
+
+    step()  # outside the capture first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):  # lengths of another step, shorter than the pages they own
+        gen = torch.Generator().manual_seed(seed)
+        new = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens]
+        case.cache_seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        eager_out, eager_lse = plan.run(*case.args())
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        shorter = case._replace(cache_seqlens=case.cache_seqlens.clone())
+        out_error, lse_error = errors(out, lse, *truth(shorter, "fast"))
+        assert out_error < BOUNDS[("fp8", "fast")][0] and lse_error < BOUNDS[("fp8", "fast")][1]
+
+
+def test_two_threads_on_two_streams_get_what_each_gets_alone():
+    cases = [make_paged_case("fp8", 64, SPREADS[s], seed=7, device="cuda") for s in ("one-long", "one-long")]
+    cases[1] = cases[1]._replace(q=cases[1].q.roll(1, dims=2))  # other queries, same shapes
+    plan = cuda_plan(cases[0], "fast")
+    alone = [plan.run(*c.args()) for c in cases]
+    torch.cuda.synchronize()
+    results: dict = {}
+
+    def caller(i: int) -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            outs = [plan.run(*cases[i].args()) for _ in range(20)]
+        stream.synchronize()
+        results[i] = outs
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert all(torch.equal(o, alone[i][0]) and torch.equal(l_, alone[i][1]) for o, l_ in results[i])
+
+
+@pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
+def test_a_planted_schedule_fault_fails_the_bounds(fault):
+    case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=4, device="cuda")
+    plan = cuda_plan(case, "fast")
+    step = plan.schedule(case.cache_seqlens)
+    ref = truth(case, "fast")
+    out, lse = plan.run(*case.args(), schedule=step)
+    out_bound, lse_bound = BOUNDS[("fp8", "fast")]
+    good = errors(out, lse, *ref)
+    assert good[0] < out_bound and good[1] < lse_bound
+    items = step.items
+    count, index = items[:, 3] & 0xFFFF, items[:, 3] >> 16
+    k = int(((items[:, 2] - items[:, 1] >= 2) & (index < count - 1)).nonzero()[0])  # a piece with one after it
+    if fault == "dropped":
+        items[k, 2] -= 1
+    elif fault == "twice":
+        items[k + 1, 1] -= 1  # the next piece of the sequence starts a tile early
+    else:  # every piece of the sequence counts one more: the merge waits for a piece that never comes
+        items[items[:, 0] == items[k, 0], 3] += 1
+    out = torch.full_like(out, float("nan"))
+    bad = errors(*plan.run(*case.args(), out=out, schedule=step), *ref)
+    assert bad[0] > out_bound or bad[1] > lse_bound, bad
