@@ -11,6 +11,7 @@ values the first 512. A cache row is stored in one of three formats:
 
 import logging
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -135,3 +136,17 @@ def remember(cache: dict, key: object, value: object, limit: int) -> object:
         del cache[next(iter(cache))]
     cache[key] = value
     return value
+
+
+_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+
+
+def caller_key(device: torch.device) -> tuple[int, int]:
+    """(this thread, its current stream's handle on `device`; 0 off the GPU): a plan keeps a workspace per key, so
+    that callers on two streams or two threads never share partials. The raw handle is the private call Triton and
+    Inductor make (torch.cuda.current_stream builds a Stream object each call)."""
+    if device.type != "cuda":
+        return threading.get_ident(), 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _GET_RAW_STREAM(index) if _GET_RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
+    return threading.get_ident(), stream

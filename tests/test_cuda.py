@@ -17,6 +17,7 @@ import mla_decode
 import mla_decode.cuda.build as B
 import mla_decode.cuda.decode as D
 import mla_decode.cuda.plan as P
+import reference as R
 import submission as S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -526,3 +527,27 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
     monkeypatch.setenv("MLA_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="MLA_BACKEND=cuda: .*precise mode reads the FP8 cache only"):
         S.leaderboard_backend(fake_nvidia_gpu, "mxfp4")
+
+
+@pytest.mark.parametrize("rows,kv_seq_len,options", [(1024, 256, {"schedule": "fixed"}), (1000, 256, None),
+                                                      (1024, None, None)], ids=["uniform", "short", "no-promise"])
+def test_the_adapter_asks_for_fixed_splits_only_on_the_configs_uniform_promise(monkeypatch, rows, kv_seq_len,
+                                                                               options):
+    """custom_kernel's cuda plan cuts fixed splits where the config promises every length (kv_seq_len, the longest,
+    with batch x kv_seq_len rows in all: the schedule of equal splits is balanced, and needs no schedule kernel);
+    else the library's default, the balanced schedule."""
+    import mla_decode.leaderboard as L
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, problem, backend, backend_options=None):
+            seen.append(backend_options)
+            self.backend = backend
+
+    monkeypatch.setattr(L, "_choose", lambda problem, backend: "cuda")
+    monkeypatch.setattr(L, "DecodePlan", Recorder)
+    q, kv_data, _, kv_indptr, config = R.generate_input(4, 1, 256, seed=1)
+    kv, scale = kv_data["fp8"]
+    L._new_dispatch(q, kv[:rows], scale, kv_indptr, {**config, "kv_seq_len": kv_seq_len}, "fp8")
+    assert seen == [options]

@@ -124,16 +124,27 @@ def test_a_graph_replays_the_schedule_with_new_lengths():
         assert out_error < BOUNDS[("fp8", "fast")][0] and lse_error < BOUNDS[("fp8", "fast")][1]
 
 
-def test_two_threads_on_two_streams_get_what_each_gets_alone():
-    cases = [make_paged_case("fp8", 64, SPREADS[s], seed=7, device="cuda") for s in ("one-long", "one-long")]
-    cases[1] = cases[1]._replace(q=cases[1].q.roll(1, dims=2))  # other queries, same shapes
-    plan = cuda_plan(cases[0], "fast")
+@pytest.mark.parametrize("backend,kv_format", [("cuda", "fp8"), ("cuda", "mxfp4"), ("triton", "fp8"),
+                                               ("triton", "bf16")])
+def test_two_threads_on_two_streams_get_what_each_gets_alone(backend, kv_format):
+    """One plan called from two threads at once, each on its own stream, with inputs of the same shapes: each call
+    gets its own partials (and schedule), so each gets what it gets alone, bit for bit."""
+    cases = [make_paged_case(kv_format, 64, SPREADS["one-long"], seed=7 + i, device="cuda") for i in range(2)]
+    case = cases[0]
+    batch, q_len, heads = case.q.shape[:3]
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    scale_dtype = torch.uint8 if case.kv_scale is None else case.kv_scale.dtype
+    plan = mla_decode.plan(batch, 64, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=heads,
+                           q_len=q_len, backend=backend, kv_scale_dtype=scale_dtype)
     alone = [plan.run(*c.args()) for c in cases]
     torch.cuda.synchronize()
     results: dict = {}
+    start = threading.Barrier(2)
 
     def caller(i: int) -> None:
         stream = torch.cuda.Stream()
+        start.wait()
         with torch.cuda.stream(stream):
             outs = [plan.run(*cases[i].args()) for _ in range(20)]
         stream.synchronize()

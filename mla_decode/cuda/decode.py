@@ -10,7 +10,6 @@ import torch
 
 from .build import DecodeCall, library
 from .plan import (
-    BALANCED_MAX_UNIT_ROWS,
     MAX_UNITS,
     QUERY_ROWS,
     SCHEDULES,
@@ -132,8 +131,6 @@ class CudaDecode:
         precise = problem.precision == "precise"
         facts = device_facts(device, precise)
         self.balanced = balanced = schedule == "balanced"
-        if balanced:
-            facts = facts._replace(max_unit_rows=min(facts.max_unit_rows, BALANCED_MAX_UNIT_ROWS))
         rows = plan_unit_rows(problem, facts, unit_rows)
         units = query_units(problem, rows)
         if units > MAX_UNITS:
@@ -176,7 +173,8 @@ class CudaDecode:
         return Workspace(call, ctypes.addressof(call), (part_o, part_lse, sync, items))
 
     def workspace(self, stream: int) -> Workspace:
-        """The workspace of this thread on `stream` (a raw handle), made at its first run."""
+        """The workspace of this thread on `stream` (a raw handle), made at its first run: callers on two streams
+        or two threads never share a partial or a counter."""
         key = (threading.get_ident(), stream)
         found = self._workspaces.get(key)
         if found is None:

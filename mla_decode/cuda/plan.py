@@ -29,7 +29,6 @@ MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len 
 # plan's longest sequence (cuda_plan)
 SCHEDULES = ("balanced", "fixed")
 MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule cuts
-BALANCED_MAX_UNIT_ROWS = WIDE_QUERY_ROWS  # the 64-row kernel takes fixed splits only
 
 
 class DeviceFacts(NamedTuple):

@@ -2,9 +2,11 @@
 meta-arguments, the compiled kernels' launchers after a first run) and run many times.
 """
 
+import threading
+
 import torch
 
-from ..contract import V_HEAD_DIM, Problem
+from ..contract import V_HEAD_DIM, Problem, caller_key
 from .common import TritonTarget, tl, triton, triton_launch_options
 from .hopper import hopper_split_kernel
 from .kernels import mla_combine_kernel, mla_split_kernel
@@ -14,8 +16,9 @@ from .plan import TritonPlan, query_groups, triton_key
 class TritonDecode:
     """The triton backend's plan for a problem: its launch key, the split partials' workspace, grids, meta-arguments
     and, after the first run on a GPU, the compiled kernels' launchers, called with addresses (Triton's JIT dispatch
-    costs host time on every call). run() allocates nothing and reads nothing back. Runs of one plan share its
-    workspace: they must be issued in order on one queue. `target` and `plan`: as triton_key takes them."""
+    costs host time on every call). run() reads nothing back and allocates nothing after a caller's first run: each
+    (thread, stream) that runs the plan gets its own partials (caller_key). `target` and `plan`: as triton_key takes
+    them."""
 
     def __init__(self, problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None):
         self.key = key = triton_key(problem, target, plan)
@@ -26,10 +29,9 @@ class TritonDecode:
         splits_p2 = triton.next_power_of_2(splits)
         block_dv = min(V_HEAD_DIM, max(16, 8192 // splits_p2))  # a (splits, block_dv) fp32 tile: 64 registers/thread
         query_rows = key.q_len * key.num_heads  # a sequence's, folded token-major as q lays them out
-        parts = key.batch * splits if splits > 1 else 0
-        self.part_o = torch.empty((parts, query_rows, V_HEAD_DIM), dtype=torch.float32, device=key.device)
-        self.part_lse = torch.empty((parts, query_rows), dtype=torch.float32, device=key.device)
-        self.workspace = (self.part_o.data_ptr(), self.part_lse.data_ptr())
+        self.parts_shape = (key.batch * splits if splits > 1 else 0, query_rows)
+        self._workspaces: dict[tuple[int, int], tuple] = {}
+        self._lock = threading.Lock()
         # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none otherwise
         fp8_max = (float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else
                    float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores or plan.hopper else 0.0)
@@ -57,6 +59,19 @@ class TritonDecode:
         self.combine_meta = dict(combine_consts, **triton_launch_options(target, 4, pdl=nvidia))
         self.split_run = self.combine_run = None
 
+    def workspace(self) -> tuple:
+        """The calling thread's partials on its current stream, (part_o (parts, query rows, 512) fp32, part_lse
+        (parts, query rows) fp32, their addresses), made at its first run."""
+        key = caller_key(self.key.device)
+        found = self._workspaces.get(key)
+        if found is None:
+            parts, rows = self.parts_shape
+            part_o = torch.empty((parts, rows, V_HEAD_DIM), dtype=torch.float32, device=self.key.device)
+            part_lse = torch.empty((parts, rows), dtype=torch.float32, device=self.key.device)
+            with self._lock:
+                found = self._workspaces.setdefault(key, (part_o, part_lse, part_o.data_ptr(), part_lse.data_ptr()))
+        return found
+
     def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
             table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) in the key's format, scale as it has it (fp8
@@ -76,8 +91,8 @@ class TritonDecode:
                              "page table must start on 16-byte boundaries")
         out_ptr, lse_ptr = out.data_ptr(), 0 if lse is None else lse.data_ptr()
         aligned = scale_ptr % 16 == 0 and lse_ptr % 16 == 0  # read or written element by element: any address
+        work_o, work_lse, part_o, part_lse = self.workspace()
         if self.split_run is not None and aligned:
-            part_o, part_lse = self.workspace
             self.split_run(q_ptr, kv_ptr, scale_ptr, scale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
                            lse_ptr, part_o, part_lse, self.qk_scale, *self.split_consts)
             if self.combine_run is not None:
@@ -88,12 +103,11 @@ class TritonDecode:
             kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
         lse = out if lse is None else lse  # not written: an unused pointer
         split = self.split_kernel[self.split_grid](q, kv, scale, scale_stride, seqs, table, max_pages, kv_rows, out,
-                                                   lse, self.part_o, self.part_lse, self.qk_scale,
-                                                   **self.split_meta)
+                                                   lse, work_o, work_lse, self.qk_scale, **self.split_meta)
         combine = None
         if self.key.plan.num_splits > 1:
-            combine = mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, self.part_o,
-                                                             self.part_lse, **self.combine_meta)
+            combine = mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, work_o, work_lse,
+                                                             **self.combine_meta)
         if aligned and split is not None and (combine is not None or self.key.plan.num_splits == 1):
             # the compiled kernels' launchers, with their grids bound once
             self.split_run = split[self.split_grid]

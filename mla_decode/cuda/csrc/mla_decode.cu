@@ -8,7 +8,7 @@
 // in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
 // split_kernel<STAGES, MX, LAYOUT[, H]>(DecodeCall) (LAYOUT: common.cuh's Layout; the mma.sync kernel's is a bool,
 // PAGED): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the call's unit_rows query rows of a
-// sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED>
+// sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED, BAL>
 // (WIDE_THREADS threads, FP8, the cache's TMA maps as a second argument; with one split its grid is at most one CTA an
 // SM, each walking units in turn); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
 // num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, unit_rows, 512)
@@ -122,10 +122,10 @@ template <int STAGES, bool MX, int LAYOUT, int H, bool BAL>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
   constexpr bool PAGED = LAYOUT != mla::RAGGED;
 #if MLA_WGMMA
-  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX && !BAL), "64-row units: FP8, 4 stages");
+  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX), "64-row units: FP8, 4 stages");
   constexpr bool wide = H == mla::WIDE_ROWS;
   const auto kernel = [] {
-    if constexpr (wide) return mla::split_kernel64<PAGED>;
+    if constexpr (wide) return mla::split_kernel64<PAGED, BAL>;
     else return mla::split_kernel<STAGES, MX, LAYOUT, H, BAL>;
   }();
   constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, MX, H>();
@@ -210,6 +210,9 @@ static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window, i
 // The 64-row kernel's one configuration (FP8, 4 stages, one CTA an SM), ragged or paged.
 static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int sms) {
   using mla::WIDE_ROWS, mla::WIDE_STAGES;
+  if (a.schedule != mla::FIXED_SPLITS)
+    return a.page_size ? launch_split<WIDE_STAGES, false, mla::ROW_PAGES, WIDE_ROWS, true>(dev, a, max_window, sms)
+                       : launch_split<WIDE_STAGES, false, mla::RAGGED, WIDE_ROWS, true>(dev, a, max_window, sms);
   return a.page_size ? launch_split<WIDE_STAGES, false, mla::ROW_PAGES, WIDE_ROWS, false>(dev, a, max_window, sms)
                      : launch_split<WIDE_STAGES, false, mla::RAGGED, WIDE_ROWS, false>(dev, a, max_window, sms);
 }
@@ -244,12 +247,11 @@ static bool page_divisor_exact(const DecodeCall& c) {
   return product >= power && product - power < size && size <= 1ull << (c.page_shift - 31);
 }
 
-// The balanced schedule's arguments: its items, at most MAX_PIECES parts, max_items = parts + batch, one split, and
-// units of 16 or 32 rows (the 64-row kernel takes fixed splits only).
+// The balanced schedule's arguments: its items, at most MAX_PIECES parts, max_items = parts + batch, one split.
 static bool schedule_ok(const DecodeCall& c) {
   if (c.schedule == mla::FIXED_SPLITS) return true;
   return (c.schedule == mla::SCHEDULE_IN_CALL || c.schedule == mla::SCHEDULE_GIVEN) && c.items && c.parts >= 1 &&
-         c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1 && c.unit_rows <= 32;
+         c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1;
 }
 
 // Launches the schedule kernel alone on c->stream: c->items from c->seqs (schedule.cuh), for calls with

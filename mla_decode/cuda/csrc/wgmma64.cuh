@@ -95,7 +95,8 @@ __device__ __forceinline__ void tma_tile(const WideMaps& maps, uint32_t dst, uin
       ::"r"(dst + ROPE_OFFSET), "l"(reinterpret_cast<uint64_t>(&maps.rope)), "r"(DV), "r"(row), "r"(bar) : "memory");
 }
 
-template <bool PAGED>
+// BAL: the balanced schedule's grid (piece_of): one piece a CTA, its one item.
+template <bool PAGED, bool BAL>
 __global__ void __launch_bounds__(WIDE_THREADS, WIDE_CTAS_PER_SM)
 split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   constexpr int H = WIDE_ROWS;
@@ -115,18 +116,22 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   WideItems& items = *reinterpret_cast<WideItems*>(rows_smem + SMEM_PAGED / 4);
   auto paged_rows = [&](int k) { return PagedRows{rows_smem, items.bad + k}; };
   const uint32_t bars = smem_u32(items.bars);  // stage s's mbarrier at bars + 8 s
+  Piece piece{};
+  if constexpr (BAL) {
+    if (!piece_of<H, true>(call, piece)) return;
+  }
   if (tid == 0) {
 #pragma unroll
     for (int st = 0; st < WIDE_STAGES; ++st) mbar_init(bars + 8 * st);
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
   }
 
-  const int split = blockIdx.x;
+  const int split = BAL ? piece.index : blockIdx.x, pieces = BAL ? piece.count : call.num_splits;
   const int units = call.batch * (call.q_len * call.num_heads / H);
-  const int nitems = (units - static_cast<int>(blockIdx.y) + gridDim.y - 1) / gridDim.y;
-  auto unit_of = [&](int k) { return static_cast<int>(blockIdx.y + k * gridDim.y); };
+  const int nitems = BAL ? 1 : (units - static_cast<int>(blockIdx.y) + gridDim.y - 1) / gridDim.y;
+  auto unit_of = [&](int k) { return BAL ? piece.rows.unit : static_cast<int>(blockIdx.y + k * gridDim.y); };
   const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
-  const unsigned base = arrival_base(call.sync, unit_of(0), call.num_splits);  // splits: one item
+  const unsigned base = BAL ? 0u : arrival_base(call.sync, unit_of(0), call.num_splits);  // splits: one item
   static_assert(WIDE_MAX_ITEMS == 64, "two items a lane of warp 0");
   // Warp 0 reads the items' lengths and lays out the stream: item k's pairs take positions end[k - 1] .. end[k] - 1.
   if (cwarp == 0) {
@@ -139,7 +144,8 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       if (k < nitems) {
         const QueryRows rows = query_rows<H>(call, unit_of(k));
         b = rows.b;
-        r = split_range(call, b, split, rows.t);
+        if constexpr (BAL) r = piece_range<true>(call, piece, rows.t);
+        else r = split_range(call, b, split, rows.t);
       }
       npairs[i] = (r.ntiles + 1) / 2;
       int scan = npairs[i];  // inclusive prefix sum over the warp
@@ -394,19 +400,18 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
     const QueryRows rows = query_rows<H>(call, unit);
     const bool bad_page = PAGED && items.bad[k];
     const bool ok = items.valid[k] && !bad_page;
-    const size_t part = static_cast<size_t>(unit) * call.num_splits + split;
+    const size_t part = BAL ? piece.part : static_cast<size_t>(unit) * call.num_splits + split;
     if (wg == 0 && t4 == 0) {  // l carries 2^WIDE_P_BIAS
       const float l[2] = {sum[h0] + sum[H + h0], sum[h1] + sum[H + h1]}, m[2] = {m0, m1};
 #pragma unroll
       for (int i = 0; i < 2; ++i)
-        store_lse<H>(call, rows, call.num_splits, part, h0 + 8 * i, l[i] > 0.f ? m[i] + __log2f(l[i]) - WIDE_P_BIAS : -INFINITY,
+        store_lse<H>(call, rows, pieces, part, h0 + 8 * i, l[i] > 0.f ? m[i] + __log2f(l[i]) - WIDE_P_BIAS : -INFINITY,
                      bad_page, ok);
     }
     // The output (or partial) from the accumulators: a store writes 2 dims of a head, a warp's 4 whole 32-byte
     // sectors (the stages stay free for the next unit's pairs).
-    __nv_bfloat16* dst =
-        call.num_splits == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
-    const bool poison = call.num_splits == 1 && !ok;
+    __nv_bfloat16* dst = pieces == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
+    const bool poison = pieces == 1 && !ok;
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
       const int a = (e & 1) + (e >> 1) * 4;
@@ -419,8 +424,10 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
             __floats2bfloat162_rn(acc[mb][a] * scale, acc[mb][a + 2] * scale);
       }
     }
-    if (call.num_splits > 1)  // one item: the grid is the units
-      merge_splits<H>(call, base, rows, split, items.valid[k]);
+    if (pieces > 1) {  // one item: the grid is the units, or the schedule's pieces
+      if constexpr (BAL) merge_pieces<H, WIDE_THREADS>(call, piece, items.valid[k], reinterpret_cast<float*>(smem));
+      else merge_splits<H>(call, base, rows, split, items.valid[k]);
+    }
   }
 }
 
