@@ -308,7 +308,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
     plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
     (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda), the backend
-    option, "balanced" (the default) or "fixed" splits."""
+    option, "fixed" splits (the default) or "balanced"."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -430,10 +430,10 @@ METHODS = (
     Method("cuda-fp8-precise", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, precise (mma.sync)",
            _ours("cuda", "fp8", "precise")),
     Method("cuda-mxfp4", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache", _ours("cuda", "mxfp4")),
-    Method("cuda-fp8-fixed", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, fixed splits (schedule)",
-           _ours("cuda", "fp8", schedule="fixed")),
-    Method("cuda-mxfp4-fixed", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache, fixed splits (schedule)",
-           _ours("cuda", "mxfp4", schedule="fixed")),
+    Method("cuda-fp8-balanced", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
+           "schedule (backend option schedule)", _ours("cuda", "fp8", schedule="balanced")),
+    Method("cuda-mxfp4-balanced", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache, the work-balanced "
+           "schedule (backend option schedule)", _ours("cuda", "mxfp4", schedule="balanced")),
     Method("triton-fp8", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache", _ours("triton", "fp8")),
     Method("triton-fp8-precise", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, precise",
            _ours("triton", "fp8", "precise")),

@@ -117,14 +117,15 @@ class Workspace(NamedTuple):
 
 
 class CudaDecode:
-    """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("balanced": the
-    work-balanced schedule of schedule.cuh, made on the GPU from the lengths; or "fixed": num_splits equal splits a
-    unit), and a DecodeCall with the plan's fields set. The workspace (the pieces' partials, part_o (pieces, unit_rows,
+    """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("fixed", the default:
+    num_splits equal splits a unit; or "balanced": the work-balanced schedule of schedule.cuh, made on the GPU from
+    the lengths, opt-in until it beats the fixed splits on the uneven grid: docs/2026-12-06-balanced-h100.md), and a
+    DecodeCall with the plan's fields set. The workspace (the pieces' partials, part_o (pieces, unit_rows,
     512) bf16 and part_lse (pieces, unit_rows) fp32, the per-unit counters (units,) int32 and the balanced schedule's
     items (max_items, 4) int32) is made once per (thread, stream) that runs the plan. run() sets the inputs' fields
     and makes one ctypes call: no host read; no allocation after a stream's first run."""
 
-    def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = "balanced"):
+    def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = "fixed"):
         if schedule not in SCHEDULES:
             raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
         device, batch = problem.device, problem.batch

@@ -24,10 +24,10 @@ BLOCK_N = 64  # KV rows per tile (BN in the source)
 SPLIT_MIN_TILES, GATHERED_KEEP_SPLITS = 4, 8
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
 MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x heads / unit_rows)
-# How a plan cuts the work (DecodeCall's schedule): "balanced", the work-balanced schedule (schedule.cuh, made on the
-# GPU from the lengths each call or once a step), or "fixed", num_splits equal splits of every unit sized by the
-# plan's longest sequence (cuda_plan)
-SCHEDULES = ("balanced", "fixed")
+# How a plan cuts the work (DecodeCall's schedule): "fixed", num_splits equal splits of every unit sized by the plan's
+# longest sequence (cuda_plan), or "balanced", the work-balanced schedule (schedule.cuh, made on the GPU from the
+# lengths each call or once a step)
+SCHEDULES = ("fixed", "balanced")
 MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule cuts
 
 

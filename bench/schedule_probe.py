@@ -1,0 +1,99 @@
+"""Where a balanced decode's time goes, on one GPU: for a few serving rows, the schedule's pieces (how many, the
+largest in tiles, the most a sequence has), and the time of the fixed splits, the balanced call (schedule made in the
+call), the balanced run with a schedule made before, the schedule alone, and, with --no-merge, the balanced run of a
+library whose merge returns at once (wrong outputs: timing only).
+
+    python3 bench/schedule_probe.py [--rows 128x4096-h16-q1,8x32768-h16-q1-range] [--no-merge]
+"""
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mla_decode  # noqa: E402
+import mla_decode.cuda.build as B  # noqa: E402
+from testkit.paged import make_paged_case  # noqa: E402
+
+
+def lengths(batch: int, kv: int, spread: str) -> list[int]:
+    if spread == "range":
+        return [max(1, kv * (b + 1) // batch) for b in range(batch)]
+    if spread == "normal":
+        gen = torch.Generator().manual_seed(0)
+        return [int(x) for x in (torch.randn(batch, generator=gen) * kv / 2 + kv).clamp(1, 4 * kv)]
+    if spread == "one-long":
+        return [kv] + [1024] * (batch - 1)
+    return [kv] * batch
+
+
+def timed(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def probe(row: str) -> None:
+    parts = row.split("-")
+    batch, kv = (int(x) for x in parts[0].split("x"))
+    heads, q_len = int(parts[1][1:]), int(parts[2][1:])
+    spread = parts[3] if len(parts) > 3 else "uniform"
+    case = make_paged_case("fp8", 64, lengths(batch, kv, spread), seed=1, device="cuda", q_len=q_len,
+                           num_heads=heads)
+
+    def plan(schedule: str):
+        return mla_decode.plan(batch, 64, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=heads,
+                               q_len=q_len, causal=q_len > 1, backend="cuda", kv_scale_dtype=case.kv_scale.dtype,
+                               backend_options={"schedule": schedule})
+
+    fixed, balanced = plan("fixed"), plan("balanced")
+    step = balanced.schedule(case.cache_seqlens)
+    items = step.items.cpu()
+    live = items[items[:, 0] >= 0]
+    counts = live[:, 3] & 0xFFFF
+    out = torch.empty((batch, q_len, heads, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device="cuda")
+    t_fixed = timed(lambda: fixed.run(*case.args(), out=out, lse=lse))
+    t_call = timed(lambda: balanced.run(*case.args(), out=out, lse=lse))
+    t_given = timed(lambda: balanced.run(*case.args(), out=out, lse=lse, schedule=step))
+    t_sched = timed(lambda: balanced.schedule(case.cache_seqlens))
+    print(f"{row}: rows {balanced.impl.rows} fixed rows {fixed.impl.rows} splits {fixed.impl.num_splits} | parts "
+          f"{balanced.impl.parts} pieces {live.shape[0]} (max {balanced.impl.max_items}) largest "
+          f"{int((live[:, 2] - live[:, 1]).max())} tiles, most a sequence {int(counts.max())} | fixed {t_fixed:.1f} "
+          f"balanced {t_call:.1f} given {t_given:.1f} schedule alone {t_sched:.1f} us", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default="128x4096-h16-q1,128x4096-h16-q2,128x4096-h128-q1,8x32768-h16-q1-range,"
+                                      "32x65536-h16-q1-one-long,128x4096-h16-q1-normal")
+    p.add_argument("--no-merge", action="store_true")
+    args = p.parse_args()
+    if args.no_merge:
+        tmp = Path(tempfile.mkdtemp())
+        for f in B.source_files(B.CSRC):
+            shutil.copy(f, tmp / f.name)
+        merge = (tmp / "merge.cuh").read_text()
+        marker = "  if (!*last) return;"
+        assert marker in merge
+        (tmp / "merge.cuh").write_text(merge.replace(marker, "  return;"))
+        B.CSRC = tmp
+        print("library: the merge returns at once (timing only)")
+    for row in args.rows.split(","):
+        probe(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
