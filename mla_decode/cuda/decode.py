@@ -152,12 +152,13 @@ class CudaDecode:
         page_mul, page_shift = page_divisor(problem.page_size) if problem.page_size else (0, 0)
         # The split the kernel's first table reads guess at (guess_entries): a sequence of the plan's length.
         guess_rows = split_rows(min(problem.max_seqlen, problem.max_pages * problem.page_size), self.num_splits)
-        self.fields = dict(batch=batch, num_splits=self.num_splits, kv_format=int(problem.kv_format == "mxfp4"),
-                           page_size=problem.page_size, max_pages=problem.max_pages, num_heads=problem.num_heads,
-                           q_len=problem.q_len, causal=int(problem.causal and problem.q_len > 1),
-                           qk_scale=problem.qk_scale, unit_rows=rows, page_mul=page_mul, page_shift=page_shift,
-                           guess_rows=guess_rows, schedule=SCHEDULE_IN_CALL if balanced else 0, parts=self.parts,
-                           max_items=self.max_items)
+        # the plan's own fields; each workspace's call is a copy of it pointing into that workspace
+        self.call = DecodeCall(batch=batch, num_splits=self.num_splits, kv_format=int(problem.kv_format == "mxfp4"),
+                               page_size=problem.page_size, max_pages=problem.max_pages, num_heads=problem.num_heads,
+                               q_len=problem.q_len, causal=int(problem.causal and problem.q_len > 1),
+                               qk_scale=problem.qk_scale, unit_rows=rows, page_mul=page_mul, page_shift=page_shift,
+                               guess_rows=guess_rows, schedule=SCHEDULE_IN_CALL if balanced else 0,
+                               parts=self.parts, max_items=self.max_items)
         self.units, self.rows = units, rows
         self._workspaces: dict[tuple[int, int], Workspace] = {}
         self._lock = threading.Lock()
@@ -169,8 +170,9 @@ class CudaDecode:
         counted = self.balanced or self.num_splits > 1
         sync = torch.zeros((self.units if counted else 0,), dtype=torch.int32, device=device)
         items = torch.empty((self.max_items, ITEM_FIELDS), dtype=torch.int32, device=device)
-        call = DecodeCall(part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), sync=sync.data_ptr(),
-                          items=items.data_ptr(), **self.fields)
+        call = DecodeCall.from_buffer_copy(self.call)
+        call.part_o, call.part_lse, call.sync = part_o.data_ptr(), part_lse.data_ptr(), sync.data_ptr()
+        call.items = items.data_ptr()
         return Workspace(call, ctypes.addressof(call), (part_o, part_lse, sync, items))
 
     def workspace(self, stream: int) -> Workspace:
@@ -190,8 +192,8 @@ class CudaDecode:
         if not self.balanced:
             raise ValueError("cuda backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
         items = torch.empty((self.max_items, ITEM_FIELDS), dtype=torch.int32, device=seqs.device)
-        call = DecodeCall(seqs=seqs.data_ptr(), items=items.data_ptr(),
-                          stream=current_raw_stream(self.device_index), **self.fields)
+        call = DecodeCall.from_buffer_copy(self.call)
+        call.seqs, call.items, call.stream = seqs.data_ptr(), items.data_ptr(), current_raw_stream(self.device_index)
         call.schedule = SCHEDULE_GIVEN
         err = self.schedule_call(ctypes.addressof(call))
         if err:
