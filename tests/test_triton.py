@@ -21,12 +21,17 @@ from testkit.calls import ragged_decode
 from testkit.inputs import generate_shifted_input, shifted
 
 CPU = torch.device("cpu")
-CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages) or None for triton_plan)
-    "varlen_0_1_odd": ([5, 0, 1, 70, 33], (1, 64, 4, 3)),
-    "splits3_varlen": ([130, 0, 1, 67], (3, 64, 4, 3)),
-    "splits4_one_seq": ([200], (4, 64, 4, 3)),
-    "splits_more_than_tiles": ([9, 64], (8, 64, 4, 3)),
-    "default_plan": ([100, 37], None),
+CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages) or None for triton_plan, schedule
+    # or None for the default): the fixed splits a plan names, and the balanced schedule's pieces of tiles of the
+    # plan's block_n rows
+    "varlen_0_1_odd": ([5, 0, 1, 70, 33], (1, 64, 4, 3), "fixed"),
+    "splits3_varlen": ([130, 0, 1, 67], (3, 64, 4, 3), "fixed"),
+    "splits4_one_seq": ([200], (4, 64, 4, 3), "fixed"),
+    "splits_more_than_tiles": ([9, 64], (8, 64, 4, 3), "fixed"),
+    "default_plan": ([100, 37], None, None),
+    "balanced_varlen_0_1_odd": ([5, 0, 1, 70, 33], None, "balanced"),
+    "balanced_tiles_of_32": ([130, 0, 1, 67, 300], (1, 32, 4, 3), "balanced"),
+    "balanced_tiles_of_128": ([130, 0, 1, 67, 300], (1, 128, 4, 3), "balanced"),
 }
 NAN_OUTSIDE_LENGTHS = [5, 1, 0, 70, 3, 9]  # the last one past kv_indptr[-1] (testkit.attention.nan_outside)
 # Data where a softmax without its max subtraction overflows and a merge that weighs the splits wrongly shows:
@@ -64,9 +69,9 @@ def triton_backend(monkeypatch):
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_interpreted_matches_fp32_and_passes_the_gate(kv_format, case):
-    lens, plan = CASES[case]
+    lens, plan, schedule = CASES[case]
     data = R.generate_varlen_input(lens, seed=len(lens) * 7 + sum(lens), device=CPU)
-    out = ragged_decode(data, kv_format, "triton", plan=plan)
+    out = ragged_decode(data, kv_format, "triton", plan=plan, schedule=schedule)
     assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all(), "NaN/Inf in the output"
     assert all((out[b] == 0).all() for b, n in enumerate(lens) if n == 0), "empty sequence not zeros"
@@ -93,24 +98,27 @@ def test_interpreted_custom_kernel(triton_backend, monkeypatch, kv_format):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("keep", range(len(NAN_OUTSIDE_LENGTHS) - 1))
-def test_interpreted_reads_no_row_outside_a_sequence(kv_format, keep):
-    """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), two splits: its output stays
-    within the kernel bound of the fp32 computation on the clean cache."""
+def test_interpreted_reads_no_row_outside_a_sequence(kv_format, keep, schedule):
+    """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), two splits or the balanced
+    schedule's pieces: its output stays within the kernel bound of the fp32 computation on the clean cache."""
     clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=keep, device=CPU)
     data, _ = nan_outside(clean, kv_format, keep, 1)
     exact = triton_reference(clean, kv_format)[keep]
-    out = ragged_decode(data, kv_format, "triton", plan=(2, 64, 4, 3))
+    out = ragged_decode(data, kv_format, "triton", plan=(2, 64, 4, 3), schedule=schedule)
     assert torch.isfinite(out[keep]).all(), "a row outside the sequence was read"
     assert R.worst_row_relative_l2(out[keep][None], exact[None]) < TRITON_REL_L2
 
 
 @needs_interpreter
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("case", sorted(SCALED_CASES) + ["shift100", "nan_outside"])
-def test_interpreted_scaled_mxfp4_scores(case):
-    """gfx950's MXFP4 kernel (tl.dot_scaled scores): within the kernel bound of fp32 with E4M3 Q, and the strict
-    gate; skipped where the interpreter lacks dot_scaled (Triton < 3.9)."""
+def test_interpreted_scaled_mxfp4_scores(case, schedule):
+    """gfx950's MXFP4 kernel (tl.dot_scaled scores), over 2 splits or the balanced schedule's pieces: within the
+    kernel bound of fp32 with E4M3 Q, and the strict gate; skipped where the interpreter lacks dot_scaled (Triton <
+    3.9)."""
     import triton
 
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
@@ -121,43 +129,46 @@ def test_interpreted_scaled_mxfp4_scores(case):
         clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=2, device=CPU)
         data, _ = nan_outside(clean, "mxfp4", 3, 1)
         exact = triton_reference(clean, "mxfp4", scaled_scores=True)[3]
-        out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN)
+        out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN, schedule=schedule)
         assert torch.isfinite(out[3]).all(), "a row outside the sequence was read"
         assert R.worst_row_relative_l2(out[3][None], exact[None]) < TRITON_REL_L2
         return
     else:
         data = R.generate_varlen_input(SCALED_CASES[case], seed=4, device=CPU)
-    out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN)
+    out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN, schedule=schedule)
     assert_matches(data, out, triton_reference(data, "mxfp4", scaled_scores=True), TRITON_REL_L2, kv_format="mxfp4")
 
 
 @needs_interpreter
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_interpreted_hostile_data(case, kv_format):
+def test_interpreted_hostile_data(case, kv_format, schedule):
     """Shifted logits, a sink, all-equal scores, lengths 0 and 1 beside 8191, through the default plan (splits on
-    the long sequences): the online softmax's max subtraction and the combine's weights are what keep these within
-    the kernel bound."""
+    the long sequences, or the balanced schedule's pieces): the online softmax's max subtraction and the combine's
+    weights are what keep these within the kernel bound."""
     lens, shift, sink = HOSTILE[case]
     if shift is None:
         data = R.generate_varlen_input(lens, seed=9, device=CPU)
         data[0][2].zero_()
     else:
         data = generate_shifted_input(lens, seed=9, shift=shift, sink=sink, device=CPU)
-    out = ragged_decode(data, kv_format, "triton")
+    out = ragged_decode(data, kv_format, "triton", schedule=schedule)
     assert torch.isfinite(out).all(), "NaN/Inf in the output"
     error = R.worst_row_relative_l2(out, triton_reference(data, kv_format))
     assert error < TRITON_REL_L2, f"worst sequence {error:.3e} against fp32 (bound {TRITON_REL_L2:g})"
 
 
 @needs_interpreter
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits,schedule", [(1, "fixed"), (2, "fixed"), (1, "balanced")])
 @pytest.mark.parametrize("case", sorted(INVALID))
-def test_interpreted_invalid_ranges_give_nan_rows(case, splits):
+def test_interpreted_invalid_ranges_give_nan_rows(case, splits, schedule):
+    """The balanced schedule judges a ragged range without the cache's rows (one past them costs its tiles, in
+    pieces the combine merges): the split kernel reads none of it, and the sequence comes out NaN as with splits."""
     indptr, bad = INVALID[case]
     q, kv_data, qo, _, config = R.generate_varlen_input([10, 20, 5, 7], seed=3, device=CPU)
     data = (q, kv_data, qo, torch.tensor(indptr, dtype=torch.int32), dict(config, kv_seq_len=None))
-    out = ragged_decode(data, "fp8", "triton", plan=(splits, 64, 4, 3))
+    out = ragged_decode(data, "fp8", "triton", plan=(splits, 64, 4, 3), schedule=schedule)
     for b in range(4):
         assert (torch.isnan(out[b]).all() if b in bad else torch.isfinite(out[b]).all()), b
 
