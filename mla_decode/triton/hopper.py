@@ -579,8 +579,8 @@ if HOPPER_KERNEL_REASON is None:
                 _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                      acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
-                _hopper_store_partial(part_o_ptr, part_lse_ptr, item, group, qrow, row_in, at, mask, bad, acc0, acc1,
-                                      acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+                _hopper_store_partial(part_o_ptr, part_lse_ptr, item.to(gl.int64), group, qrow, row_in, at, mask, bad,
+                                      acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
         elif NUM_SPLITS == 1:
             _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                  acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)

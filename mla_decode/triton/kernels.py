@@ -348,8 +348,8 @@ if triton is not None:
                           SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
                           NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
                           V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
-        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: a sequence's groups are launched together,
-        # so all but the first read its tiles from L2
+        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: the groups of a split or piece read the same
+        # tiles, all but the first from L2
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
         if BALANCED:  # program (item, group): the schedule's piece `item` (items_ptr), past the pieces none
@@ -472,8 +472,8 @@ if triton is not None:
                 _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
                               acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
-                _store_partial(part_o_ptr, part_lse_ptr, item, group, qrow, row_in, bad, acc0, acc1, acc2, acc3, inv,
-                               lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
+                _store_partial(part_o_ptr, part_lse_ptr, item.to(tl.int64), group, qrow, row_in, bad, acc0, acc1, acc2,
+                               acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
         elif NUM_SPLITS == 1:
             _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
                           acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
@@ -491,7 +491,7 @@ if triton is not None:
         bad = tl.full([], 0, tl.int32)
         acc = tl.zeros(dv.shape, tl.float32)
         for i in range(0, count):
-            slot = (first + i) * ROWS + r
+            slot = (first + i).to(tl.int64) * ROWS + r  # a slot a piece: (parts + batch) x ROWS rows
             lse = tl.load(part_lse_ptr + slot)
             bad = bad | (lse != lse).to(tl.int32)
             lse = tl.where(lse == lse, lse, float("-inf"))
