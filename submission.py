@@ -2614,6 +2614,8 @@ class TritonDecode:
         (batch,). Reads no length on the host."""
         if not self.balanced:
             raise ValueError("triton backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
+        if seqs.data_ptr() % 16:  # as run() refuses them: the compiled kernel assumes aligned lengths
+            raise ValueError("triton backend: the sequence lengths or offsets must start on 16-byte boundaries")
         schedule = torch.empty(self.schedule_shape, dtype=torch.int32, device=seqs.device)
         self._launch_schedule(seqs, schedule)
         return schedule

@@ -338,8 +338,8 @@ def test_balanced_serving_shapes(q_len, num_heads, block_h):
 @needs_interpreter
 def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
     """DecodePlan.schedule's items (the schedule kernel, once a step) serve every layer's run bit for bit as the run
-    that makes its own; a schedule of other lengths, of another plan, or stale, is refused; a plan of fixed splits
-    makes none and takes none."""
+    that makes its own; a schedule of other lengths, of another plan, or stale, is refused, and so are lengths off a
+    16-byte boundary; a plan of fixed splits makes none and takes none."""
     case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=2)
     decode = balanced_plan(case, SMALL_GRID)
     step = decode.schedule(case.cache_seqlens)
@@ -353,6 +353,8 @@ def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
     with pytest.raises(ValueError, match="expected this balanced plan's make_schedule"):
         decode.impl.run(case.q, case.kv_cache.view(-1, 576), case.kv_scale, case.cache_seqlens, case.block_table,
                         alone[0].clone(), alone[1].clone(), schedule=other.items)
+    with pytest.raises(ValueError, match="must start on 16-byte boundaries"):  # as run refuses them
+        decode.schedule(shifted(case.cache_seqlens))
     case.cache_seqlens[1] -= 1  # the next step's lengths, written in place
     with pytest.raises(ValueError, match="stale"):
         decode.run(*case.args(), schedule=step)
