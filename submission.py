@@ -154,18 +154,24 @@ def remember(cache: dict, key: object, value: object, limit: int) -> object:
     return value
 
 
-_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+@functools.cache
+def _queue_handle() -> Callable[[torch.device], int] | None:
+    """mla_decode.device_queue.current_handle where the package is installed; None in the leaderboard file alone
+    (its module is kept out of it: see there)."""
+    try:
+        from mla_decode.device_queue import current_handle
+    except ImportError:
+        return None
+    return current_handle
 
 
 def caller_key(device: torch.device) -> tuple[int, int]:
-    """(this thread, its current stream's handle on `device`; 0 off the GPU): a plan keeps a workspace per key, so
-    that callers on two streams or two threads never share partials. The raw handle is the private call Triton and
-    Inductor make (torch.cuda.current_stream builds a Stream object each call)."""
-    if device.type != "cuda":
+    """(this thread, the handle of its current queue of work on `device`; 0 off the GPU, or in the leaderboard file
+    alone): a plan keeps a workspace per key, so that callers on two queues or two threads never share partials."""
+    handle = _queue_handle()
+    if device.type != "cuda" or handle is None:
         return threading.get_ident(), 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _GET_RAW_STREAM(index) if _GET_RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
-    return threading.get_ident(), stream
+    return threading.get_ident(), handle(device)
 
 
 
@@ -2502,7 +2508,8 @@ SCHEDULE_MAX_BLOCK = 1024  # the schedule kernel's sequences a round (its one pr
 
 
 class TritonWorkspace(NamedTuple):
-    """One caller's (thread, stream) buffers: the partials and, for a balanced plan, the schedule a run makes."""
+    """One caller's buffers (contract.caller_key: its thread and queue): the partials and, for a balanced plan, the
+    schedule a run makes."""
 
     part_o: torch.Tensor  # (slots, query rows, 512) fp32: a split's or a piece's normalized output
     part_lse: torch.Tensor  # (slots, query rows) fp32: its log2-sum-exp
@@ -2517,7 +2524,7 @@ class TritonDecode:
     or "fixed", the plan's num_splits equal splits of every sequence), the partials' workspace, grids,
     meta-arguments and, after the first run on a GPU, the compiled kernels' launchers, called with addresses
     (Triton's JIT dispatch costs host time on every call). run() reads nothing back and allocates nothing after a
-    caller's first run: each (thread, stream) that runs the plan gets its own partials and schedule (caller_key).
+    caller's first run: each caller (thread and queue: caller_key) gets its own partials and schedule.
     `target` and `plan`: as triton_key takes them (a balanced plan uses the plan's all but its num_splits)."""
 
     def __init__(self, problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None,
@@ -2578,7 +2585,7 @@ class TritonDecode:
         self.split_run = self.combine_run = self.schedule_run = None
 
     def workspace(self) -> TritonWorkspace:
-        """The calling thread's partials and schedule on its current stream, made at its first run."""
+        """The caller's partials and schedule (caller_key), made at its first run."""
         key = caller_key(self.key.device)
         found = self._workspaces.get(key)
         if found is None:
@@ -2593,7 +2600,8 @@ class TritonDecode:
         return found
 
     def _launch_schedule(self, seqs: torch.Tensor, schedule: torch.Tensor) -> None:
-        """mla_schedule_kernel on the current stream: the pieces of the lengths `seqs` into `schedule`."""
+        """mla_schedule_kernel, launched as the plan's other kernels are: the pieces of the lengths `seqs` into
+        `schedule`."""
         items_at = self.max_items * ITEM_FIELDS
         max_pages = self.max_pages if self.key.page_size else 0
         if self.schedule_run is not None:
@@ -2608,10 +2616,10 @@ class TritonDecode:
 
     def make_schedule(self, seqs: torch.Tensor) -> torch.Tensor:
         """The balanced schedule of `seqs` (cache_seqlens (batch,) when paged, kv_indptr (batch + 1,) when ragged,
-        int32 on the plan's device), made on the current stream for run(schedule=) in every layer of a step:
-        (max_items * 4 + batch,) int32, the items (max_items, 4) {b, first tile, end tile, index << 16 | count} of
-        mla_decode.schedule.schedule_items (tiles of the plan's block_n rows), then each sequence's first item
-        (batch,). Reads no length on the host."""
+        int32 on the plan's device), made on the GPU in the caller's order of work for run(schedule=) in every layer
+        of a step: (max_items * 4 + batch,) int32, the items (max_items, 4) {b, first tile, end tile, index << 16 |
+        count} of mla_decode.schedule.schedule_items (tiles of the plan's block_n rows), then each sequence's first
+        item (batch,). Reads no length on the host."""
         if not self.balanced:
             raise ValueError("triton backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
         if seqs.data_ptr() % 16:  # as run() refuses them: the compiled kernel assumes aligned lengths
