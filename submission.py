@@ -1564,9 +1564,9 @@ if HOPPER_KERNEL_REASON is None:
         if BALANCED:
             item = gl.program_id(0)
             b = gl.load(items_ptr + item * 4)
-            if b < 0:
-                return
             count = gl.load(items_ptr + item * 4 + 3) & 0xFFFF
+            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
+                return
         else:
             split = gl.program_id(0)
             b = gl.program_id(2)
@@ -2025,11 +2025,11 @@ if triton is not None:
         if PAGE_SIZE == 0:
             start = tl.load(seq_ptr + b, mask=in_batch, other=0)
             end = tl.load(seq_ptr + b + 1, mask=in_batch, other=0)
-            n = tl.where((start >= 0) & (end >= start), end.to(tl.int64) - start, 0)
+            length = tl.where((start >= 0) & (end >= start), end.to(tl.int64) - start, 0)
         else:
-            n = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
-            n = tl.where((n >= 0) & (n <= max_pages.to(tl.int64) * PAGE_SIZE), n, 0)
-        return (n + BLOCK_N - 1) // BLOCK_N
+            length = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
+            length = tl.where((length >= 0) & (length <= max_pages.to(tl.int64) * PAGE_SIZE), length, 0)
+        return (length + BLOCK_N - 1) // BLOCK_N
 
     @triton.jit
     def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, batch, parts, max_items, PAGE_SIZE: tl.constexpr,
@@ -2114,12 +2114,12 @@ if triton is not None:
         # tiles, all but the first from L2
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
-        if BALANCED:  # program (item, group): the schedule's piece `item` (items_ptr), past the pieces none
+        if BALANCED:  # program (item, group): the schedule's piece `item` (items_ptr)
             item = tl.program_id(0)
             b = tl.load(items_ptr + item * _ITEM_FIELDS)
-            if b < 0:
-                return
             count = tl.load(items_ptr + item * _ITEM_FIELDS + 3) & 0xFFFF
+            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
+                return
         else:  # program (split, group, b)
             split = tl.program_id(0)
             b = tl.program_id(2)

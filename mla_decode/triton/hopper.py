@@ -382,9 +382,9 @@ if HOPPER_KERNEL_REASON is None:
         if BALANCED:
             item = gl.program_id(0)
             b = gl.load(items_ptr + item * 4)
-            if b < 0:
-                return
             count = gl.load(items_ptr + item * 4 + 3) & 0xFFFF
+            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
+                return
         else:
             split = gl.program_id(0)
             b = gl.program_id(2)
