@@ -154,18 +154,24 @@ def remember(cache: dict, key: object, value: object, limit: int) -> object:
     return value
 
 
-_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+@functools.cache
+def _queue_handle() -> Callable[[torch.device], int] | None:
+    """mla_decode.device_queue.current_handle where the package is installed; None in the leaderboard file alone
+    (its module is kept out of it: see there)."""
+    try:
+        from mla_decode.device_queue import current_handle
+    except ImportError:
+        return None
+    return current_handle
 
 
 def caller_key(device: torch.device) -> tuple[int, int]:
-    """(this thread, its current stream's handle on `device`; 0 off the GPU): a plan keeps a workspace per key, so
-    that callers on two streams or two threads never share partials. The raw handle is the private call Triton and
-    Inductor make (torch.cuda.current_stream builds a Stream object each call)."""
-    if device.type != "cuda":
+    """(this thread, the handle of its current queue of work on `device`; 0 off the GPU, or in the leaderboard file
+    alone): a plan keeps a workspace per key, so that callers on two queues or two threads never share partials."""
+    handle = _queue_handle()
+    if device.type != "cuda" or handle is None:
         return threading.get_ident(), 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _GET_RAW_STREAM(index) if _GET_RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
-    return threading.get_ident(), stream
+    return threading.get_ident(), handle(device)
 
 
 
@@ -1091,13 +1097,111 @@ class TorchDecode:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# mla_decode/schedule.py
+# The work-balanced schedule of a decode batch: the batch's work cut into equal shares, one per part (a CTA or
+# program of a grid sized to the GPU), however unevenly the lengths spread. docs/2026-12-06-schedule.md gives the
+# design; this module is its reference: pure functions of the lengths, on any device, which the kernels' GPU twins must
+# reproduce exactly.
+#
+# The cost line. Sequence b occupies the segment [start[b], start[b + 1]) of one line of integer cost units:
+# SEQUENCE_COST units for its fixed work (its Q, its output), then one unit per KV tile it reads (TILE_ROWS rows, or
+# the kernel's own tile: the triton plans' block_n, so that a piece's bounds are whole tiles of its walk).
+# Part p takes the units [p * share, (p + 1) * share), share = ceil(total / parts). So:
+#   - a sequence lies in parts first_part(b) .. last_part(b), the parts its segment meets; each is one piece of it,
+#     and a piece may hold no tile (the part met only the fixed units): it weighs 0 in the merge;
+#   - a part is whole sequences in its middle and at most a tail piece of its first sequence and a head piece of its
+#     last one, so a batch has at most parts + batch - 1 pieces (each share boundary adds one): a partial slot each;
+#   - the whole cut follows from the prefix sums of the costs: one scan of the lengths, which the cuda backend's
+#     schedule kernel (csrc/schedule.cuh) and the triton backend's (triton/kernels.py) make on the GPU, listing the
+#     pieces as schedule_items does here.
+# A length outside [0, capacity] is invalid: it costs its fixed units alone (no tile), and the kernel that reads it
+# makes its rows NaN.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+TILE_ROWS = 64  # KV rows a unit of work reads: the kernels' tile (the cuda kernels' BLOCK_N)
+SEQUENCE_COST = 1  # a sequence's fixed cost in tiles (Q staged, the output written): also keeps length 0 on the line
+# How a plan cuts the work (the cuda and triton backends' option): "balanced", this module's schedule, or "fixed",
+# the same number of equal splits for every sequence, sized by the plan's longest
+SCHEDULES = ("balanced", "fixed")
+
+
+class Schedule(NamedTuple):
+    """The cut of one batch into `parts` shares. Tensors on the lengths' device, int32 (int64 on the CPU reference
+    where sums could pass 2^31)."""
+
+    parts: int
+    share: int  # cost units a part takes (the last part may take fewer)
+    start: torch.Tensor  # (batch + 1,): sequence b's segment starts at start[b]; start[batch] is the total
+    tiles: torch.Tensor  # (batch,): the KV tiles of each sequence (its clamped length / the tile rows, rounded up)
+
+    def first_part(self, b: torch.Tensor | int) -> torch.Tensor:
+        """The part holding sequence b's first unit."""
+        return torch.as_tensor(self.start[b]) // self.share
+
+    def last_part(self, b: torch.Tensor | int) -> torch.Tensor:
+        """The part holding sequence b's last unit."""
+        return (torch.as_tensor(self.start[torch.as_tensor(b) + 1]) - 1) // self.share
+
+    def part_range(self, p: int) -> tuple[int, int]:
+        """The sequences part p touches, [first, last] (first > last for a part past the total)."""
+        lo, hi = p * self.share, min((p + 1) * self.share, int(self.start[-1]))
+        first = int(torch.searchsorted(self.start, torch.tensor(lo, dtype=self.start.dtype), right=True)) - 1
+        last = int(torch.searchsorted(self.start, torch.tensor(hi - 1, dtype=self.start.dtype), right=True)) - 1
+        return first, last if hi > lo else first - 1
+
+    def piece_tiles(self, p: int, b: int) -> tuple[int, int]:
+        """The tiles [lo, hi) of sequence b that part p reads (lo == hi: a piece of no tile, or none)."""
+        tiles_from = int(self.start[b]) + SEQUENCE_COST  # the line position of b's tile 0
+        lo = max(p * self.share, tiles_from) - tiles_from
+        hi = min((p + 1) * self.share, int(self.start[b + 1])) - tiles_from
+        return max(lo, 0), max(hi, max(lo, 0))
+
+
+def sequence_tiles(lengths: torch.Tensor, capacity: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """KV tiles of each sequence: its length in tile_rows rows, rounded up; 0 for a length outside [0, capacity]."""
+    valid = (lengths >= 0) & (lengths <= capacity)
+    return torch.where(valid, lengths, 0).add(tile_rows - 1).div(tile_rows, rounding_mode="floor")
+
+
+def make_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS) -> Schedule:
+    """The schedule of a batch of `lengths` (batch,) int32 cut into `parts` shares of tiles of `tile_rows` rows;
+    capacity: the most rows a sequence can hold (the page table's rows, or the ragged plan's longest). Reads no length
+    on the host but the total, which only the CPU reference needs (a GPU twin keeps it on the device)."""
+    if parts < 1:
+        raise ValueError(f"parts: expected >= 1, got {parts}")
+    tiles = sequence_tiles(lengths.long(), capacity, tile_rows)
+    start = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(tiles + SEQUENCE_COST, 0, out=start[1:])
+    total = int(start[-1])
+    return Schedule(parts, max(1, -(-total // parts)), start, tiles)
+
+
+def schedule_items(schedule: Schedule, max_items: int) -> torch.Tensor:
+    """The pieces of `schedule` in line order, as the schedule kernel lists them: (max_items, 4) int32 rows {b, first
+    tile, end tile, index << 16 | count} (piece `index` of sequence b's `count`), then {-1, 0, 0, 0}."""
+    items = torch.tensor([[-1, 0, 0, 0]], dtype=torch.int32).repeat(max_items, 1)
+    k = 0
+    for b in range(schedule.tiles.shape[0]):
+        first, last = int(schedule.first_part(b)), int(schedule.last_part(b))
+        count = last - first + 1
+        for j in range(count):
+            lo, hi = schedule.piece_tiles(first + j, b)
+            items[k] = torch.tensor([b, lo, hi, j << 16 | count], dtype=torch.int32)
+            k += 1
+    return items
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/triton/hopper.py
 # The triton backend's split kernel for Hopper (sm_90a) and the FP8 and MXFP4 caches, written in Gluon (Triton's
 # explicit-layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not
 # give.
 #
 # Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
-# the portable kernel does (same arguments, same partials for its combine kernel). Per 64-row tile, in shared memory
+# the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (item, group) walks
+# the schedule's piece `item`, as there). Per 64-row tile, in shared memory
 # as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128-byte swizzle; the rope dims
 # [64][64 B], 64-byte swizzle), two tiles buffered (2 x 36 KB + Q, 9 KB in E4M3 or 18 in fp16: two programs an SM):
 #   S^T (64 x 16) = K Q^T   FP8 x FP8, both from shared memory, Q in E4M3 with one scale per query row;
@@ -1421,23 +1525,62 @@ if HOPPER_KERNEL_REASON is None:
         return bad
 
     @gluon.jit
+    def _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, ok, acc0, acc1, acc2, acc3, inv,
+                             lse2, WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
+                             PARTIAL_ROWS: gl.constexpr):
+        """A whole sequence's 16 query rows: its output, bf16 (NaN where not ok), and its LSE."""
+        dst = out_ptr + first_row * V_DIM + at
+        gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        if WRITE_LSE:
+            gl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * TL_LN2, float("nan")),
+                     mask=row_in if PARTIAL_ROWS else None)
+
+    @gluon.jit
+    def _hopper_store_partial(part_o_ptr, part_lse_ptr, part, group, qrow, row_in, at, mask, bad, acc0, acc1, acc2,
+                              acc3, inv, lse2, ROWS: gl.constexpr, PARTIAL_ROWS: gl.constexpr):
+        """A piece's normalized partial output and its log2-sum-exp (NaN: a page outside the cache) into slot
+        `part`."""
+        dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
+        gl.store(dst, acc0 * inv[None, :], mask=mask)
+        gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
+        gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
+        gl.store(dst + 384, acc3 * inv[None, :], mask=mask)
+        gl.store(part_lse_ptr + part * ROWS + qrow, gl.where(bad == 0, lse2, float("nan")),
+                 mask=row_in if PARTIAL_ROWS else None)
+
+    @gluon.jit
     def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
-                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
                              PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
                              NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                             PRECISE: gl.constexpr, MXFP4: gl.constexpr):
-        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused)
+                             PRECISE: gl.constexpr, MXFP4: gl.constexpr, BALANCED: gl.constexpr):
+        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
+        # program (item, group) takes the schedule's piece `item`, as the portable kernel does
         gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
-        split = gl.program_id(0)
         group = gl.program_id(1)
-        b = gl.program_id(2)
+        if BALANCED:
+            item = gl.program_id(0)
+            b = gl.load(items_ptr + item * 4)
+            count = gl.load(items_ptr + item * 4 + 3) & 0xFFFF
+            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
+                return
+        else:
+            split = gl.program_id(0)
+            b = gl.program_id(2)
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
-        per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
-        lo = start + split * per_split
-        hi = gl.minimum(lo + per_split, end)
+        if BALANCED:  # whole 64-row tiles (the schedule's)
+            lo = start + gl.load(items_ptr + item * 4 + 1) * 64
+            hi = gl.minimum(start + gl.load(items_ptr + item * 4 + 2) * 64, end)
+        else:
+            per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
+            lo = start + split * per_split
+            hi = gl.minimum(lo + per_split, end)
         MMA: gl.constexpr = _MMA16 if PRECISE else _MMA
         cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
         qrow = group * 16 + gl.arange(0, 16, layout=cols)
@@ -1613,25 +1756,19 @@ if HOPPER_KERNEL_REASON is None:
         h = gl.arange(0, 16, layout=cols)
         at = h[None, :] * V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
-        if NUM_SPLITS == 1:
-            ok = valid & (bad == 0)
-            dst = out_ptr + first_row * V_DIM + at
-            gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            if WRITE_LSE:
-                gl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * TL_LN2, float("nan")),
-                         mask=row_in if PARTIAL_ROWS else None)
-        else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache)
-            part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
-            gl.store(dst, acc0 * inv[None, :], mask=mask)
-            gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
-            gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
-            gl.store(dst + 384, acc3 * inv[None, :], mask=mask)
-            gl.store(part_lse_ptr + part * ROWS + qrow, gl.where(bad == 0, lse2, float("nan")),
-                     mask=row_in if PARTIAL_ROWS else None)
+        if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
+            if count == 1:
+                _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
+                                     acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+            else:
+                _hopper_store_partial(part_o_ptr, part_lse_ptr, item.to(gl.int64), group, qrow, row_in, at, mask, bad,
+                                      acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+        elif NUM_SPLITS == 1:
+            _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
+                                 acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+        else:
+            _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, at, mask,
+                                  bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
 
 
 
@@ -1662,18 +1799,27 @@ if HOPPER_KERNEL_REASON is None:
 # Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
 # On Hopper with Triton 3.6 the FP8 plans (fast and precise) and the fast MXFP4 ones launch hopper.py's Gluon
 # kernel in this one's place (TritonPlan.hopper), with the same arguments and combine.
+#
+# Two ways to cut the work (TritonDecode's schedule). Fixed: program (split, group, b) takes split `split` of
+# NUM_SPLITS equal ones of sequence b. BALANCED: mla_schedule_kernel first lists the pieces of the work-balanced
+# schedule (mla_decode/schedule.py) from the lengths on the device; program (item, group) takes piece `item`, tiles
+# [first, end) of its sequence, and a sequence of one piece writes its output directly, else its pieces' partials are
+# merged by the combine.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 PAGE_CHUNK_TILES = 32  # pages of whole tiles: the tiles whose bases are read from the table at once
+ITEM_FIELDS = 4  # a schedule item: {b, first tile, end tile, index << 16 | count} (mla_schedule_kernel)
 # without Triton: no kernels (the backend is unusable, plan.triton_unusable_reason)
-mla_split_kernel = mla_combine_kernel = None
+mla_split_kernel = mla_combine_kernel = mla_schedule_kernel = None
 
 if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals); the row widths and
     # LN2 are common.py's.
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
     _PAGE_CHUNK = tl.constexpr(PAGE_CHUNK_TILES)
+    _SEQUENCE_COST = tl.constexpr(SEQUENCE_COST)
+    _ITEM_FIELDS = tl.constexpr(ITEM_FIELDS)
 
     # 4 packed bytes ($4) -> the e4m3 bytes of their low nibbles and of their high nibbles, interleaved byte by byte
     # -> f16x2 pairs in the values' order: $k = (low, high) nibble of byte k, which the join after it keeps (a pair a
@@ -1872,25 +2018,121 @@ if triton is not None:
         return m_i, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
+    def _sequence_tiles(seq_ptr, b, in_batch, max_pages, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The KV tiles of sequences b (in_batch: those in the batch; others 0), int64: schedule.py's sequence_tiles,
+        0 for an invalid length or range. A ragged range is judged without the cache's rows (as the cuda schedule's:
+        a schedule is made from kv_indptr alone): one past them costs its tiles, and the split kernel reads none."""
+        if PAGE_SIZE == 0:
+            start = tl.load(seq_ptr + b, mask=in_batch, other=0)
+            end = tl.load(seq_ptr + b + 1, mask=in_batch, other=0)
+            length = tl.where((start >= 0) & (end >= start), end.to(tl.int64) - start, 0)
+        else:
+            length = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
+            length = tl.where((length >= 0) & (length <= max_pages.to(tl.int64) * PAGE_SIZE), length, 0)
+        return (length + BLOCK_N - 1) // BLOCK_N
+
+    @triton.jit
+    def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, batch, parts, max_items, PAGE_SIZE: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+        """One program: the pieces of the work-balanced schedule of the lengths (seq_ptr: cache_seqlens, or kv_indptr
+        where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, exactly as schedule.py's
+        schedule_items lists them: items (max_items, 4) int32 rows {b, first tile, end tile, index << 16 | count},
+        then {-1, 0, 0, 0}; and first (batch,) int32, the item of each sequence's first piece (the combine's). The
+        sequences come BLOCK_B at a time: one pass sums the line's length, a second cuts it by prefix sums."""
+        r = tl.arange(0, BLOCK_B)
+        field = tl.arange(0, _ITEM_FIELDS)[None, :]
+        total = tl.full([], 0, tl.int64)
+        for b0 in range(0, batch, BLOCK_B):
+            in_batch = b0 + r < batch
+            tiles = _sequence_tiles(seq_ptr, b0 + r, in_batch, max_pages, PAGE_SIZE, BLOCK_N)
+            total += tl.sum(tl.where(in_batch, tiles + _SEQUENCE_COST, 0), 0)
+        share = tl.maximum((total + parts - 1) // parts, 1)
+        line = tl.full([], 0, tl.int64)  # where this block's first sequence starts on the line
+        item = tl.full([], 0, tl.int32)  # its first piece
+        for b0 in range(0, batch, BLOCK_B):
+            b = b0 + r
+            in_batch = b < batch
+            cost = tl.where(in_batch, _sequence_tiles(seq_ptr, b, in_batch, max_pages, PAGE_SIZE, BLOCK_N)
+                            + _SEQUENCE_COST, 0)
+            start = line + tl.cumsum(cost, 0) - cost
+            first_part = start // share
+            count = tl.where(in_batch, ((start + cost - 1) // share - first_part + 1).to(tl.int32), 0)
+            first = item + tl.cumsum(count, 0) - count
+            tl.store(first_ptr + b, first, mask=in_batch)
+            # piece j of every sequence of the block at once: as many rounds as its longest sequence has pieces
+            for j in range(0, tl.max(count, 0)):
+                part = first_part + j
+                lo = tl.maximum(tl.maximum(start, part * share) - start - _SEQUENCE_COST, 0)
+                hi = tl.maximum(tl.minimum(start + cost, (part + 1) * share) - start - _SEQUENCE_COST, lo)
+                row = tl.where(field == 0, b[:, None], tl.where(field == 1, lo.to(tl.int32)[:, None], tl.where(
+                    field == 2, hi.to(tl.int32)[:, None], ((j << 16) | count)[:, None])))
+                tl.store(items_ptr + (first + j)[:, None] * _ITEM_FIELDS + field, row, mask=(j < count)[:, None])
+            line += tl.sum(cost, 0)
+            item += tl.sum(count, 0)
+        for k0 in range(0, max_items, BLOCK_B):
+            k = k0 + r
+            tl.store(items_ptr + k[:, None] * _ITEM_FIELDS + field, tl.where(field == 0, -1, 0),
+                     mask=((k >= item) & (k < max_items))[:, None])
+
+    @triton.jit
+    def _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid, acc0, acc1, acc2, acc3, inv, lse2,
+                      WRITE_LSE: tl.constexpr, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr,
+                      PARTIAL_ROWS: tl.constexpr):
+        """A whole sequence's group of query rows: its output, bf16 (NaN where not valid), and its LSE."""
+        dst = out_ptr + first_row * V_DIM
+        _store_chunk(dst, acc0, inv, valid, row_in, 0, tl.bfloat16, PARTIAL_ROWS)
+        _store_chunk(dst, acc1, inv, valid, row_in, 128, tl.bfloat16, PARTIAL_ROWS)
+        _store_chunk(dst, acc2, inv, valid, row_in, 256, tl.bfloat16, PARTIAL_ROWS)
+        _store_chunk(dst, acc3, inv, valid, row_in, 384, tl.bfloat16, PARTIAL_ROWS)
+        if WRITE_LSE:
+            tl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), tl.where(valid, lse2 * TL_LN2, float("nan")),
+                     mask=row_in if PARTIAL_ROWS else None)
+
+    @triton.jit
+    def _store_partial(part_o_ptr, part_lse_ptr, part, group, qrow, row_in, bad, acc0, acc1, acc2, acc3, inv, lse2,
+                       ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PARTIAL_ROWS: tl.constexpr):
+        """A piece's normalized partial output, fp32, and its log2-sum-exp (NaN: a page outside the cache) into
+        slot `part` of the partials; the combine weighs them."""
+        dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * V_DIM
+        _store_chunk(dst, acc0, inv, True, row_in, 0, tl.float32, PARTIAL_ROWS)
+        _store_chunk(dst, acc1, inv, True, row_in, 128, tl.float32, PARTIAL_ROWS)
+        _store_chunk(dst, acc2, inv, True, row_in, 256, tl.float32, PARTIAL_ROWS)
+        _store_chunk(dst, acc3, inv, True, row_in, 384, tl.float32, PARTIAL_ROWS)
+        tl.store(part_lse_ptr + part * ROWS + qrow, tl.where(bad == 0, lse2, float("nan")),
+                 mask=row_in if PARTIAL_ROWS else None)
+
+    @triton.jit
     def mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
-                          lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: tl.constexpr,
+                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: tl.constexpr,
                           BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr,
                           PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
                           USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
                           SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
                           NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
-                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr):
-        split = tl.program_id(0)
-        group = tl.program_id(1)  # query rows group * BLOCK_H onwards of sequence b: a sequence's groups are
-        b = tl.program_id(2)  # launched together, so all but the first read its tiles from L2
+                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
+        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: the groups of a split or piece read the same
+        # tiles, all but the first from L2
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
+        if BALANCED:  # program (item, group): the schedule's piece `item` (items_ptr)
+            item = tl.program_id(0)
+            b = tl.load(items_ptr + item * _ITEM_FIELDS)
+            count = tl.load(items_ptr + item * _ITEM_FIELDS + 3) & 0xFFFF
+            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
+                return
+        else:  # program (split, group, b)
+            split = tl.program_id(0)
+            b = tl.program_id(2)
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
             tl.extra.cuda.gdc_launch_dependents()
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
-        per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = start + split * per_split
-        hi = tl.minimum(lo + per_split, end)
+        if BALANCED:  # whole tiles of BLOCK_N rows (the schedule's), so pages of whole tiles keep a tile in one page
+            lo = start + tl.load(items_ptr + item * _ITEM_FIELDS + 1) * BLOCK_N
+            hi = tl.minimum(start + tl.load(items_ptr + item * _ITEM_FIELDS + 2) * BLOCK_N, end)
+        else:
+            per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = start + split * per_split
+            hi = tl.minimum(lo + per_split, end)
         qrow = group * BLOCK_H + tl.arange(0, BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
         row_in = qrow < ROWS
         limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
@@ -1987,54 +2229,86 @@ if triton is not None:
 
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
-        if NUM_SPLITS == 1:
-            valid = valid & (tl.max(bad, 0) == 0)
-            dst = out_ptr + first_row * V_DIM
-            _store_chunk(dst, acc0, inv, valid, row_in, 0, tl.bfloat16, PARTIAL_ROWS)
-            _store_chunk(dst, acc1, inv, valid, row_in, 128, tl.bfloat16, PARTIAL_ROWS)
-            _store_chunk(dst, acc2, inv, valid, row_in, 256, tl.bfloat16, PARTIAL_ROWS)
-            _store_chunk(dst, acc3, inv, valid, row_in, 384, tl.bfloat16, PARTIAL_ROWS)
-            if WRITE_LSE:
-                tl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), tl.where(valid, lse2 * TL_LN2, float("nan")),
-                         mask=row_in if PARTIAL_ROWS else None)
-        else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache); the combine weighs them
-            part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * V_DIM
-            _store_chunk(dst, acc0, inv, True, row_in, 0, tl.float32, PARTIAL_ROWS)
-            _store_chunk(dst, acc1, inv, True, row_in, 128, tl.float32, PARTIAL_ROWS)
-            _store_chunk(dst, acc2, inv, True, row_in, 256, tl.float32, PARTIAL_ROWS)
-            _store_chunk(dst, acc3, inv, True, row_in, 384, tl.float32, PARTIAL_ROWS)
-            tl.store(part_lse_ptr + part * ROWS + qrow, tl.where(bad == 0, lse2, float("nan")),
-                     mask=row_in if PARTIAL_ROWS else None)
+        if BALANCED:  # a sequence of one piece is written here; the pieces of the others go to their item's slot
+            if count == 1:
+                _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
+                              acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+            else:
+                _store_partial(part_o_ptr, part_lse_ptr, item.to(tl.int64), group, qrow, row_in, bad, acc0, acc1, acc2,
+                               acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
+        elif NUM_SPLITS == 1:
+            _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
+                          acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+        else:
+            _store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, bad, acc0, acc1,
+                           acc2, acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
 
     @triton.jit
-    def mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                            NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    def _merge_pieces(part_o_ptr, part_lse_ptr, first, count, r, dv, ROWS: tl.constexpr):
+        """The `count` partials of query row r in slots first .. first + count - 1, merged by an online max and sum
+        (a piece of no row, LSE -inf, weighs 0): (their weighted sum (BLOCK_DV,) / its weights' sum, the running max,
+        the weights' sum, whether a piece met a page outside the cache (its LSE NaN))."""
+        m = tl.full([], float("-inf"), tl.float32)
+        denom = tl.full([], 0.0, tl.float32)
+        bad = tl.full([], 0, tl.int32)
+        acc = tl.zeros(dv.shape, tl.float32)
+        for i in range(0, count):
+            slot = (first + i).to(tl.int64) * ROWS + r  # a slot a piece: (parts + batch) x ROWS rows
+            lse = tl.load(part_lse_ptr + slot)
+            bad = bad | (lse != lse).to(tl.int32)
+            lse = tl.where(lse == lse, lse, float("-inf"))
+            m_new = tl.maximum(m, lse)
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - base)
+            w = tl.exp2(lse - base)
+            acc = acc * alpha + w * tl.load(part_o_ptr + slot * V_DIM + dv)
+            denom = denom * alpha + w
+            m = m_new
+        return acc / tl.where(denom > 0, denom, 1.0), m, denom, bad != 0
+
+    @triton.jit
+    def mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr,
+                            first_ptr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                            NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
+                            NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, BALANCED: tl.constexpr):
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS
         bh = tl.program_id(0)  # b * ROWS + query row
         b = bh // ROWS
         r = bh % ROWS
         dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         _, _, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
-        sp = tl.arange(0, SPLITS_P2)
-        row = (b * NUM_SPLITS + sp) * ROWS + r
-        if USE_PDL:  # everything above overlapped the split kernel; the partials are read only after it
-            tl.extra.cuda.gdc_wait()
-        lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
-        valid = valid & (tl.sum((lse != lse).to(tl.int32), 0) == 0)  # a split met a page outside the cache
-        lse = tl.where(lse == lse, lse, float("-inf"))
-        m = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-        o = tl.load(part_o_ptr + row[:, None] * V_DIM + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
-        denom = tl.sum(w, 0)
-        res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + bh * V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
-        if WRITE_LSE:
-            if tl.program_id(1) == 0:
-                total = tl.where(denom > 0, (m + tl.log2(denom)) * TL_LN2, float("-inf"))
-                tl.store(lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
+        if BALANCED:  # sequence b's pieces are items first .. first + count - 1 (the schedule lists them in order)
+            first = tl.load(first_ptr + b)
+            count = tl.load(items_ptr + first * _ITEM_FIELDS + 3) & 0xFFFF
+            if count == 1:  # one piece: the split kernel wrote the output
+                return
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            res, m, denom, bad = _merge_pieces(part_o_ptr, part_lse_ptr, first, count, r, dv, ROWS)
+            valid = valid & ~bad
+            tl.store(out_ptr + bh * V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
+            if WRITE_LSE:
+                if tl.program_id(1) == 0:
+                    total = tl.where(denom > 0, (m + tl.log2(denom)) * TL_LN2, float("-inf"))
+                    tl.store(lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
+        else:
+            sp = tl.arange(0, SPLITS_P2)
+            row = (b * NUM_SPLITS + sp) * ROWS + r
+            if USE_PDL:  # everything above overlapped the split kernel; the partials are read only after it
+                tl.extra.cuda.gdc_wait()
+            lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
+            valid = valid & (tl.sum((lse != lse).to(tl.int32), 0) == 0)  # a split met a page outside the cache
+            lse = tl.where(lse == lse, lse, float("-inf"))
+            m = tl.max(lse, 0)
+            w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+            o = tl.load(part_o_ptr + row[:, None] * V_DIM + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
+            denom = tl.sum(w, 0)
+            res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+            tl.store(out_ptr + bh * V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
+            if WRITE_LSE:
+                if tl.program_id(1) == 0:
+                    total = tl.where(denom > 0, (m + tl.log2(denom)) * TL_LN2, float("-inf"))
+                    tl.store(lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
 
 
 
@@ -2051,12 +2325,27 @@ TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the de
 # WIDE_MIN_TILES tiles, or the grid is more than a wave without splits (triton_plan)
 WIDE_BLOCK_H, WIDE_NUM_WARPS, WIDE_MIN_TILES = 32, 8, 32
 TRITON_MAX_GRID = 65535  # the split kernel's grid: (splits, groups, batch); CUDA and HIP cap the last two there
+# The most shares a balanced schedule cuts a batch into: bounds the partials' workspace and the schedule kernel's
+# rounds (a sequence's pieces), far below the 2^16 pieces an item's count field holds
+MAX_PARTS = 1024
 
 
 def query_groups(q_len: int, num_heads: int, block_h: int = TRITON_BLOCK_H) -> int:
     """The programs a sequence's query rows take per split, block_h rows each (the last masked where they do not
     divide q_len x num_heads)."""
     return -(-q_len * num_heads // block_h)
+
+
+def programs_per_sm(target: TritonTarget) -> int:
+    """Split-kernel programs resident at once per SM (CU on AMD), which the splits and the balanced schedule's
+    shares fill."""
+    return PROGRAMS_PER_SM.get(target.arch, 1) if target.vendor == "amd" else NVIDIA_PROGRAMS_PER_SM
+
+
+def balanced_parts(target: TritonTarget, groups: int) -> int:
+    """The shares a balanced schedule cuts a batch into: one per split-kernel program resident at once, over the
+    `groups` programs of each piece (every group of a sequence's query rows runs the same cut), at most MAX_PARTS."""
+    return max(1, min(MAX_PARTS, programs_per_sm(target) * target.num_sms // max(groups, 1)))
 
 
 def triton_unusable_reason(problem: Problem) -> str | None:
@@ -2144,8 +2433,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     block_h = block_h or TRITON_BLOCK_H
     block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
     max_splits = 32 if kv_format == "fp8" or hopper else 64  # Hopper MXFP4: a split expands a tile past its end
-    per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
-    want = max(1, per_sm * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
+    want = max(1, programs_per_sm(target) * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
     # bf16 at 3 stages asks an H200 for 241,664 B of shared memory (the model counts 2 buffered tiles; Triton holds
     # more): 2 stages
@@ -2215,102 +2503,183 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class TritonDecode:
-    """The triton backend's plan for a problem: its launch key, the split partials' workspace, grids, meta-arguments
-    and, after the first run on a GPU, the compiled kernels' launchers, called with addresses (Triton's JIT dispatch
-    costs host time on every call). run() reads nothing back and allocates nothing after a caller's first run: each
-    (thread, stream) that runs the plan gets its own partials (caller_key). `target` and `plan`: as triton_key takes
-    them."""
+BALANCED_BLOCK_DV = 128  # the balanced combine's output columns a program: 4 programs a query row, each over its pieces
+SCHEDULE_MAX_BLOCK = 1024  # the schedule kernel's sequences a round (its one program loops over the batch in these)
 
-    def __init__(self, problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None):
+
+class TritonWorkspace(NamedTuple):
+    """One caller's buffers (contract.caller_key: its thread and queue): the partials and, for a balanced plan, the
+    schedule a run makes."""
+
+    part_o: torch.Tensor  # (slots, query rows, 512) fp32: a split's or a piece's normalized output
+    part_lse: torch.Tensor  # (slots, query rows) fp32: its log2-sum-exp
+    schedule: torch.Tensor  # balanced: (max_items * 4 + batch,) int32, as make_schedule returns; else empty
+    part_o_ptr: int
+    part_lse_ptr: int
+
+
+class TritonDecode:
+    """The triton backend's plan for a problem: its launch key, how it cuts the work (schedule: "balanced", the
+    work-balanced schedule of mla_decode/schedule.py, made on the device from the lengths by mla_schedule_kernel;
+    or "fixed", the plan's num_splits equal splits of every sequence), the partials' workspace, grids,
+    meta-arguments and, after the first run on a GPU, the compiled kernels' launchers, called with addresses
+    (Triton's JIT dispatch costs host time on every call). run() reads nothing back and allocates nothing after a
+    caller's first run: each caller (thread and queue: caller_key) gets its own partials and schedule.
+    `target` and `plan`: as triton_key takes them (a balanced plan uses the plan's all but its num_splits)."""
+
+    def __init__(self, problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None,
+                 schedule: str = "balanced"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
         self.key = key = triton_key(problem, target, plan)
         self.qk_scale = problem.qk_scale
         target, plan = key.target, key.plan
-        splits = plan.num_splits
+        self.balanced = balanced = schedule == "balanced"
+        groups = query_groups(key.q_len, key.num_heads, plan.block_h)
+        # balanced: one share per resident program (parts); at most parts + batch pieces (max_items), each a slot
+        self.parts = balanced_parts(target, groups) if balanced else 0
+        self.max_items = self.parts + key.batch if balanced else 0
+        self.max_pages = problem.max_pages  # the table's width, which the schedule's valid lengths are judged by
+        splits = 1 if balanced else plan.num_splits
         nvidia, interpreted = target.vendor == "nvidia", target.vendor == "interpreter"
         splits_p2 = triton.next_power_of_2(splits)
-        block_dv = min(V_HEAD_DIM, max(16, 8192 // splits_p2))  # a (splits, block_dv) fp32 tile: 64 registers/thread
+        # fixed: a (splits, block_dv) fp32 tile, 64 registers/thread
+        block_dv = BALANCED_BLOCK_DV if balanced else min(V_HEAD_DIM, max(16, 8192 // splits_p2))
         query_rows = key.q_len * key.num_heads  # a sequence's, folded token-major as q lays them out
-        self.parts_shape = (key.batch * splits if splits > 1 else 0, query_rows)
-        self._workspaces: dict[tuple[int, int], tuple] = {}
+        self.parts_shape = (self.max_items if balanced else key.batch * splits if splits > 1 else 0, query_rows)
+        self.schedule_shape = (self.max_items * ITEM_FIELDS + key.batch,) if balanced else (0,)
+        self._workspaces: dict[tuple[int, int], TritonWorkspace] = {}
         self._lock = threading.Lock()
         # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none otherwise
         fp8_max = (float(torch.finfo(key.kv_dtype).max) if key.kv_format == "fp8" else
                    float(torch.finfo(torch.float8_e4m3fn).max) if plan.scaled_scores or plan.hopper else 0.0)
         dot_dtype = tl.float32 if interpreted else tl.bfloat16 if key.kv_format == "bf16" else tl.float16
+        merged = balanced or splits > 1  # a combine follows the split kernel
         if plan.hopper:
             split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
                                 NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1,
-                                PRECISE=key.precise, MXFP4=key.kv_format == "mxfp4")
+                                PRECISE=key.precise, MXFP4=key.kv_format == "mxfp4", BALANCED=balanced)
         else:
             split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
                                 KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,
-                                USE_ASM=nvidia, ROUND_FP8=interpreted, USE_PDL=nvidia and splits > 1,
+                                USE_ASM=nvidia, ROUND_FP8=interpreted, USE_PDL=nvidia and merged,
                                 SCALED_SCORES=plan.scaled_scores, WRITE_LSE=key.write_lse,
                                 CHUNKED_PAGES=plan.chunked_pages, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
                                 CAUSAL=key.causal and key.q_len > 1, V_CAST_FIRST=plan.v_cast_first,
-                                BLOCK_H=plan.block_h)
+                                BLOCK_H=plan.block_h, BALANCED=balanced)
         self.split_kernel = hopper_split_kernel if plan.hopper else mla_split_kernel
         combine_consts = dict(NUM_SPLITS=splits, SPLITS_P2=splits_p2, BLOCK_DV=block_dv, PAGE_SIZE=key.page_size,
-                              USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len)
-        self.split_grid = (splits, query_groups(key.q_len, key.num_heads, plan.block_h), key.batch)
-        self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1)
+                              USE_PDL=nvidia, WRITE_LSE=key.write_lse, NUM_HEADS=key.num_heads, Q_LEN=key.q_len,
+                              BALANCED=balanced)
+        # the schedule's tile is the split kernel's, so that a piece's bounds are whole tiles of its walk
+        schedule_consts = dict(PAGE_SIZE=key.page_size, BLOCK_N=plan.block_n,
+                               BLOCK_B=min(SCHEDULE_MAX_BLOCK, triton.next_power_of_2(max(key.batch, 16))))
+        self.split_grid = (self.max_items, groups, 1) if balanced else (splits, groups, key.batch)
+        self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1) if merged else None
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())
+        self.schedule_consts = tuple(schedule_consts.values())
         self.split_meta = dict(split_consts, **triton_launch_options(target, plan.num_warps, plan.num_stages))
         self.combine_meta = dict(combine_consts, **triton_launch_options(target, 4, pdl=nvidia))
-        self.split_run = self.combine_run = None
+        self.schedule_meta = dict(schedule_consts, **triton_launch_options(target, 4))
+        self.split_run = self.combine_run = self.schedule_run = None
 
-    def workspace(self) -> tuple:
-        """The calling thread's partials on its current stream, (part_o (parts, query rows, 512) fp32, part_lse
-        (parts, query rows) fp32, their addresses), made at its first run."""
+    def workspace(self) -> TritonWorkspace:
+        """The caller's partials and schedule (caller_key), made at its first run."""
         key = caller_key(self.key.device)
         found = self._workspaces.get(key)
         if found is None:
             parts, rows = self.parts_shape
-            part_o = torch.empty((parts, rows, V_HEAD_DIM), dtype=torch.float32, device=self.key.device)
-            part_lse = torch.empty((parts, rows), dtype=torch.float32, device=self.key.device)
+            device = self.key.device
+            part_o = torch.empty((parts, rows, V_HEAD_DIM), dtype=torch.float32, device=device)
+            part_lse = torch.empty((parts, rows), dtype=torch.float32, device=device)
+            schedule = torch.empty(self.schedule_shape, dtype=torch.int32, device=device)
             with self._lock:
-                found = self._workspaces.setdefault(key, (part_o, part_lse, part_o.data_ptr(), part_lse.data_ptr()))
+                found = self._workspaces.setdefault(key, TritonWorkspace(part_o, part_lse, schedule,
+                                                                         part_o.data_ptr(), part_lse.data_ptr()))
         return found
 
+    def _launch_schedule(self, seqs: torch.Tensor, schedule: torch.Tensor) -> None:
+        """mla_schedule_kernel, launched as the plan's other kernels are: the pieces of the lengths `seqs` into
+        `schedule`."""
+        items_at = self.max_items * ITEM_FIELDS
+        max_pages = self.max_pages if self.key.page_size else 0
+        if self.schedule_run is not None:
+            address = schedule.data_ptr()
+            self.schedule_run(seqs.data_ptr(), max_pages, address, address + 4 * items_at, self.key.batch, self.parts,
+                              self.max_items, *self.schedule_consts)
+            return
+        made = mla_schedule_kernel[(1, 1, 1)](seqs, max_pages, schedule, schedule[items_at:], self.key.batch,
+                                              self.parts, self.max_items, **self.schedule_meta)
+        if made is not None:  # compiled (not interpreted): its launcher, with its grid bound once
+            self.schedule_run = made[(1, 1, 1)]
+
+    def make_schedule(self, seqs: torch.Tensor) -> torch.Tensor:
+        """The balanced schedule of `seqs` (cache_seqlens (batch,) when paged, kv_indptr (batch + 1,) when ragged,
+        int32 on the plan's device), made on the GPU in the caller's order of work for run(schedule=) in every layer
+        of a step: (max_items * 4 + batch,) int32, the items (max_items, 4) {b, first tile, end tile, index << 16 |
+        count} of mla_decode.schedule.schedule_items (tiles of the plan's block_n rows), then each sequence's first
+        item (batch,). Reads no length on the host."""
+        if not self.balanced:
+            raise ValueError("triton backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
+        if seqs.data_ptr() % 16:  # as run() refuses them: the compiled kernel assumes aligned lengths
+            raise ValueError("triton backend: the sequence lengths or offsets must start on 16-byte boundaries")
+        schedule = torch.empty(self.schedule_shape, dtype=torch.int32, device=seqs.device)
+        self._launch_schedule(seqs, schedule)
+        return schedule
+
     def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
-            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+            table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
+            schedule: torch.Tensor | None = None) -> None:
         """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) in the key's format, scale as it has it (fp8
         (1,) fp32, mxfp4 (num_rows, >= 18) E8M0 with the key's row stride, bf16 None); seqs: cache_seqlens (batch,)
         (paged) or kv_indptr (batch + 1,) (ragged); table (batch, max_pages) or None; out (batch, q_len, num_heads,
-        512) bf16 and lse (batch, num_heads, q_len) fp32 (None when the key does not write it)."""
+        512) bf16 and lse (batch, num_heads, q_len) fp32 (None when the key does not write it); schedule:
+        make_schedule's for these seqs, or None (a balanced plan then makes its own in the call)."""
+        work = self.workspace()
+        if schedule is not None and (not self.balanced or schedule.shape != self.schedule_shape
+                                     or schedule.dtype != torch.int32):
+            raise ValueError(f"triton backend: schedule: expected this balanced plan's make_schedule, "
+                             f"{self.schedule_shape} int32; got {tuple(schedule.shape)} {schedule.dtype}"
+                             + ("" if self.balanced else " for a plan of fixed splits"))
+        made = self.balanced and schedule is None  # the call makes its own schedule
+        schedule = work.schedule if made else schedule if self.balanced else seqs  # fixed: an unused pointer
         scale = kv if scale is None else scale  # bf16: an unused pointer
         table = seqs if table is None else table  # ragged: an unused pointer
         kv_rows, scale_stride = kv.shape[0], self.key.scale_stride
         max_pages = table.shape[-1] if self.key.page_size else 0
         q_ptr, kv_ptr, scale_ptr, seq_ptr, table_ptr = (q.data_ptr(), kv.data_ptr(), scale.data_ptr(), seqs.data_ptr(),
                                                         table.data_ptr())
-        if (q_ptr | kv_ptr | seq_ptr | table_ptr) % 16:
+        items_ptr = schedule.data_ptr()
+        if (q_ptr | kv_ptr | seq_ptr | table_ptr | items_ptr) % 16:
             # A cache one byte off a boundary gives wrong FP8 scores in a kernel compiled for aligned ones (H200,
             # Triton 3.6), so none is compiled for such inputs.
-            raise ValueError(f"triton backend: q, the KV cache ({kv.dtype}), the sequence lengths or offsets and the "
-                             "page table must start on 16-byte boundaries")
+            raise ValueError(f"triton backend: q, the KV cache ({kv.dtype}), the sequence lengths or offsets, the "
+                             "page table and the schedule must start on 16-byte boundaries")
+        first_ptr = items_ptr + 4 * self.max_items * ITEM_FIELDS  # fixed: unused
         out_ptr, lse_ptr = out.data_ptr(), 0 if lse is None else lse.data_ptr()
         aligned = scale_ptr % 16 == 0 and lse_ptr % 16 == 0  # read or written element by element: any address
-        work_o, work_lse, part_o, part_lse = self.workspace()
+        if made:
+            self._launch_schedule(seqs, schedule)
         if self.split_run is not None and aligned:
             self.split_run(q_ptr, kv_ptr, scale_ptr, scale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
-                           lse_ptr, part_o, part_lse, self.qk_scale, *self.split_consts)
+                           lse_ptr, work.part_o_ptr, work.part_lse_ptr, items_ptr, self.qk_scale, *self.split_consts)
             if self.combine_run is not None:
-                self.combine_run(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o, part_lse,
-                                 *self.combine_consts)
+                self.combine_run(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, work.part_o_ptr, work.part_lse_ptr,
+                                 items_ptr, first_ptr, *self.combine_consts)
             return
         if self.key.kv_format == "mxfp4":  # the kernel reads the codes and the E8M0 scales as bytes
             kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
         lse = out if lse is None else lse  # not written: an unused pointer
+        first = schedule[self.max_items * ITEM_FIELDS:] if self.balanced else seqs
         split = self.split_kernel[self.split_grid](q, kv, scale, scale_stride, seqs, table, max_pages, kv_rows, out,
-                                                   lse, work_o, work_lse, self.qk_scale, **self.split_meta)
+                                                   lse, work.part_o, work.part_lse, schedule, self.qk_scale,
+                                                   **self.split_meta)
         combine = None
-        if self.key.plan.num_splits > 1:
-            combine = mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, work_o, work_lse,
-                                                             **self.combine_meta)
-        if aligned and split is not None and (combine is not None or self.key.plan.num_splits == 1):
+        if self.combine_grid is not None:
+            combine = mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, work.part_o,
+                                                             work.part_lse, schedule, first, **self.combine_meta)
+        if aligned and split is not None and (combine is not None or self.combine_grid is None):
             # the compiled kernels' launchers, with their grids bound once
             self.split_run = split[self.split_grid]
             self.combine_run = combine[self.combine_grid] if combine is not None else None
@@ -2392,7 +2761,7 @@ BACKEND_REGISTRY = (
     Backend("aiter", on_rocm, aiter_unusable_reason, aiter_auto_reason, AiterDecode, ("variant", "kv_seq_len")),
     Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode, ("unit_rows", "schedule")),
     Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
-            TritonDecode, ("target", "plan")),
+            TritonDecode, ("target", "plan", "schedule")),
     Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),
 )
 BACKENDS = tuple(backend.name for backend in BACKEND_REGISTRY)
@@ -2717,7 +3086,8 @@ def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype,
     table holds; the cuda kernels' first table reads are fastest for sequences of that length). precision: "fast"
     (FP8 score products where the backend has them) or "precise" (fp16 or wider). backend: "auto" or one of
     mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan). backend_options: passed to the backend's plan
-    (the triton backend's {"plan": TritonPlan}, the cuda backend's {"unit_rows": 16, 32 or 64})."""
+    (the triton backend's {"plan": TritonPlan}, the cuda backend's {"unit_rows": 16, 32 or 64}; both take
+    {"schedule": "balanced" (default) or "fixed"})."""
     problem = make_problem(batch_size, kv_dtype, device, layout="paged", page_size=page_size, max_pages=max_pages,
                            num_heads=num_heads, q_len=q_len, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
                            causal=causal, precision=precision, return_lse=return_lse, scale_dtype=kv_scale_dtype)
@@ -3037,7 +3407,7 @@ def _new_dispatch(q, kv, scale, kv_indptr, config, kv_format: str) -> _Dispatch:
     options = None
     if chosen == "aiter":  # the config's uniform-length promise, and the variant of AITER_VARIANTS or the override
         options = {"variant": aiter_variant(batch, kv_seq_len, _env("MLA_AITER_VARIANT")), "kv_seq_len": kv_seq_len}
-    elif chosen == "cuda" and kv_seq_len is not None and batch * kv_seq_len == kv.shape[0]:
+    elif chosen in ("cuda", "triton") and kv_seq_len is not None and batch * kv_seq_len == kv.shape[0]:
         options = {"schedule": "fixed"}  # every length is kv_seq_len (the longest): equal splits are balanced
     decode = DecodePlan(problem, chosen, backend_options=options)
     check = decode.backend == "torch" or _env("MLA_VALIDATE") == "1"

@@ -307,7 +307,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
           unit_rows: int | None = None, schedule: str | None = None):
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
     plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
-    (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda), the backend
+    (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda, triton), the backend
     option, "fixed" splits (the default) or "balanced"."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
@@ -324,8 +324,9 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
             options = {**(options or {}), "schedule": schedule}
         try:
             if block_h is not None:
-                options = {"plan": triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
-                                               shape.heads, block_h=block_h)._replace(hopper=False)}  # portable
+                portable = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
+                                       shape.heads, block_h=block_h)._replace(hopper=False)
+                options = {**(options or {}), "plan": portable}
             decode = mla_decode.plan(shape.batch, shape.page, case.block_table.shape[1], kv.dtype, ctx.device,
                                      num_heads=shape.heads, q_len=shape.q_len, causal=shape.causal, backend=backend,
                                      precision=precision, max_seqlen=max(case.lens),
@@ -438,6 +439,8 @@ METHODS = (
     Method("triton-fp8-precise", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, precise",
            _ours("triton", "fp8", "precise")),
     Method("triton-mxfp4", "ours", "mxfp4", "mla_decode plan, backend triton, MXFP4 cache", _ours("triton", "mxfp4")),
+    Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "
+           "schedule (backend option schedule)", _ours("triton", "fp8", schedule="balanced")),
     Method("triton-fp8-rows16", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the portable kernel with "
            "16 query rows a program (block_h), 4 warps", _ours("triton", "fp8", block_h=16)),
     Method("triton-fp8-rows32", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the portable kernel with "

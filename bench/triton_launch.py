@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     data = R.generate_input(4, 1, 1024, seed=4220)
     q, kv_data, qo, kvp, config = data
     kv, scale = kv_data["fp8"]
-    decode, checked_run = ragged_call(data, "fp8")
+    decode, checked_run = ragged_call(data, "fp8", schedule="fixed")  # the leaderboard's uniform batch: fixed splits
     launch = decode.impl  # the plan's TritonDecode
     q4, out = q.view(4, 1, 16, -1), q.new_empty((4, 1, 16, 512))
     part_o, part_lse = launch.workspace()[:2]
-    tensors = (q4, kv, scale, 0, kvp, kvp, 0, kv.shape[0], out, out, part_o, part_lse, launch.qk_scale)
+    tensors = (q4, kv, scale, 0, kvp, kvp, 0, kv.shape[0], out, out, part_o, part_lse, kvp, launch.qk_scale)
     addresses = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors)
     grid = launch.split_grid
     compiled = K.mla_split_kernel[grid](*tensors, **launch.split_meta)

@@ -5,9 +5,10 @@
     MLA_TUNE_MODULE=path/to/variant.py ... times a variant of submission.py (its plan_ragged) instead
 
 For every leaderboard shape (batch x kv), KV format, launch config (block_n:num_warps:num_stages) and split
-count: checks the output against fp32 attention over what the kernel reads (testkit.attention; rel-L2, no
-NaN) and times the library's ragged plan's run the leaderboard's way (utils.Timer.leaderboard: L2 flushed before
-each call, CUDA events around the one call; median). Then, for the default plan (triton_plan): check_implementation
+count (fixed splits: the adapter's plan for the leaderboard's uniform batches): checks the output against fp32
+attention over what the kernel reads (testkit.attention; rel-L2, no NaN) and times the library's ragged plan's run
+the leaderboard's way (utils.Timer.leaderboard: L2 flushed before each call, CUDA events around the one call;
+median). Then, for the default plan (triton_plan): check_implementation
 against the BF16
 truth, the flushed time, the back-to-back time without a flush (utils.Timer.back_to_back: wall time of a loop of
 calls and one synchronize, per call) and the host time of one call (utils.Timer.host: median CPU time to return).
@@ -55,7 +56,7 @@ def _compile_worker(jobs: list) -> int:
     data = R.generate_varlen_input([16, 16], seed=0)
     for fmt, plan in jobs:
         try:
-            ragged_call(data, fmt, plan=plan, library=S)[1]()
+            ragged_call(data, fmt, plan=plan, library=S, schedule="fixed")[1]()
         except Exception:  # reported by the main process when it runs the variant
             pass
     torch.cuda.synchronize()
@@ -112,7 +113,7 @@ def main() -> None:
                         continue
                     plan = (splits, block_n, warps, stages)
 
-                    fn = ragged_call(data, fmt, plan=plan, library=S)[1]
+                    fn = ragged_call(data, fmt, plan=plan, library=S, schedule="fixed")[1]
                     t0 = time.perf_counter()
                     try:
                         out = fn()
@@ -138,7 +139,7 @@ def main() -> None:
             # the default plan: strict gate vs the BF16 truth, flushed, back-to-back and host time
             os.environ["MLA_KV_FORMAT"] = fmt
 
-            decode, fn_default = ragged_call(data, fmt, library=S)
+            decode, fn_default = ragged_call(data, fmt, library=S, schedule="fixed")
             out = fn_default()
             ok, msg = R.check_implementation(data, out)
             plan = decode.impl.key.plan

@@ -9,9 +9,11 @@ values the first 512. A cache row is stored in one of three formats:
   "bf16":  576 bfloat16 values, no scale
 """
 
+import functools
 import logging
 import math
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -138,15 +140,21 @@ def remember(cache: dict, key: object, value: object, limit: int) -> object:
     return value
 
 
-_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+@functools.cache
+def _queue_handle() -> Callable[[torch.device], int] | None:
+    """mla_decode.device_queue.current_handle where the package is installed; None in the leaderboard file alone
+    (its module is kept out of it: see there)."""
+    try:
+        from mla_decode.device_queue import current_handle
+    except ImportError:
+        return None
+    return current_handle
 
 
 def caller_key(device: torch.device) -> tuple[int, int]:
-    """(this thread, its current stream's handle on `device`; 0 off the GPU): a plan keeps a workspace per key, so
-    that callers on two streams or two threads never share partials. The raw handle is the private call Triton and
-    Inductor make (torch.cuda.current_stream builds a Stream object each call)."""
-    if device.type != "cuda":
+    """(this thread, the handle of its current queue of work on `device`; 0 off the GPU, or in the leaderboard file
+    alone): a plan keeps a workspace per key, so that callers on two queues or two threads never share partials."""
+    handle = _queue_handle()
+    if device.type != "cuda" or handle is None:
         return threading.get_ident(), 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _GET_RAW_STREAM(index) if _GET_RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
-    return threading.get_ident(), stream
+    return threading.get_ident(), handle(device)

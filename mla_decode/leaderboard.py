@@ -280,7 +280,7 @@ def _new_dispatch(q, kv, scale, kv_indptr, config, kv_format: str) -> _Dispatch:
     options = None
     if chosen == "aiter":  # the config's uniform-length promise, and the variant of AITER_VARIANTS or the override
         options = {"variant": aiter_variant(batch, kv_seq_len, _env("MLA_AITER_VARIANT")), "kv_seq_len": kv_seq_len}
-    elif chosen == "cuda" and kv_seq_len is not None and batch * kv_seq_len == kv.shape[0]:
+    elif chosen in ("cuda", "triton") and kv_seq_len is not None and batch * kv_seq_len == kv.shape[0]:
         options = {"schedule": "fixed"}  # every length is kv_seq_len (the longest): equal splits are balanced
     decode = DecodePlan(problem, chosen, backend_options=options)
     check = decode.backend == "torch" or _env("MLA_VALIDATE") == "1"

@@ -4,14 +4,16 @@ design; this module is its reference: pure functions of the lengths, on any devi
 reproduce exactly.
 
 The cost line. Sequence b occupies the segment [start[b], start[b + 1]) of one line of integer cost units:
-SEQUENCE_COST units for its fixed work (its Q, its output), then one unit per KV tile of TILE_ROWS rows it reads.
+SEQUENCE_COST units for its fixed work (its Q, its output), then one unit per KV tile it reads (TILE_ROWS rows, or
+the kernel's own tile: the triton plans' block_n, so that a piece's bounds are whole tiles of its walk).
 Part p takes the units [p * share, (p + 1) * share), share = ceil(total / parts). So:
   - a sequence lies in parts first_part(b) .. last_part(b), the parts its segment meets; each is one piece of it,
     and a piece may hold no tile (the part met only the fixed units): it weighs 0 in the merge;
   - a part is whole sequences in its middle and at most a tail piece of its first sequence and a head piece of its
     last one, so a batch has at most parts + batch - 1 pieces (each share boundary adds one): a partial slot each;
   - the whole cut follows from the prefix sums of the costs: one scan of the lengths, which the cuda backend's
-    schedule kernel (csrc/schedule.cuh) makes on the GPU, listing the pieces as schedule_items does here.
+    schedule kernel (csrc/schedule.cuh) and the triton backend's (triton/kernels.py) make on the GPU, listing the
+    pieces as schedule_items does here.
 A length outside [0, capacity] is invalid: it costs its fixed units alone (no tile), and the kernel that reads it
 makes its rows NaN.
 """
@@ -22,6 +24,9 @@ import torch
 
 TILE_ROWS = 64  # KV rows a unit of work reads: the kernels' tile (the cuda kernels' BLOCK_N)
 SEQUENCE_COST = 1  # a sequence's fixed cost in tiles (Q staged, the output written): also keeps length 0 on the line
+# How a plan cuts the work (the cuda and triton backends' option): "balanced", this module's schedule, or "fixed",
+# the same number of equal splits for every sequence, sized by the plan's longest
+SCHEDULES = ("fixed", "balanced")
 
 
 class Schedule(NamedTuple):
@@ -31,7 +36,7 @@ class Schedule(NamedTuple):
     parts: int
     share: int  # cost units a part takes (the last part may take fewer)
     start: torch.Tensor  # (batch + 1,): sequence b's segment starts at start[b]; start[batch] is the total
-    tiles: torch.Tensor  # (batch,): the KV tiles of each sequence (its clamped length / TILE_ROWS, rounded up)
+    tiles: torch.Tensor  # (batch,): the KV tiles of each sequence (its clamped length / the tile rows, rounded up)
 
     def first_part(self, b: torch.Tensor | int) -> torch.Tensor:
         """The part holding sequence b's first unit."""
@@ -56,19 +61,19 @@ class Schedule(NamedTuple):
         return max(lo, 0), max(hi, max(lo, 0))
 
 
-def sequence_tiles(lengths: torch.Tensor, capacity: int) -> torch.Tensor:
-    """KV tiles of each sequence: its length in TILE_ROWS rows, rounded up; 0 for a length outside [0, capacity]."""
+def sequence_tiles(lengths: torch.Tensor, capacity: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """KV tiles of each sequence: its length in tile_rows rows, rounded up; 0 for a length outside [0, capacity]."""
     valid = (lengths >= 0) & (lengths <= capacity)
-    return torch.where(valid, lengths, 0).add(TILE_ROWS - 1).div(TILE_ROWS, rounding_mode="floor")
+    return torch.where(valid, lengths, 0).add(tile_rows - 1).div(tile_rows, rounding_mode="floor")
 
 
-def make_schedule(lengths: torch.Tensor, parts: int, capacity: int) -> Schedule:
-    """The schedule of a batch of `lengths` (batch,) int32 cut into `parts` shares; capacity: the most rows a
-    sequence can hold (the page table's rows, or the ragged plan's longest). Reads no length on the host but the
-    total, which only the CPU reference needs (a GPU twin keeps it on the device)."""
+def make_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS) -> Schedule:
+    """The schedule of a batch of `lengths` (batch,) int32 cut into `parts` shares of tiles of `tile_rows` rows;
+    capacity: the most rows a sequence can hold (the page table's rows, or the ragged plan's longest). Reads no length
+    on the host but the total, which only the CPU reference needs (a GPU twin keeps it on the device)."""
     if parts < 1:
         raise ValueError(f"parts: expected >= 1, got {parts}")
-    tiles = sequence_tiles(lengths.long(), capacity)
+    tiles = sequence_tiles(lengths.long(), capacity, tile_rows)
     start = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(tiles + SEQUENCE_COST, 0, out=start[1:])
     total = int(start[-1])

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from mla_decode.schedule import make_schedule
 from reference import NUM_HEADS, V_HEAD_DIM, dequantize_mxfp4
 from task import input_t
 
@@ -37,11 +38,27 @@ class Tiling(NamedTuple):
     """How a split kernel walks a sequence of n rows, for kernel_emulation's "+Q+P" (both cuda kernels' split_range):
     num_splits splits of per_split = ceil(ceil(n / num_splits) / block_n) * block_n rows, from the sequence's start;
     each split's running maximum moves per block_n-row tile, and its normalized partial output is rounded to
-    partial_dtype before the log-sum-exp merge (with more than one split)."""
+    partial_dtype before the log-sum-exp merge (with more than one split). pieces: the balanced schedule's walk in
+    their place (schedule_pieces), per sequence its pieces' tile ranges ((first, end), ...), each walked as a split
+    is and merged as splits are (a sequence of one piece is written directly); of_sequence(b) gives sequence b's walk,
+    as e4m3_p_attention takes it."""
 
     num_splits: int = 1
     block_n: int = 64
     partial_dtype: torch.dtype = torch.bfloat16
+    pieces: tuple | None = None
+
+    def of_sequence(self, b: int) -> "Tiling":
+        """Sequence b's walk: its own pieces where the tiling is a schedule's (pieces then holds b's ranges)."""
+        return self if self.pieces is None else self._replace(pieces=self.pieces[b])
+
+
+def schedule_pieces(lengths: list[int], parts: int, tile_rows: int = 64) -> tuple:
+    """The balanced schedule's pieces of a batch of valid `lengths` cut into `parts` shares (mla_decode.schedule),
+    per sequence ((first tile, end tile), ...), for Tiling.pieces."""
+    s = make_schedule(torch.tensor(lengths), parts, max(lengths, default=0), tile_rows)
+    return tuple(tuple(s.piece_tiles(p, b) for p in range(int(s.first_part(b)), int(s.last_part(b)) + 1))
+                 for b in range(len(lengths)))
 
 
 P_LOG2_BIAS = 8  # the wgmma kernel stores P as 2^8 p (p <= 1): e4m3 keeps its normal range for small p
@@ -54,35 +71,39 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _walk(n: int, tiling: Tiling) -> list[tuple[int, int]]:
+    """The row ranges [lo, hi) of a sequence of n rows that a kernel walks apart: the tiling's splits that hold rows,
+    or its pieces (one of no row: an empty range)."""
+    tile = tiling.block_n
+    if tiling.pieces is not None:
+        return [(lo * tile, max(lo * tile, min(hi * tile, n))) for lo, hi in tiling.pieces]
+    per_split = _ceil_div(_ceil_div(n, tiling.num_splits), tile) * tile
+    return [(lo, min(lo + per_split, n)) for lo in range(0, n, per_split)]
+
+
 def e4m3_p_attention(logits: torch.Tensor, values: torch.Tensor, tiling: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows' attention over one sequence with P rounded as the wgmma kernels round it: logits (rows, n) float64
     in log2 units, -inf where a row does not see a position (causal), values (n, 512) float64 -> (out (rows, 512),
-    log2-sum-exp (rows,)) float64. A row that has seen nothing yet keeps p = 0 (the kernels' guard), one that sees
-    nothing gets zeros and -inf."""
-    rows, n = logits.shape
+    log2-sum-exp (rows,)) float64; tiling: the sequence's walk (Tiling.of_sequence). A row that has seen nothing yet
+    keeps p = 0 (the kernels' guard), one that sees nothing gets zeros and -inf."""
+    rows = logits.shape[0]
     tile = tiling.block_n
-    per_split = _ceil_div(_ceil_div(n, tiling.num_splits), tile) * tile
-    tiles_per_split = per_split // tile
-    splits = _ceil_div(_ceil_div(n, tile), tiles_per_split)  # those with rows
-    padded = torch.full((rows, splits * per_split), -math.inf, dtype=logits.dtype, device=logits.device)
-    padded[:, :n] = logits
-    tile_max = padded.view(rows, splits, tiles_per_split, tile).amax(dim=-1)
-    running = tile_max.cummax(dim=-1).values  # (rows, splits, tiles_per_split): the maximum after each tile
-    base = torch.where(running == -math.inf, 0.0, running)  # what P is taken against
-    split_base = base[..., -1:]
-    row_base = base.repeat_interleave(tile, dim=-1).view(rows, -1)[:, :n]
-    row_split_base = split_base.expand(-1, -1, per_split).reshape(rows, -1)[:, :n]
-    stored = _round_e4m3(torch.exp2(logits - row_base + P_LOG2_BIAS))
-    weights = stored * torch.exp2(row_base - row_split_base)  # the rescales of later tiles
-    unrounded = torch.exp2(logits - row_split_base + P_LOG2_BIAS)
     partials, lses = [], []
-    for split in range(splits):
-        cols = slice(split * per_split, min((split + 1) * per_split, n))
-        row_sum = unrounded[:, cols].sum(dim=-1, keepdim=True)
+    for lo, hi in _walk(logits.shape[1], tiling):
+        tiles = _ceil_div(hi - lo, tile)
+        padded = torch.full((rows, tiles * tile), -math.inf, dtype=logits.dtype, device=logits.device)
+        padded[:, :hi - lo] = logits[:, lo:hi]
+        running = padded.view(rows, tiles, tile).amax(dim=-1).cummax(dim=-1).values  # the maximum after each tile
+        base = torch.where(running == -math.inf, 0.0, running)  # what P is taken against
+        split_base = base[:, -1:] if tiles else torch.zeros((rows, 1), dtype=logits.dtype, device=logits.device)
+        row_base = base.repeat_interleave(tile, dim=-1)[:, :hi - lo]
+        stored = _round_e4m3(torch.exp2(logits[:, lo:hi] - row_base + P_LOG2_BIAS))
+        weights = stored * torch.exp2(row_base - split_base)  # the rescales of later tiles
+        row_sum = torch.exp2(logits[:, lo:hi] - split_base + P_LOG2_BIAS).sum(dim=-1, keepdim=True)
         seen = row_sum > 0
-        partials.append(torch.where(seen, weights[:, cols] @ values[cols] / row_sum.clamp(min=1e-300), 0.0))
-        lses.append(torch.where(seen, split_base[:, split] + torch.log2(row_sum) - P_LOG2_BIAS, -math.inf))
-    if tiling.num_splits == 1:
+        partials.append(torch.where(seen, weights @ values[lo:hi] / row_sum.clamp(min=1e-300), 0.0))
+        lses.append(torch.where(seen, split_base + torch.log2(row_sum) - P_LOG2_BIAS, -math.inf))
+    if (tiling.num_splits == 1 and tiling.pieces is None) or (tiling.pieces is not None and len(lses) == 1):
         return partials[0], lses[0][:, 0]
     lse = torch.stack(lses)  # (splits, rows, 1)
     top = lse.amax(dim=0)
@@ -118,7 +139,8 @@ def kernel_emulation(data: input_t, emulation: str, kv_format: str = "fp8",
             continue
         scores = qd[b] @ keys[lo:hi].T * config["sm_scale"]  # (16, n)
         if emulation == "+Q+P":
-            out[b] = e4m3_p_attention(scores * math.log2(math.e), keys[lo:hi, :V_HEAD_DIM], tiling or Tiling())[0]
+            walk = (tiling or Tiling()).of_sequence(b)
+            out[b] = e4m3_p_attention(scores * math.log2(math.e), keys[lo:hi, :V_HEAD_DIM], walk)[0]
         else:
             out[b] = torch.softmax(scores, dim=-1) @ keys[lo:hi, :V_HEAD_DIM]
     return out
@@ -136,7 +158,8 @@ EMULATION_OF = {("cuda", "fp8", "fast"): "+Q+P", ("cuda", "fp8", "precise"): "ca
 def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) -> tuple[str, Tiling | None]:
     """What that backend's kernel rounds on `data` (through custom_kernel): its EMULATIONS name and, where it rounds P
     (the cuda wgmma kernel; the triton backend's Hopper kernel, triton/hopper.py, where its plan takes it), its walk:
-    the splits of the plan the leaderboard adapter makes for `data`."""
+    the splits of the plan the leaderboard adapter makes for `data` (the triton backend's: fixed splits on the
+    config's uniform promise, else the balanced schedule's pieces)."""
     emulation = EMULATION_OF[(backend, kv_format, precision)]
     if emulation == "cache" and not (backend == "triton" and precision == "fast"):
         return emulation, None
@@ -147,11 +170,19 @@ def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) ->
     seq_len = kv_seq_len if kv_seq_len is not None else -(-kv_data[kv_format][0].shape[0] // q.shape[0])
     if backend == "triton":
         from mla_decode.triton import triton_plan, triton_target
+        from mla_decode.triton.plan import balanced_parts, query_groups
 
-        plan = triton_plan(q.shape[0], seq_len, triton_target(q.device), kv_format)
+        target = triton_target(q.device)
+        plan = triton_plan(q.shape[0], seq_len, target, kv_format)
         if not plan.hopper:
             return emulation, None
-        return "+Q+P", Tiling(plan.num_splits, plan.block_n, torch.float32)
+        if kv_seq_len is not None and q.shape[0] * kv_seq_len == kv_data[kv_format][0].shape[0]:
+            return "+Q+P", Tiling(plan.num_splits, plan.block_n, torch.float32)
+        bounds = data[3].tolist()
+        lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        parts = balanced_parts(target, query_groups(1, NUM_HEADS, plan.block_h))
+        return "+Q+P", Tiling(block_n=plan.block_n, partial_dtype=torch.float32,
+                              pieces=schedule_pieces(lengths, parts, plan.block_n))
     import mla_decode.cuda as C
 
     return emulation, Tiling(num_splits=C.launch_splits(C.LaunchKey(q.device, q.shape[0], seq_len, kv_format, False)))

@@ -131,7 +131,8 @@ def paged_reference(case: PagedCase, softmax_scale: float | None = None, q: torc
     """float64 attention over the exactly dequantized rows each sequence owns -> (out (batch, q_len, heads, 512),
     lse (batch, heads, q_len), natural log). q: the queries as the kernel under test rounds them (float, the case's
     shape; default the case's bf16 q, exactly). tiling: P rounded as a kernel with that walk rounds it
-    (testkit.emulation.e4m3_p_attention; the splits cut each sequence's own rows), else exact."""
+    (testkit.emulation.e4m3_p_attention; the splits, or a schedule's pieces, cut each sequence's own rows), else
+    exact."""
     scale = 1.0 / math.sqrt(QK_DIM) if softmax_scale is None else softmax_scale
     qd = (case.q if q is None else q).double().cpu()
     keys = case.keys.cpu()
@@ -148,7 +149,7 @@ def paged_reference(case: PagedCase, softmax_scale: float | None = None, q: torc
             if tiling is not None:  # the walk cuts the sequence's rows; the token's unseen ones are -inf
                 logits = torch.full((heads, n), -math.inf, dtype=torch.float64)
                 logits[:, :seen] = qd[b, t] @ k[:seen].T * (scale * math.log2(math.e))
-                out[b, t], lse2 = e4m3_p_attention(logits, k[:, :V_DIM], tiling)
+                out[b, t], lse2 = e4m3_p_attention(logits, k[:, :V_DIM], tiling.of_sequence(b))
                 lse[b, :, t] = lse2 * math.log(2.0)
                 continue
             scores = qd[b, t] @ k[:seen].T * scale  # (heads, seen)

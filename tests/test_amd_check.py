@@ -66,20 +66,28 @@ def test_the_launch_path_runs_for_amd_with_the_combine(tmp_path, target):
 
 
 def test_the_library_call_runs_for_amd_paged_with_the_lse(tmp_path):
-    """bf16 pages of 16 rows (smaller than a tile), with the LSE through the combine and through the split kernel
-    alone (one split)."""
+    """bf16 pages of 16 rows (smaller than a tile), with the LSE: with fixed splits through the combine and through
+    the split kernel alone (one split); with the library's default, the balanced schedule, through the schedule
+    kernel, the split kernel over its pieces and the combine over theirs."""
     rc, output, results = run_check(ROOT / "submission.py", "gfx950", tmp_path, mode="bf16", shape="",
                                     library="4x1024x16,512x256x16")
     assert rc == 0, output
     (result,) = results
-    for case, splits in (("library bf16 page 16 lse 4x1024", "many"), ("library bf16 page 16 lse 512x256", 1)):
+    for case, splits in (("library bf16 page 16 lse 4x1024 fixed", "many"),
+                         ("library bf16 page 16 lse 512x256 fixed", 1), ("library bf16 page 16 lse 4x1024", None),
+                         ("library bf16 page 16 lse 512x256", None)):
         (made,) = next(c for c in result["cases"] if c["case"] == case)["plans"]
         assert (made["layout"], made["page_size"], made["write_lse"], made["kv_format"]) == ("paged", 16, True, "bf16")
+        assert made["schedule"] == ("balanced" if splits is None else "fixed"), made
         by_name = kernels_of(result, case)
         split = by_name["mla_split_kernel"]
         assert split["constexprs"]["PAGE_SIZE"] == 16 and split["constexprs"]["WRITE_LSE"], split["constexprs"]
         assert split["mfma"] and all("bf16" in m for m in split["mfma"]), split["mfma"]
-        if splits == 1:
+        assert split["constexprs"]["BALANCED"] == (splits is None)
+        if splits is None:
+            assert set(by_name) == {"mla_schedule_kernel", "mla_split_kernel", "mla_combine_kernel"}, by_name
+            assert by_name["mla_combine_kernel"]["constexprs"]["BALANCED"], by_name["mla_combine_kernel"]
+        elif splits == 1:
             assert split["constexprs"]["NUM_SPLITS"] == 1 and set(by_name) == {"mla_split_kernel"}, by_name
         else:
             assert split["constexprs"]["NUM_SPLITS"] > 1 and by_name["mla_combine_kernel"]["constexprs"]["WRITE_LSE"]

@@ -529,13 +529,14 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
         S.leaderboard_backend(fake_nvidia_gpu, "mxfp4")
 
 
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("rows,kv_seq_len,options", [(1024, 256, {"schedule": "fixed"}), (1000, 256, None),
                                                       (1024, None, None)], ids=["uniform", "short", "no-promise"])
 def test_the_adapter_asks_for_fixed_splits_only_on_the_configs_uniform_promise(monkeypatch, rows, kv_seq_len,
-                                                                               options):
-    """custom_kernel's cuda plan cuts fixed splits where the config promises every length (kv_seq_len, the longest,
-    with batch x kv_seq_len rows in all: the schedule of equal splits is balanced, and needs no schedule kernel);
-    else the library's default, the balanced schedule."""
+                                                                               options, backend):
+    """custom_kernel's cuda or triton plan cuts fixed splits where the config promises every length (kv_seq_len,
+    the longest, with batch x kv_seq_len rows in all: the schedule of equal splits is balanced, and needs no schedule
+    kernel); else it takes the library's default, whatever that is."""
     import mla_decode.leaderboard as L
 
     seen = []
@@ -545,7 +546,7 @@ def test_the_adapter_asks_for_fixed_splits_only_on_the_configs_uniform_promise(m
             seen.append(backend_options)
             self.backend = backend
 
-    monkeypatch.setattr(L, "_choose", lambda problem, backend: "cuda")
+    monkeypatch.setattr(L, "_choose", lambda problem, chosen: backend)
     monkeypatch.setattr(L, "DecodePlan", Recorder)
     q, kv_data, _, kv_indptr, config = R.generate_input(4, 1, 256, seed=1)
     kv, scale = kv_data["fp8"]

@@ -69,16 +69,17 @@ def test_precise_mode_and_a_page_size_off_the_tile(backend):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("chunked_pages,v_cast_first", [(True, True), (False, False)])
-def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages, v_cast_first):
+def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages, v_cast_first, schedule):
     """Pages of 64 rows (whole tiles) as NVIDIA's plans take them (the chunked walk, FP8 V converted before its
     transpose) and as AMD's do (row by row: the chunked walk does not compile for gfx950 with Triton 3.6; V
-    transposed as bytes) give the truth, over 2 splits."""
+    transposed as bytes) give the truth, over 2 splits or the balanced schedule's pieces."""
     case = make_paged_case("fp8", 64, LENS, seed=21)
     problem = mla_decode.api.make_problem(len(LENS), case.kv_cache.dtype, "cpu", layout="paged", page_size=64,
                                           max_pages=case.block_table.shape[1])
     plan = (2, 64, 4, 3, False, chunked_pages, v_cast_first)
-    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
+    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan, "schedule": schedule})
     assert (decode.impl.key.plan.chunked_pages, decode.impl.key.plan.v_cast_first) == (chunked_pages, v_cast_first)
     check(case, *decode.run(*case.args()), "triton")
 
@@ -110,7 +111,7 @@ def test_triton_takes_more_query_rows_a_program(q_len, num_heads, block_h, split
                                           max_pages=case.block_table.shape[1], num_heads=num_heads, q_len=q_len,
                                           causal=case.causal)
     plan = (splits, 64, 4, 3, False, True, True, block_h)
-    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan})
+    decode = mla_decode.DecodePlan(problem, "triton", backend_options={"plan": plan, "schedule": "fixed"})
     assert decode.impl.split_grid == (splits, -(-q_len * num_heads // block_h), 4)
     check(case, *decode.run(*case.args()), "triton")
 
@@ -148,7 +149,7 @@ def test_backend_options_another_backend_does_not_take_are_refused(backend):
     """backend_options are one backend's (the triton backend's plan): a backend that takes none, or not these, says so
     rather than dropping them."""
     problem = mla_decode.api.make_problem(2, torch.float8_e4m3fn, "cpu", layout="paged", page_size=16, max_pages=4)
-    takes = "\\['target', 'plan'\\]" if backend == "triton" else "none"
+    takes = "\\['target', 'plan', 'schedule'\\]" if backend == "triton" else "none"
     with pytest.raises(ValueError, match=f"backend_options: the {backend} backend takes {takes}, not \\['variant'\\]"):
         mla_decode.DecodePlan(problem, backend, backend_options={"variant": "persistent"})
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mla_decode
-from testkit.emulation import E4M3_P_RANDOM_BOUND, Tiling, round_q_per_head
+from testkit.emulation import E4M3_P_RANDOM_BOUND, Tiling, round_q_per_head, schedule_pieces
 from testkit.paged import (
     BAD_CONTENTS,
     LSE_BOUND,
@@ -175,16 +175,19 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
 
 @pytest.mark.gpu
 @needs_nvidia
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("kv_format,precision", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast")])
 @pytest.mark.parametrize("page_size", [1, 64, 128])  # 128: a tile in either half of a page (one table entry a tile)
 @pytest.mark.parametrize("q_len,num_heads", SERVING_SHAPES)
-def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, page_size, kv_format, precision):
+def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, page_size, kv_format, precision,
+                                                           schedule):
     """Where the triton plan takes the Hopper kernel (on sm_90 with the Triton it is written for, it must): MTP,
     8-128 heads and pages held to the float64 truth. Fast (FP8, or MXFP4 expanded to E5M2; P = 2^8 p in e4m3): with
-    Q and P rounded as its walk rounds them (paged_reference with the plan's splits), within the bound the "+Q+P"
-    emulation holds the leaderboard shapes to (times sqrt(16 / heads) below 16 heads), LSE within the cuda fast
-    kernel's bound for the format. Precise (fp16 products, nothing rounded beyond the cache): the exact computation
-    within the precise bounds. The tokens not causal, or a 2% softmax scale error, fail it."""
+    Q and P rounded as its walk rounds them (paged_reference with the plan's splits, or the balanced schedule's
+    pieces), within the bound the "+Q+P" emulation holds the leaderboard shapes to (times sqrt(16 / heads) below 16
+    heads), LSE within the cuda fast kernel's bound for the format. Precise (fp16 products, nothing rounded beyond
+    the cache): the exact computation within the precise bounds. The tokens not causal, or a 2% softmax scale error,
+    fail it."""
     case = make_paged_case(kv_format, page_size, SERVING_LENS, seed=q_len * num_heads + page_size, q_len=q_len,
                            num_heads=num_heads, device="cuda")
     target = mla_decode.triton.triton_target(torch.device("cuda"))
@@ -200,12 +203,17 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
                                num_heads=num_heads, q_len=q_len, causal=bug.get("causal", case.causal),
                                softmax_scale=bug.get("softmax_scale"), kv_scale_dtype=case.kv_scale.dtype,
                                backend="triton", max_seqlen=max(SERVING_LENS), precision=precision,
-                               backend_options={"plan": plan}).run(*case.args())
+                               backend_options={"plan": plan, "schedule": schedule}).run(*case.args())
 
     out, lse = decode()
     if precision == "fast":
-        ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "triton", "fast"),
-                                           tiling=Tiling(plan.num_splits, plan.block_n, torch.float32))
+        if schedule == "fixed":
+            tiling = Tiling(plan.num_splits, plan.block_n, torch.float32)
+        else:  # the schedule kernel's pieces, as the CPU reference cuts them for this GPU's parts
+            groups = mla_decode.triton.plan.query_groups(q_len, num_heads, plan.block_h)
+            pieces = schedule_pieces(SERVING_LENS, mla_decode.triton.plan.balanced_parts(target, groups), plan.block_n)
+            tiling = Tiling(block_n=plan.block_n, partial_dtype=torch.float32, pieces=pieces)
+        ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "triton", "fast"), tiling=tiling)
         # a P rounding the FP8 scores flip weighs on a token of fewer heads more: its relative L2 goes as 1/sqrt(heads)
         out_bound = E4M3_P_RANDOM_BOUND * max(1.0, math.sqrt(16 / num_heads))
         lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")][1]

@@ -1,6 +1,8 @@
 """submission.py: input validation, backend selection, and the torch backend against the BF16 reference."""
 
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -399,6 +401,22 @@ def test_the_leaderboard_file_never_says_stream():
     """The leaderboard's server refuses an upload containing that word in any case (code for it lives in the
     mla_decode_cuda package)."""
     assert "stream" not in Path(S.__file__).read_text().lower()
+
+
+def test_the_leaderboard_file_alone_keys_workspaces_by_thread(monkeypatch):
+    """Where the mla_decode package is not installed (the leaderboard file alone), a plan's workspaces are keyed by
+    thread alone: the per-queue handle lives in mla_decode.device_queue, kept out of the file; with the package,
+    caller_key takes it from there."""
+    import mla_decode.device_queue
+
+    assert S._queue_handle() is mla_decode.device_queue.current_handle
+    monkeypatch.setitem(sys.modules, "mla_decode.device_queue", None)  # its import then raises ImportError
+    S._queue_handle.cache_clear()
+    try:
+        assert S._queue_handle() is None
+        assert S.caller_key(torch.device("cuda", 0)) == (threading.get_ident(), 0)
+    finally:
+        S._queue_handle.cache_clear()
 
 
 @pytest.mark.gpu

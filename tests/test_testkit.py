@@ -7,7 +7,15 @@ import pytest
 import torch
 
 import reference as R
-from testkit.emulation import P_LOG2_BIAS, Tiling, _round_e4m3, e4m3_p_attention, kernel_emulation, round_q_per_head
+from testkit.emulation import (
+    P_LOG2_BIAS,
+    Tiling,
+    _round_e4m3,
+    e4m3_p_attention,
+    kernel_emulation,
+    round_q_per_head,
+    schedule_pieces,
+)
 from testkit.inputs import GRID_Q_TERMS, GRID_REL_L2_BOUND, generate_grid_input
 
 
@@ -40,8 +48,9 @@ def test_grid_input_makes_the_fast_kernels_roundings_exact(kv_lens):
 
 def walk_like_the_wgmma_kernel(data, tiling: Tiling) -> torch.Tensor:
     """The wgmma kernel's algorithm as a plain loop (mla_decode/cuda/csrc/wgmma.cuh, float64): per split of whole
-    64-row tiles, the running maximum per tile, P = 2^(logit - (max - 8)) rounded to e4m3, the rescales, the row sums
-    of the unrounded P, and with several splits bf16 partials merged by their log2-sum-exp."""
+    64-row tiles (or per piece of the tiling's schedule), the running maximum per tile, P = 2^(logit - (max - 8))
+    rounded to e4m3, the rescales, the row sums of the unrounded P, and with several splits (pieces) bf16 partials
+    merged by their log2-sum-exp (a piece of no row weighs 0)."""
     q, kv_data, _, kv_indptr, config = data
     kv, scale = kv_data["fp8"]
     keys = kv[:, 0].double() * scale.double()
@@ -54,13 +63,20 @@ def walk_like_the_wgmma_kernel(data, tiling: Tiling) -> torch.Tensor:
         logits = qd[b] @ keys[bounds[b]:bounds[b + 1]].T * config["sm_scale"] * math.log2(math.e)
         values = keys[bounds[b]:bounds[b + 1], :512]
         per_split = math.ceil(math.ceil(n / tiling.num_splits) / tiling.block_n) * tiling.block_n
+        if tiling.pieces is None:
+            ranges = [(lo, min(lo + per_split, n)) for lo in range(0, n, max(per_split, 1))]
+        else:
+            ranges = [(lo * tiling.block_n, min(hi * tiling.block_n, n)) for lo, hi in tiling.pieces[b]]
         partials = []
-        for lo in range(0, n, max(per_split, 1)):
+        for lo, hi in ranges:
             m = torch.full((16, 1), -math.inf, dtype=torch.float64)
             row_sum = torch.zeros((16, 1), dtype=torch.float64)
             acc = torch.zeros((16, 512), dtype=torch.float64)
-            for t0 in range(lo, min(lo + per_split, n), tiling.block_n):
-                t1 = min(t0 + tiling.block_n, lo + per_split, n)
+            if hi <= lo:  # a piece of no row
+                partials.append((acc, m))
+                continue
+            for t0 in range(lo, hi, tiling.block_n):
+                t1 = min(t0 + tiling.block_n, hi)
                 new_max = torch.maximum(m, logits[:, t0:t1].amax(dim=-1, keepdim=True))
                 alpha, m = torch.exp2(m - new_max), new_max
                 p = torch.exp2(logits[:, t0:t1] - (new_max - P_LOG2_BIAS))
@@ -69,7 +85,7 @@ def walk_like_the_wgmma_kernel(data, tiling: Tiling) -> torch.Tensor:
             partials.append((acc / row_sum, m + torch.log2(row_sum) - P_LOG2_BIAS))
         if not partials:
             continue
-        if tiling.num_splits == 1:
+        if len(ranges) == 1 and (tiling.num_splits == 1 or tiling.pieces is not None):
             out[b] = partials[0][0]
             continue
         lse = torch.stack([lse for _, lse in partials])
@@ -79,12 +95,16 @@ def walk_like_the_wgmma_kernel(data, tiling: Tiling) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
-def test_the_e4m3_p_emulation_is_the_wgmma_kernels_walk(num_splits):
-    """kernel_emulation's "+Q+P" (vectorized) against the kernel's loop written out, on odd, empty, one-row and
-    one-tile-plus-one lengths; and it is not the "+Q" emulation (P's rounding shows)."""
-    data = R.generate_varlen_input([1000, 1, 0, 130, 64, 65, 300], seed=5, device=torch.device("cpu"))
-    tiling = Tiling(num_splits=num_splits)
+LENGTHS = [1000, 1, 0, 130, 64, 65, 300]
+
+
+@pytest.mark.parametrize("num_splits,parts", [(1, None), (2, None), (3, None), (8, None), (None, 5), (None, 40)])
+def test_the_e4m3_p_emulation_is_the_wgmma_kernels_walk(num_splits, parts):
+    """kernel_emulation's "+Q+P" against the kernel's loop written out, on odd, empty, one-row and one-tile-plus-one
+    lengths, over splits or a balanced schedule's pieces (pieces of many tiles, and of one or none); and it is not
+    the "+Q" emulation (P's rounding shows)."""
+    data = R.generate_varlen_input(LENGTHS, seed=5, device=torch.device("cpu"))
+    tiling = Tiling(num_splits=num_splits) if parts is None else Tiling(pieces=schedule_pieces(LENGTHS, parts))
     emulated = kernel_emulation(data, "+Q+P", "fp8", tiling)
     assert torch.allclose(emulated, walk_like_the_wgmma_kernel(data, tiling), rtol=1e-12, atol=1e-12)
     assert R.worst_row_relative_l2(emulated, kernel_emulation(data, "+Q")) > 5e-3

@@ -4,6 +4,7 @@ the library's ragged plan (the leaderboard's layout, with a chosen split plan) a
 tests/test_library.py has the paged layout, tests/test_triton_gpu.py the real compiler on a GPU.
 """
 
+import itertools
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import mla_decode
 import reference as R
+from mla_decode.schedule import make_schedule, schedule_items
 from testkit.attention import (
     TRITON_REL_L2,
     assert_matches,
@@ -18,15 +20,22 @@ from testkit.attention import (
     triton_reference,
 )
 from testkit.calls import ragged_decode
+from testkit.emulation import round_q_per_head
 from testkit.inputs import generate_shifted_input, shifted
+from testkit.paged import LSE_BOUND, OUT_BOUND, errors, make_paged_case, paged_reference, ragged_twin
 
 CPU = torch.device("cpu")
-CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages) or None for triton_plan)
-    "varlen_0_1_odd": ([5, 0, 1, 70, 33], (1, 64, 4, 3)),
-    "splits3_varlen": ([130, 0, 1, 67], (3, 64, 4, 3)),
-    "splits4_one_seq": ([200], (4, 64, 4, 3)),
-    "splits_more_than_tiles": ([9, 64], (8, 64, 4, 3)),
-    "default_plan": ([100, 37], None),
+CASES = {  # name: (KV lengths, plan (num_splits, block_n, num_warps, num_stages) or None for triton_plan, schedule
+    # or None for the default): the fixed splits a plan names, and the balanced schedule's pieces of tiles of the
+    # plan's block_n rows
+    "varlen_0_1_odd": ([5, 0, 1, 70, 33], (1, 64, 4, 3), "fixed"),
+    "splits3_varlen": ([130, 0, 1, 67], (3, 64, 4, 3), "fixed"),
+    "splits4_one_seq": ([200], (4, 64, 4, 3), "fixed"),
+    "splits_more_than_tiles": ([9, 64], (8, 64, 4, 3), "fixed"),
+    "default_plan": ([100, 37], None, None),
+    "balanced_varlen_0_1_odd": ([5, 0, 1, 70, 33], None, "balanced"),
+    "balanced_tiles_of_32": ([130, 0, 1, 67, 300], (1, 32, 4, 3), "balanced"),
+    "balanced_tiles_of_128": ([130, 0, 1, 67, 300], (1, 128, 4, 3), "balanced"),
 }
 NAN_OUTSIDE_LENGTHS = [5, 1, 0, 70, 3, 9]  # the last one past kv_indptr[-1] (testkit.attention.nan_outside)
 # Data where a softmax without its max subtraction overflows and a merge that weighs the splits wrongly shows:
@@ -64,9 +73,9 @@ def triton_backend(monkeypatch):
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_interpreted_matches_fp32_and_passes_the_gate(kv_format, case):
-    lens, plan = CASES[case]
+    lens, plan, schedule = CASES[case]
     data = R.generate_varlen_input(lens, seed=len(lens) * 7 + sum(lens), device=CPU)
-    out = ragged_decode(data, kv_format, "triton", plan=plan)
+    out = ragged_decode(data, kv_format, "triton", plan=plan, schedule=schedule)
     assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all(), "NaN/Inf in the output"
     assert all((out[b] == 0).all() for b, n in enumerate(lens) if n == 0), "empty sequence not zeros"
@@ -93,24 +102,27 @@ def test_interpreted_custom_kernel(triton_backend, monkeypatch, kv_format):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("keep", range(len(NAN_OUTSIDE_LENGTHS) - 1))
-def test_interpreted_reads_no_row_outside_a_sequence(kv_format, keep):
-    """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), two splits: its output stays
-    within the kernel bound of the fp32 computation on the clean cache."""
+def test_interpreted_reads_no_row_outside_a_sequence(kv_format, keep, schedule):
+    """Every cache row outside sequence `keep` is NaN (those past kv_indptr[-1] too), two splits or the balanced
+    schedule's pieces: its output stays within the kernel bound of the fp32 computation on the clean cache."""
     clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=keep, device=CPU)
     data, _ = nan_outside(clean, kv_format, keep, 1)
     exact = triton_reference(clean, kv_format)[keep]
-    out = ragged_decode(data, kv_format, "triton", plan=(2, 64, 4, 3))
+    out = ragged_decode(data, kv_format, "triton", plan=(2, 64, 4, 3), schedule=schedule)
     assert torch.isfinite(out[keep]).all(), "a row outside the sequence was read"
     assert R.worst_row_relative_l2(out[keep][None], exact[None]) < TRITON_REL_L2
 
 
 @needs_interpreter
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("case", sorted(SCALED_CASES) + ["shift100", "nan_outside"])
-def test_interpreted_scaled_mxfp4_scores(case):
-    """gfx950's MXFP4 kernel (tl.dot_scaled scores): within the kernel bound of fp32 with E4M3 Q, and the strict
-    gate; skipped where the interpreter lacks dot_scaled (Triton < 3.9)."""
+def test_interpreted_scaled_mxfp4_scores(case, schedule):
+    """gfx950's MXFP4 kernel (tl.dot_scaled scores), over 2 splits or the balanced schedule's pieces: within the
+    kernel bound of fp32 with E4M3 Q, and the strict gate; skipped where the interpreter lacks dot_scaled (Triton <
+    3.9)."""
     import triton
 
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
@@ -121,43 +133,46 @@ def test_interpreted_scaled_mxfp4_scores(case):
         clean = R.generate_varlen_input(NAN_OUTSIDE_LENGTHS, seed=2, device=CPU)
         data, _ = nan_outside(clean, "mxfp4", 3, 1)
         exact = triton_reference(clean, "mxfp4", scaled_scores=True)[3]
-        out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN)
+        out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN, schedule=schedule)
         assert torch.isfinite(out[3]).all(), "a row outside the sequence was read"
         assert R.worst_row_relative_l2(out[3][None], exact[None]) < TRITON_REL_L2
         return
     else:
         data = R.generate_varlen_input(SCALED_CASES[case], seed=4, device=CPU)
-    out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN)
+    out = ragged_decode(data, "mxfp4", "triton", plan=SCALED_PLAN, schedule=schedule)
     assert_matches(data, out, triton_reference(data, "mxfp4", scaled_scores=True), TRITON_REL_L2, kv_format="mxfp4")
 
 
 @needs_interpreter
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_interpreted_hostile_data(case, kv_format):
+def test_interpreted_hostile_data(case, kv_format, schedule):
     """Shifted logits, a sink, all-equal scores, lengths 0 and 1 beside 8191, through the default plan (splits on
-    the long sequences): the online softmax's max subtraction and the combine's weights are what keep these within
-    the kernel bound."""
+    the long sequences, or the balanced schedule's pieces): the online softmax's max subtraction and the combine's
+    weights are what keep these within the kernel bound."""
     lens, shift, sink = HOSTILE[case]
     if shift is None:
         data = R.generate_varlen_input(lens, seed=9, device=CPU)
         data[0][2].zero_()
     else:
         data = generate_shifted_input(lens, seed=9, shift=shift, sink=sink, device=CPU)
-    out = ragged_decode(data, kv_format, "triton")
+    out = ragged_decode(data, kv_format, "triton", schedule=schedule)
     assert torch.isfinite(out).all(), "NaN/Inf in the output"
     error = R.worst_row_relative_l2(out, triton_reference(data, kv_format))
     assert error < TRITON_REL_L2, f"worst sequence {error:.3e} against fp32 (bound {TRITON_REL_L2:g})"
 
 
 @needs_interpreter
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits,schedule", [(1, "fixed"), (2, "fixed"), (1, "balanced")])
 @pytest.mark.parametrize("case", sorted(INVALID))
-def test_interpreted_invalid_ranges_give_nan_rows(case, splits):
+def test_interpreted_invalid_ranges_give_nan_rows(case, splits, schedule):
+    """The balanced schedule judges a ragged range without the cache's rows (one past them costs its tiles, in
+    pieces the combine merges): the split kernel reads none of it, and the sequence comes out NaN as with splits."""
     indptr, bad = INVALID[case]
     q, kv_data, qo, _, config = R.generate_varlen_input([10, 20, 5, 7], seed=3, device=CPU)
     data = (q, kv_data, qo, torch.tensor(indptr, dtype=torch.int32), dict(config, kv_seq_len=None))
-    out = ragged_decode(data, "fp8", "triton", plan=(splits, 64, 4, 3))
+    out = ragged_decode(data, "fp8", "triton", plan=(splits, 64, 4, 3), schedule=schedule)
     for b in range(4):
         assert (torch.isnan(out[b]).all() if b in bad else torch.isfinite(out[b]).all()), b
 
@@ -173,6 +188,242 @@ def test_interpreted_q_quantization_is_reference_quantize_fp8():
         assert quant.blocks > 0
         for amax in AMAXES:
             assert_quantized_as_the_reference(scaled_q(batch, amax), quant, torch.float8_e4m3fn, exact=True)
+
+
+# --- the balanced schedule (issue 51) ---------------------------------------------------------------------------
+# Uneven batches: lengths 0, 1, odd and round beside longer ones; one long sequence among short ones; a heavy tail.
+SPREADS = {
+    "edges": [0, 1, 63, 64, 65, 127, 1001, 0, 500, 3],
+    "one-long": [3000] + [70] * 9,
+    "lognormal": [int(x) for x in torch.exp(torch.randn(12, generator=torch.Generator().manual_seed(5)) * 1.2 + 5.5)],
+}
+# The schedule kernel alone: the spreads, a batch past its block of sequences, one sequence cut into every part
+SCHEDULE_SPREADS = dict(SPREADS, wide=[int(x) for x in torch.exp(torch.randn(
+    1500, generator=torch.Generator().manual_seed(6)) * 1.5 + 5.0)], alone=[65536])
+SMALL_GRID = mla_decode.triton.common.INTERPRETER_TARGET._replace(num_sms=2)  # 4 parts: pieces of many tiles
+
+
+def interpreter_target(sms: int) -> mla_decode.triton.TritonTarget:
+    """The interpreter's target (an H200's plans) with `sms` SMs: 2 x sms parts."""
+    return mla_decode.triton.common.INTERPRETER_TARGET._replace(num_sms=sms)
+
+
+def reference_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int,
+                       max_items: int) -> torch.Tensor:
+    """What make_schedule returns, by the CPU reference: schedule_items' rows, flat, then each sequence's first item."""
+    s = make_schedule(lengths, parts, capacity, tile_rows)
+    b = torch.arange(lengths.shape[0])
+    counts = s.last_part(b) - s.first_part(b) + 1
+    first = torch.cumsum(counts, 0) - counts
+    return torch.cat([schedule_items(s, max_items).flatten(), first.int()])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sms,block_n", [(1, 64), (3, 64), (132, 64), (66, 32)])
+@pytest.mark.parametrize("layout", ["paged", "ragged"])
+@pytest.mark.parametrize("spread", sorted(SCHEDULE_SPREADS) + ["invalid"])
+def test_the_schedule_kernel_lists_the_reference_pieces(spread, layout, sms, block_n):
+    """make_schedule (mla_schedule_kernel, one program) lists exactly schedule_items' pieces of the CPU reference, in
+    tiles of the plan's block_n rows, and each sequence's first item, for 2 to 264 parts, batches within one block
+    of the kernel and past it (1500), one sequence cut into every part. Invalid lengths (negative, past the table;
+    ragged: a range that ends before it starts, or starts below 0) cost their fixed unit alone; a ragged range past
+    the cache is judged without it, as the cuda schedule judges it."""
+    if spread == "invalid":
+        lens, indptr = [-5, 0, 10**6, 64, 200], [-3, 10, 5, 300, 400, 401]
+    else:
+        lens = SCHEDULE_SPREADS[spread]
+        indptr = [0, *itertools.accumulate(lens)]
+    page = 16
+    max_pages = max(max(lens), 1) // page + 1 if spread != "invalid" else 40  # 640 rows: 10**6 is past them
+    problem = mla_decode.api.make_problem(len(lens), torch.float8_e4m3fn, "cpu", layout=layout, page_size=page,
+                                          max_pages=max_pages, max_seqlen=max(max(lens), 1))
+    decode = mla_decode.triton.TritonDecode(problem, interpreter_target(sms), (1, block_n, 4, 3))
+    assert decode.parts == 2 * sms and decode.max_items == decode.parts + len(lens)
+    if layout == "paged":
+        seqs, lengths, capacity = torch.tensor(lens, dtype=torch.int32), torch.tensor(lens), max_pages * page
+    else:
+        seqs = torch.tensor(indptr, dtype=torch.int32)
+        starts, ends = seqs[:-1].long(), seqs[1:].long()
+        lengths = torch.where((starts >= 0) & (ends >= starts), ends - starts, -1)  # invalid: no tile
+        capacity = 2 ** 40
+    made = decode.make_schedule(seqs)
+    want = reference_schedule(lengths, decode.parts, capacity, block_n, decode.max_items)
+    assert made.dtype == torch.int32 and torch.equal(made, want)
+
+
+def balanced_plan(case, target=None, **options) -> mla_decode.DecodePlan:
+    """The triton backend's paged plan for `case`, balanced unless options say otherwise; target: the interpreter's
+    (264 parts) or another's."""
+    batch, q_len, heads = case.q.shape[:3]
+    problem = mla_decode.api.make_problem(batch, case.kv_cache.dtype, "cpu", layout="paged", page_size=case.page_size,
+                                          max_pages=case.block_table.shape[1], num_heads=heads, q_len=q_len,
+                                          causal=case.causal, scale_dtype=None if case.kv_scale is None
+                                          else case.kv_scale.dtype)
+    options = {"schedule": "balanced", **options}
+    if target is not None:
+        options["target"] = target
+    return mla_decode.DecodePlan(problem, "triton", backend_options=options)
+
+
+def paged_truth(case, precision: str = "fast") -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 truth with Q as the portable kernel rounds it: e4m3 per head for the fast FP8 product."""
+    q = None
+    if case.kv_format == "fp8" and precision == "fast":
+        values, scale = round_q_per_head(case.q)
+        q = values.double() / scale.double()
+    return paged_reference(case, q=q)
+
+
+def assert_meets_truth(case, out, lse, truth=None) -> None:
+    """out and lse within the library's CPU bounds of the truth (paged_truth's, or `truth`)."""
+    out_error, lse_error = errors(out, lse, *(paged_truth(case) if truth is None else truth))
+    assert out_error < OUT_BOUND and lse_error < LSE_BOUND, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
+# (spread, KV format, page size, SMs of the target): 264 parts (pieces of a tile or none) and 4 or 6 (pieces of many
+# tiles; with pages of two tiles, pieces that start inside a page, whose chunked walk must keep each tile in one page)
+BALANCED_CASES = [("edges", "fp8", 16, 132), ("one-long", "fp8", 64, 132), ("lognormal", "fp8", 128, 2),
+                  ("edges", "fp8", 1, 3), ("one-long", "mxfp4", 128, 2), ("lognormal", "mxfp4", 16, 132),
+                  ("edges", "mxfp4", 64, 3), ("edges", "bf16", 64, 132), ("one-long", "bf16", 1, 3),
+                  ("lognormal", "bf16", 128, 2)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("spread,kv_format,page_size,sms", BALANCED_CASES)
+def test_balanced_decodes_meet_the_truth(spread, kv_format, page_size, sms):
+    """The balanced schedule's pieces over shuffled pages with every unowned slot poisoned (a piece that read past its
+    tiles or another's gives NaN or misses the truth): the float64 truth within the library's CPU bounds, and the
+    fixed splits' output within them."""
+    case = make_paged_case(kv_format, page_size, SPREADS[spread], seed=page_size + len(spread))
+    decode = balanced_plan(case, interpreter_target(sms))
+    assert decode.impl.balanced and decode.impl.parts == 2 * sms
+    out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16)  # poisoned
+    out, lse = decode.run(*case.args(), out=out)
+    assert_meets_truth(case, out, lse)
+    fixed_out, fixed_lse = balanced_plan(case, schedule="fixed").run(*case.args())
+    assert errors(out, lse, fixed_out.double(), fixed_lse.double())[0] < OUT_BOUND
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sms", [132, 2])
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+def test_balanced_ragged_decodes_meet_the_truth(kv_format, sms):
+    """The ragged layout (the leaderboard's) cut by the schedule kernel from kv_indptr: the paged case's truth."""
+    lens = SPREADS["edges"]
+    case = make_paged_case(kv_format, 16, lens, seed=sms)
+    kv, scale, indptr = ragged_twin(case)
+    decode = mla_decode.plan_ragged(len(lens), kv.dtype, "cpu", max(lens), backend="triton",
+                                    kv_scale_dtype=torch.uint8 if scale is None else scale.dtype,
+                                    backend_options={"target": interpreter_target(sms)})
+    assert decode.impl.balanced
+    assert_meets_truth(case, *decode.run_ragged(case.q, kv, indptr, scale))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("q_len,num_heads,block_h", [(2, 16, 16), (2, 32, 32), (3, 8, 16), (1, 128, 16),
+                                                     (4, 16, 64)])
+def test_balanced_serving_shapes(q_len, num_heads, block_h):
+    """MTP (causal: a token's limit inside a piece, tokens that see nothing), groups of query rows that split a
+    sequence's rows several ways (every group runs the same cut, parts = programs / groups) and the last group part
+    masked, programs of 16 to 64 query rows: the float64 truth."""
+    case = make_paged_case("fp8", 16, [0, 1, 3, 130, 300, 64], seed=q_len * num_heads + block_h, q_len=q_len,
+                           num_heads=num_heads)
+    decode = balanced_plan(case, plan=(1, 64, 4, 3, False, True, True, block_h))
+    groups = -(-q_len * num_heads // block_h)
+    assert decode.impl.split_grid == (decode.impl.max_items, groups, 1)
+    assert decode.impl.parts == mla_decode.triton.plan.balanced_parts(mla_decode.triton.common.INTERPRETER_TARGET,
+                                                                       groups)
+    assert_meets_truth(case, *decode.run(*case.args()))
+
+
+@needs_interpreter
+def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
+    """DecodePlan.schedule's items (the schedule kernel, once a step) serve every layer's run bit for bit as the run
+    that makes its own; a schedule of other lengths, of another plan, or stale, is refused, and so are lengths off a
+    16-byte boundary; a plan of fixed splits makes none and takes none."""
+    case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=2)
+    decode = balanced_plan(case, SMALL_GRID)
+    step = decode.schedule(case.cache_seqlens)
+    assert step.items.shape == (decode.impl.max_items * 4 + case.q.shape[0],)
+    alone = decode.run(*case.args())
+    for _ in range(2):  # the layers of a step
+        assert all(torch.equal(a, b) for a, b in zip(decode.run(*case.args(), schedule=step), alone, strict=True))
+    with pytest.raises(ValueError, match="schedule: expected one made from the lengths tensor passed here"):
+        decode.run(*case.args()[:3], case.cache_seqlens.clone(), case.kv_scale, schedule=step)
+    other = balanced_plan(case).schedule(case.cache_seqlens)  # 264 parts: items of another length
+    with pytest.raises(ValueError, match="expected this balanced plan's make_schedule"):
+        decode.impl.run(case.q, case.kv_cache.view(-1, 576), case.kv_scale, case.cache_seqlens, case.block_table,
+                        alone[0].clone(), alone[1].clone(), schedule=other.items)
+    with pytest.raises(ValueError, match="must start on 16-byte boundaries"):  # as run refuses them
+        decode.schedule(shifted(case.cache_seqlens))
+    case.cache_seqlens[1] -= 1  # the next step's lengths, written in place
+    with pytest.raises(ValueError, match="stale"):
+        decode.run(*case.args(), schedule=step)
+    fixed = balanced_plan(case, schedule="fixed")
+    assert fixed.schedule(case.cache_seqlens).items is None
+    with pytest.raises(ValueError, match="takes no schedule"):
+        fixed.impl.make_schedule(case.cache_seqlens)
+
+
+def test_the_schedule_option_is_checked_and_names_itself():
+    problem = mla_decode.api.make_problem(2, torch.float8_e4m3fn, "cpu", layout="paged", page_size=16, max_pages=4)
+    with pytest.raises(ValueError, match="backend_options: schedule 'even': expected one of \\('fixed', 'balanced'\\)"):
+        mla_decode.triton.TritonDecode(problem, schedule="even")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
+def test_a_planted_schedule_fault_fails_the_bounds(fault):
+    """The step's schedule with one fault planted: a piece's last tile dropped, the next piece of its sequence
+    starting a tile early (a tile taken twice), or every piece of a sequence counting one more (the combine merges
+    a slot no piece of it wrote; the workspace poisoned, as a fresh one may hold anything): each fails the bounds
+    the correct schedule meets."""
+    case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=4)
+    decode = balanced_plan(case, SMALL_GRID)
+    step = decode.schedule(case.cache_seqlens)
+    truth = paged_truth(case)
+    assert_meets_truth(case, *decode.run(*case.args(), schedule=step), truth)
+    work = decode.impl.workspace()
+    work.part_o.fill_(float("nan"))
+    work.part_lse.fill_(float("nan"))
+    items = step.items[:decode.impl.max_items * 4].view(-1, 4)  # a view: the faults land in the step's schedule
+    count, index = items[:, 3] & 0xFFFF, items[:, 3] >> 16
+    k = int(((items[:, 2] - items[:, 1] >= 2) & (index < count - 1)).nonzero()[0])  # a piece with one after it
+    if fault == "dropped":
+        items[k, 2] -= 1
+    elif fault == "twice":
+        items[k + 1, 1] -= 1
+    else:
+        items[items[:, 0] == items[k, 0], 3] += 1
+    out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16)
+    bad = errors(*decode.run(*case.args(), out=out, schedule=step), *truth)
+    assert bad[0] > OUT_BOUND or bad[1] > LSE_BOUND, bad
+
+
+@needs_interpreter
+def test_the_adapter_takes_fixed_splits_on_uniform_and_uneven_batches(triton_backend, monkeypatch):
+    """custom_kernel on triton: a uniform batch (batch x kv_seq_len == the cache's rows) takes fixed splits by the
+    config's promise, an uneven one by the default (test_cuda's adapter test shows the options asked for). Both meet
+    the kernel bound."""
+    monkeypatch.setenv("MLA_KV_FORMAT", "fp8")
+    for lens, balanced in (([70] * 3, False), ([3, 140, 0], False)):
+        data = R.generate_varlen_input(lens, seed=len(lens) + balanced, device=CPU)
+        out = triton_backend.custom_kernel(data)
+        decision = triton_backend.dispatch(data)[0]
+        assert decision.backend == "triton" and decision.plan.impl.balanced == balanced, lens
+        assert_matches(data, out, triton_reference(data, "fp8"), TRITON_REL_L2)
+
+
+def test_balanced_parts_fill_the_resident_programs():
+    from mla_decode.triton import common as C
+    from mla_decode.triton import plan as P
+
+    h200 = C.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
+    assert P.balanced_parts(h200, 1) == 264 and P.balanced_parts(h200, 8) == 33  # 128 heads in 16-row groups
+    assert P.balanced_parts(C.amd_triton_target("gfx950", 256), 1) == 512  # 2 programs a CU
+    assert P.balanced_parts(C.amd_triton_target("gfx942", 304), 1) == 304
+    assert P.balanced_parts(h200._replace(num_sms=1000), 1) == P.MAX_PARTS
+    assert P.balanced_parts(h200, 1000) == 1
 
 
 def test_plan_splits_fill_the_sms(monkeypatch):

@@ -1,14 +1,18 @@
 """The triton backend on a GPU, behind the `gpu` marker (`pytest -m gpu tests/test_triton_gpu.py`: the real
 compiler): through custom_kernel and the library's ragged plan, the task's cases and ragged batches against the
 emulation, gfx950's scaled MXFP4 scores (Triton's emulation of dot_scaled on this GPU), no row read outside a
-sequence, invalid ranges, inputs off a 16-byte boundary. The interpreted runs on the CPU: tests/test_triton.py;
-the paged layout: tests/test_library_gpu.py.
+sequence, invalid ranges, inputs off a 16-byte boundary; the work-balanced schedule (the schedule kernel's pieces
+against the CPU reference, balanced decodes of uneven batches against the float64 truth and the fixed splits, a
+step's schedule, a CUDA graph replayed with new lengths, planted schedule faults). The interpreted runs on the CPU:
+tests/test_triton.py; the paged layout: tests/test_library_gpu.py.
 """
 
 import pytest
 import torch
 
+import mla_decode
 import reference as R
+from mla_decode.schedule import make_schedule, schedule_items
 from testkit.attention import (
     TRITON_REL_L2,
     assert_grid_match,
@@ -18,8 +22,9 @@ from testkit.attention import (
     triton_reference,
 )
 from testkit.calls import ragged_decode
-from testkit.emulation import emulate, kernel_emulation
+from testkit.emulation import emulate, kernel_emulation, round_q_per_head
 from testkit.inputs import shifted
+from testkit.paged import LSE_BOUND, OUT_BOUND, errors, make_paged_case, paged_reference, ragged_twin
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TASK_CASES = [(4, 1024), (32, 1024), (64, 8192), (256, 8192), (4, 8192), (32, 8192), (64, 1024), (256, 1024)]
@@ -109,11 +114,12 @@ def test_gpu_reads_no_row_outside_a_sequence(on_gpu, monkeypatch, kv_format, kee
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("splits", [1, 4])
-def test_gpu_invalid_ranges_give_nan_rows(on_gpu, splits):
+@pytest.mark.parametrize("splits,schedule", [(1, "fixed"), (4, "fixed"), (1, "balanced")])
+def test_gpu_invalid_ranges_give_nan_rows(on_gpu, splits, schedule):
     q, kv_data, qo, _, config = R.generate_varlen_input([100, 200, 50, 70], seed=3)
     bad = torch.tensor([0, 100, 50, 420 + 1000, 420], dtype=torch.int32, device=q.device)
-    out = ragged_decode((q, kv_data, qo, bad, dict(config, kv_seq_len=None)), "fp8", "triton", plan=(splits, 64, 4, 3))
+    out = ragged_decode((q, kv_data, qo, bad, dict(config, kv_seq_len=None)), "fp8", "triton", plan=(splits, 64, 4, 3),
+                        schedule=schedule)
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
     assert torch.isfinite(out[0]).all()
@@ -141,3 +147,166 @@ def test_gpu_inputs_off_a_16_byte_boundary(on_gpu, monkeypatch, kv_format):
     scale_off = shifted(scale.view(torch.uint8).view(-1), 4).view(scale.dtype).view(scale.shape)
     moved_scale = (q, dict(kv_data, **{kv_format: (kv, scale_off)}), qo, kvp, config)
     assert all(torch.equal(on_gpu.custom_kernel(data), out) for data in (moved_scale, aligned, moved_scale))
+
+
+# --- the balanced schedule (issue 51), as tests/test_schedule_gpu.py holds the cuda backend's ---------------------
+# Lengths 0, 1, odd and round, one long sequence beside short ones, a heavy tail (test_schedule_gpu's SPREADS)
+SPREADS = {
+    "edges": [0, 1, 63, 64, 65, 127, 1001, 0, 5000, 3],
+    "one-long": [20000] + [700] * 15,
+    "lognormal": [int(x) for x in torch.exp(torch.randn(24, generator=torch.Generator().manual_seed(5)) * 1.3
+                                            + 7.0).clamp(max=30000)],
+}
+# Against the float64 truth with Q rounded as the kernel rounds it (tests/test_library_gpu.py's GPU_BOUNDS): the
+# portable kernel's, and the Hopper kernel's (P in e4m3 too, as the cuda fast kernels: their bounds)
+PORTABLE_BOUNDS = {("fp8", "fast"): (OUT_BOUND, 2e-2), ("mxfp4", "fast"): (OUT_BOUND, 5e-3),
+                   ("fp8", "precise"): (OUT_BOUND, LSE_BOUND), ("bf16", "fast"): (OUT_BOUND, LSE_BOUND)}
+HOPPER_BOUNDS = {("fp8", "fast"): (4e-2, 2e-2), ("mxfp4", "fast"): (4e-2, 1e-2), ("fp8", "precise"): (OUT_BOUND, 5e-3)}
+
+
+def triton_paged_plan(case, precision: str = "fast", **options) -> mla_decode.DecodePlan:
+    batch, q_len, heads = case.q.shape[:3]
+    return mla_decode.plan(batch, case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
+                           num_heads=heads, q_len=q_len, causal=case.causal, backend="triton", precision=precision,
+                           kv_scale_dtype=torch.uint8 if case.kv_scale is None else case.kv_scale.dtype,
+                           backend_options={"schedule": "balanced", **options})
+
+
+def balanced_truth(case, plan: mla_decode.DecodePlan, precision: str) -> tuple[tuple, tuple[float, float]]:
+    """(the float64 truth with Q as the plan's kernel rounds it, the bounds it is held to)."""
+    hopper = plan.impl.key.plan.hopper
+    q = None
+    if precision == "fast" and (case.kv_format == "fp8" or (case.kv_format == "mxfp4" and hopper)):
+        values, scale = round_q_per_head(case.q)
+        q = values.double() / scale.double()
+    bounds = (HOPPER_BOUNDS if hopper else PORTABLE_BOUNDS)[(case.kv_format, precision)]
+    return paged_reference(case, q=q), bounds
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("spread", sorted(SPREADS))
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_gpu_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
+    """The compiled schedule kernel lists exactly the CPU reference's pieces (schedule_items, tiles of the plan's
+    block_n) and each sequence's first item, for this GPU's parts; the ragged plan cuts the same from kv_indptr."""
+    lens = SPREADS[spread]
+    case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
+    plan = triton_paged_plan(case)
+    impl = plan.impl
+    made = plan.schedule(case.cache_seqlens).items
+    s = make_schedule(case.cache_seqlens.cpu(), impl.parts, case.block_table.shape[1] * page_size,
+                      impl.key.plan.block_n)
+    b = torch.arange(len(lens))
+    counts = s.last_part(b) - s.first_part(b) + 1
+    want = torch.cat([schedule_items(s, impl.max_items).flatten(), (torch.cumsum(counts, 0) - counts).int()])
+    assert torch.equal(made.cpu(), want)
+    kv, _, indptr = ragged_twin(case)
+    ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="triton")
+    assert ragged.impl.parts == impl.parts
+    assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_heads,q_len", [(16, 1), (32, 2), (128, 1), (8, 3)])
+@pytest.mark.parametrize("kernel", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast"), ("bf16", "fast")],
+                         ids="-".join)
+@pytest.mark.parametrize("spread", sorted(SPREADS))
+def test_gpu_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len):
+    """Balanced decodes of uneven batches over shuffled pages (every unowned slot NaN), the output poisoned first:
+    the float64 truth within the bounds of the kernel the plan takes, and the fixed splits' output within them."""
+    kv_format, precision = kernel
+    if (precision == "precise" or kv_format == "bf16") and (num_heads, q_len) != (16, 1):
+        pytest.skip("one shape of the precise and bf16 kernels")
+    case = make_paged_case(kv_format, 64 if spread != "edges" else 16, SPREADS[spread], seed=len(spread),
+                           device="cuda", q_len=q_len, num_heads=num_heads)
+    plan = triton_paged_plan(case, precision)
+    assert plan.impl.balanced
+    out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, lse = plan.run(*case.args(), out=out)
+    (ref_out, ref_lse), (out_bound, lse_bound) = balanced_truth(case, plan, precision)
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    fixed_out, fixed_lse = triton_paged_plan(case, precision, schedule="fixed").run(*case.args())
+    assert errors(out, lse, fixed_out.double(), fixed_lse.double())[0] < out_bound
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
+    case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=2, device="cuda")
+    plan = triton_paged_plan(case)
+    step = plan.schedule(case.cache_seqlens)
+    alone = plan.run(*case.args())
+    for _ in range(3):  # the layers of a step
+        assert all(torch.equal(a, b) for a, b in zip(plan.run(*case.args(), schedule=step), alone, strict=True))
+    with pytest.raises(ValueError, match="schedule: expected one made from the lengths tensor passed here"):
+        plan.run(*case.args()[:3], case.cache_seqlens.clone(), case.kv_scale, schedule=step)
+    case.cache_seqlens[1] -= 1  # the next step's lengths, written in place
+    with pytest.raises(ValueError, match="stale"):
+        plan.run(*case.args(), schedule=step)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_graph_replays_the_schedule_with_new_lengths():
+    """One step (the schedule kernel, then two layers' runs) captured in a CUDA graph and replayed with other lengths:
+    what the eager calls give, bit for bit, and the truth."""
+    lens = SPREADS["lognormal"]
+    case = make_paged_case("fp8", 64, lens, seed=3, device="cuda")
+    plan = triton_paged_plan(case)
+    out = torch.empty((len(lens), 1, 16, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((len(lens), 16, 1), dtype=torch.float32, device="cuda")
+
+    def step():
+        schedule = plan.schedule(case.cache_seqlens)
+        for _ in range(2):
+            plan.run(*case.args(), out=out, lse=lse, schedule=schedule)
+
+    step()  # outside the capture first: the JIT, then the compiled kernels' launchers
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):  # lengths of another step, shorter than the pages they own
+        gen = torch.Generator().manual_seed(seed)
+        new = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens]
+        case.cache_seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        eager_out, eager_lse = plan.run(*case.args())
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        (ref_out, ref_lse), (out_bound, lse_bound) = balanced_truth(case, plan, "fast")
+        out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+        assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
+def test_gpu_a_planted_schedule_fault_fails_the_bounds(fault):
+    """A tile dropped, a tile taken twice, or a sequence's pieces counting one more (the combine then merges a slot
+    none of them wrote: the workspace poisoned first) fail the bounds the correct schedule meets. Planned as for a
+    GPU of 4 SMs: 8 parts, pieces of many tiles."""
+    case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=4, device="cuda")
+    plan = triton_paged_plan(case, target=mla_decode.triton.triton_target(torch.device("cuda"))._replace(num_sms=4))
+    step = plan.schedule(case.cache_seqlens)
+    (ref_out, ref_lse), (out_bound, lse_bound) = balanced_truth(case, plan, "fast")
+    good = errors(*plan.run(*case.args(), schedule=step), ref_out, ref_lse)
+    assert good[0] < out_bound and good[1] < lse_bound
+    work = plan.impl.workspace()
+    work.part_o.fill_(float("nan"))
+    work.part_lse.fill_(float("nan"))
+    items = step.items[:plan.impl.max_items * 4].view(-1, 4)  # a view: the faults land in the step's schedule
+    count, index = items[:, 3] & 0xFFFF, items[:, 3] >> 16
+    k = int(((items[:, 2] - items[:, 1] >= 2) & (index < count - 1)).nonzero()[0])  # a piece with one after it
+    if fault == "dropped":
+        items[k, 2] -= 1
+    elif fault == "twice":
+        items[k + 1, 1] -= 1
+    else:
+        items[items[:, 0] == items[k, 0], 3] += 1
+    out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    bad = errors(*plan.run(*case.args(), out=out, schedule=step), ref_out, ref_lse)
+    assert bad[0] > out_bound or bad[1] > lse_bound, bad

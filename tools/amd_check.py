@@ -18,11 +18,13 @@ shapes and dtypes (never written: the driver launches nothing):
     makes, no LSE;
   - the library call, mla_decode_with_kvcache, with return_lse=True, on a PAGED cache for every mode, the bf16
     cache included, and each `--library` case: batch x kv length x page size (0: a ragged cache, by plan_ragged's
-    run_ragged) [x q_len x heads]. By default page sizes 1, 16, 64 and 48 on a small batch, whose splits meet in the
-    combine, 16 on a large one of one split, whose split kernel writes the LSE itself, and the serving shapes (MTP,
-    32 and 128 heads; 8 heads with q_len 3, whose last group of 16 rows is part masked) (LIBRARY_CASES); with the
-    first `--triton`
-    only (the runner's in `make amd-check`: that keeps the check's time in bounds; --library-every-triton: all);
+    run_ragged) [x q_len x heads]; each with the library's default schedule (balanced: the schedule kernel, the
+    split kernel over its pieces, the combine over theirs) and with fixed splits (a plan with backend_options
+    {"schedule": "fixed"}). By default page sizes 1, 16, 64 and 48 on a small batch, whose splits meet in the
+    combine, 16 on a large one of one split, whose split kernel writes the LSE itself, a ragged cache, and the
+    serving shapes (MTP, 32 and 128 heads; 8 heads with q_len 3, whose last group of 16 rows is part masked)
+    (LIBRARY_CASES); with the first `--triton` only (the runner's in `make amd-check`: that keeps the check's time in
+    bounds; --library-every-triton: all);
   - the aiter path's Q quantizer where it uses Triton (gfx950, whose FP8 is e4m3fn).
 So the JIT specializes, packs the launch options and compiles exactly as on the GPU: an option the target's backend
 refuses, a conversion it cannot lower and an LDS size over the GPU's (Triton's own load check, with the driver's
@@ -47,6 +49,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -77,14 +80,17 @@ SHAPES = ((4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), 
 # The library's calls (batch, kv length, page size; 0: a ragged cache), each page size a walk of its own in the split
 # kernel: pages that divide a tile of BLOCK_N = 64 rows (1, 16), that a tile divides (64), and neither (48: a table
 # read per row). Each on a small batch (many splits: the combine writes the LSE), and 16 on a large one too (one split
-# on both targets: the split kernel writes the LSE itself). Then the serving shapes, with q_len and heads as the fourth
-# and fifth figures: MTP (q_len 2 and 4, causal) and 32 and 128 heads, pages of 64.
-LIBRARY_CASES = ((4, 1024, 1), (4, 1024, 16), (4, 1024, 64), (4, 1024, 48), (512, 4096, 16), (4, 1024, 64, 2, 16),
-                 (8, 4096, 64, 4, 32), (16, 4096, 64, 1, 128), (4, 1024, 64, 3, 8))
+# on both targets: the split kernel writes the LSE itself), and a ragged cache. Then the serving shapes, with q_len and
+# heads as the fourth and fifth figures: MTP (q_len 2 and 4, causal) and 32 and 128 heads, pages of 64.
+LIBRARY_CASES = ((4, 1024, 1), (4, 1024, 16), (4, 1024, 64), (4, 1024, 48), (512, 4096, 16), (4, 1024, 0),
+                 (4, 1024, 64, 2, 16), (8, 4096, 64, 4, 32), (16, 4096, 64, 1, 128), (4, 1024, 64, 3, 8))
+# The library's calls run with its default schedule, then with fixed splits (the cut the leaderboard's uniform batches
+# take): the first names no option, so that the default is what is checked
+SCHEDULES = ("balanced", "fixed")
 # mode -> (KV format, precision); the leaderboard serves the first three (its LEADERBOARD_KV_FORMATS), the library all.
 MODES = {"fp8-fast": ("fp8", "fast"), "fp8-precise": ("fp8", "precise"), "mxfp4": ("mxfp4", "fast"),
          "bf16": ("bf16", "fast")}
-KERNELS = ("mla_split_kernel", "mla_combine_kernel", "_q_absmax_kernel", "_q_quantize_kernel")
+KERNELS = ("mla_split_kernel", "mla_combine_kernel", "mla_schedule_kernel", "_q_absmax_kernel", "_q_quantize_kernel")
 WAVE = 64
 VGPR_NOTE = 16  # VGPRs over a ragged twin's that earn a NOTE when the waves per SIMD stay
 # LLVM's and Triton's error lines, as they print them to the process's stderr (Triton 3.9 prints such errors for
@@ -217,10 +223,11 @@ def _leaderboard_input(batch: int, kv_len: int, kv_format: str, fp8):
 
 
 def _library_call(S, batch: int, kv_len: int, kv_format: str, precision: str, page_size: int, fp8, q_len: int = 1,
-                  num_heads: int = 16) -> None:
+                  num_heads: int = 16, schedule: str = SCHEDULES[0]) -> None:
     """The library's call on a cache of `page_size` rows a page (0: ragged) holding `batch` sequences of up to kv_len
     rows, q_len tokens (causal) of num_heads heads each, with the LSE, on CPU tensors of its layouts (api.py's
-    docstring), never written: twice, through one plan."""
+    docstring), never written: twice, through one plan. schedule: the default's (mla_decode_with_kvcache, no backend
+    option) or another, asked of a plan by backend_options."""
     import torch
 
     width = {"fp8": 576, "mxfp4": 288, "bf16": 576}[kv_format]
@@ -235,15 +242,22 @@ def _library_call(S, batch: int, kv_len: int, kv_format: str, precision: str, pa
         page = (batch * kv_len,)
     kv_cache = torch.empty((*page, 1, width), dtype=kv_dtype)
     kv_scale = {"fp8": torch.ones(1), "mxfp4": torch.empty((*page, 1, 18), dtype=e8m0), "bf16": None}[kv_format]
+    options = None if schedule == SCHEDULES[0] else {"schedule": schedule}
     if page_size:
         block_table = torch.empty((batch, max_pages), dtype=torch.int32)
         cache_seqlens = torch.full((batch,), kv_len, dtype=torch.int32)
+        decode = None if options is None else S.plan(
+            batch, page_size, max_pages, kv_dtype, q.device, num_heads=num_heads, q_len=q_len, causal=causal,
+            precision=precision, return_lse=True, kv_scale_dtype=e8m0, backend_options=options)
         for _ in range(2):  # the JIT, then the bound launchers of the compiled kernels (the call keeps its plan)
-            S.mla_decode_with_kvcache(q, kv_cache, block_table, cache_seqlens, kv_scale, precision=precision,
-                                      causal=causal, return_lse=True)
+            if decode is None:
+                S.mla_decode_with_kvcache(q, kv_cache, block_table, cache_seqlens, kv_scale, precision=precision,
+                                          causal=causal, return_lse=True)
+            else:
+                decode.run(q, kv_cache, block_table, cache_seqlens, kv_scale)
     else:
         decode = S.plan_ragged(batch, kv_dtype, q.device, kv_len, num_heads=num_heads, q_len=q_len, causal=causal,
-                               precision=precision, return_lse=True, kv_scale_dtype=e8m0)
+                               precision=precision, return_lse=True, kv_scale_dtype=e8m0, backend_options=options)
         kv_indptr = torch.arange(0, batch * kv_len + 1, kv_len, dtype=torch.int32)
         for _ in range(2):
             decode.run_ragged(q, kv_cache, kv_indptr, kv_scale.view(-1, 18) if kv_format == "mxfp4" else kv_scale)
@@ -255,8 +269,8 @@ def _on_amd_target(S, amd_target, plans: list) -> None:
     import torch
 
     class AmdTritonDecode(S.TritonDecode):
-        def __init__(self, problem, target=None, plan=None):
-            super().__init__(problem, target=amd_target, plan=plan)
+        def __init__(self, problem, target=None, plan=None, **options):
+            super().__init__(problem, target=amd_target, plan=plan, **options)
             plans.append(self)
 
     # The registry's triton record, its plans made for amd_target
@@ -376,7 +390,8 @@ def run_worker(arch: str, submission: Path, spec: Cases) -> dict:
             problem = f"{problem}; {llvm}" if problem else llvm
         made = [{"layout": "paged" if d.key.page_size else "ragged", "page_size": d.key.page_size,
                  "write_lse": d.key.write_lse, "kv_format": d.key.kv_format, "precise": d.key.precise,
-                 "plan": d.key.plan._asdict()} for d in plans[first_plan:]]
+                 "schedule": "balanced" if d.balanced else "fixed", "plan": d.key.plan._asdict()}
+                for d in plans[first_plan:]]
         if want is not None and not problem:
             other = [m for m in made if any(m[k] != v for k, v in want.items())]
             if other or not made:
@@ -399,18 +414,21 @@ def run_worker(arch: str, submission: Path, spec: Cases) -> dict:
                     for _ in range(2):  # the JIT, then the bound launchers of the compiled kernels
                         S.custom_kernel(data)
             one_case(f"triton {mode} {batch}x{kv_len}", leaderboard, {"layout": "ragged", "write_lse": False,
-                     "kv_format": kv_format, "precise": precision == "precise"})
+                     "kv_format": kv_format, "precise": precision == "precise", "schedule": "fixed"})
     for mode in modes:  # the library's call, with the LSE
         kv_format, precision = MODES[mode]
-        for batch, kv_len, page_size, *serving in library:
+        for (batch, kv_len, page_size, *serving), schedule in itertools.product(library, SCHEDULES):
+            q_len, heads = serving or (1, 16)
+
             def library_call(batch=batch, kv_len=kv_len, kv_format=kv_format, precision=precision,
-                             page_size=page_size, serving=serving):
-                _library_call(S, batch, kv_len, kv_format, precision, page_size, fp8, *serving)
+                             page_size=page_size, q_len=q_len, heads=heads, schedule=schedule):
+                _library_call(S, batch, kv_len, kv_format, precision, page_size, fp8, q_len, heads, schedule)
             layout = f"page {page_size}" if page_size else "ragged"
             shape = " q_len {} x {} heads".format(*serving) if serving else ""
-            one_case(f"library {mode} {layout} lse {batch}x{kv_len}{shape}", library_call,
+            cut = "" if schedule == SCHEDULES[0] else f" {schedule}"  # the default's label names none
+            one_case(f"library {mode} {layout} lse {batch}x{kv_len}{shape}{cut}", library_call,
                      {"page_size": page_size, "write_lse": True, "kv_format": kv_format,
-                      "precise": precision == "precise"})
+                      "precise": precision == "precise", "schedule": schedule})
     if gpu.fp8 == "float8_e4m3fn":  # the aiter path's Q quantizer runs Triton for e4m3fn only (see QQuantizer)
         for batch in sorted({b for b, _ in shapes}):
             def quantize(batch=batch):
@@ -451,6 +469,11 @@ def _twin(kernel: dict) -> tuple | None:
             kernel["num_warps"], kernel["num_stages"])
 
 
+def _one_split(kernel: dict) -> bool:
+    """Whether a split kernel writes every output itself (one split; the balanced kernel writes partials too)."""
+    return kernel["constexprs"].get("NUM_SPLITS") == 1 and not kernel["constexprs"].get("BALANCED")
+
+
 def _twin_notes(kernels: list[dict]) -> list[str]:
     """Where a paged or LSE-writing split kernel has fewer waves per SIMD, more scratch or VGPR_NOTE more VGPRs than
     every compiled ragged twin without the LSE (the leaderboard's; of its own kind of store, one split or several,
@@ -465,8 +488,8 @@ def _twin_notes(kernels: list[dict]) -> list[str]:
         if _twin(k) is None or not (c.get("PAGE_SIZE") or c.get("WRITE_LSE")):
             continue
         twins = ragged.get(_twin(k), [])
-        one_split = c.get("NUM_SPLITS") == 1  # another store path: a twin of the same kind where there is one
-        twins = [t for t in twins if (t["constexprs"].get("NUM_SPLITS") == 1) == one_split] or twins
+        one_split = _one_split(k)  # another store path: a twin of the same kind where there is one
+        twins = [t for t in twins if _one_split(t) == one_split] or twins
         if not twins:
             continue
         worse = []
@@ -476,7 +499,8 @@ def _twin_notes(kernels: list[dict]) -> list[str]:
             if (k[field] or 0) >= twin + margin if margin > 0 else (k[field] or 0) <= twin + margin:
                 worse.append(f"{what} {twin} -> {k[field]}")
         if worse:
-            notes.append(f"{_describe(k)}, {c.get('NUM_SPLITS')} splits: worse than its ragged twin: "
+            cut = "balanced" if c.get("BALANCED") else f"{c.get('NUM_SPLITS')} splits"
+            notes.append(f"{_describe(k)}, {cut}: worse than its ragged twin: "
                          + ", ".join(worse))
     return notes
 
@@ -490,6 +514,8 @@ def _describe(kernel: dict) -> str:
     layout = (f"page {c['PAGE_SIZE']}" if c.get("PAGE_SIZE") else "ragged") + (" lse" if c.get("WRITE_LSE") else "")
     if (c.get("Q_LEN", 1), c.get("NUM_HEADS", 16)) != (1, 16):  # a serving shape's query rows
         layout += f", q_len {c.get('Q_LEN', 1)}{' causal' if c.get('CAUSAL') else ''} x {c.get('NUM_HEADS', 16)} heads"
+    if c.get("BALANCED"):  # the schedule's pieces (their splits column: -)
+        layout += ", balanced"
     if kernel["name"] == "mla_split_kernel":
         mode = c.get("KV_FORMAT", "?") + (" precise" if c.get("PRECISE") and c.get("KV_FORMAT") == "fp8" else "") + (
             " dot_scaled" if c.get("SCALED_SCORES") else "")
@@ -514,7 +540,8 @@ def report(result: dict) -> str:
         cells = (_describe(k), f"{k['vgpr']}+{k['agpr']} ({k['total_vgpr']})", str(k["sgpr"]), str(k["scratch"]),
                  f"{k['lds']} / {gpu['lds_bytes']}", str(k["waves_per_simd"]), _short(k["mfma"]), _short(k["cvt"]),
                  verdict)
-        rows.setdefault(cells, set()).add(k["constexprs"].get("NUM_SPLITS"))
+        c = k["constexprs"]
+        rows.setdefault(cells, set()).add(None if c.get("BALANCED") else c.get("NUM_SPLITS"))
     seconds = sum(c.get("seconds", 0) for c in result["cases"])
     lines = [f"## {result['target']} ({gpu['name']}: {gpu['cus']} CUs, {gpu['lds_bytes']} B LDS), "
              f"Triton {result['triton']}: {len(result['cases'])} calls, {seconds:.0f} s",

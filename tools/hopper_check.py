@@ -5,8 +5,9 @@ Triton it is written for, and its figures gated: what an H200 would run, checked
 
 `--triton` is a folder holding Triton 3.6 (make amd-check installs the runner's there; its NVIDIA backend brings
 ptxas and cuobjdump). The kernel of `--file` (the leaderboard file, which inlines the package) is compiled with the
-constexprs its plans launch it with (ragged and paged, splits or none, MTP and head counts, with and without the LSE,
-FP8 fast and precise, MXFP4), its pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
+constexprs its plans launch it with (ragged and paged, splits or none or the balanced schedule's pieces, MTP and head
+counts, with and without the LSE, FP8 fast and precise, MXFP4), its pointers 16-byte aligned as the launch path
+specializes them. Gates, per kernel:
   - no local memory, registers within 255, and no stack frame (where ptxas puts spills) in the fast FP8 kernel the
     plans take; the precise variant of MTP with pages of 1, the MXFP4 variants of MTP and MXFP4 with 128 heads
     spill a few registers at 255 (STL/LDL in the loop): their stack is held to SPILL_BYTES, a ratchet until they are
@@ -34,21 +35,23 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# (page size (0: ragged), splits, q_len, heads, LSE written, precise, MXFP4)
+# (page size (0: ragged), splits (0: the balanced schedule's pieces), q_len, heads, LSE written, precise, MXFP4)
 CASES = ((0, 16, 1, 16, False, False, False), (0, 1, 1, 16, False, False, False), (64, 4, 1, 16, True, False, False),
          (1, 8, 2, 32, True, False, False), (16, 1, 4, 16, True, False, False), (0, 2, 3, 8, True, False, False),
          (64, 1, 1, 128, True, False, False), (0, 16, 1, 16, False, True, False), (64, 1, 1, 16, True, True, False),
          (1, 8, 2, 32, True, True, False), (0, 2, 3, 8, True, True, False), (64, 1, 1, 128, True, True, False),
          (0, 16, 1, 16, False, False, True), (0, 1, 1, 16, False, False, True), (64, 4, 1, 16, True, False, True),
          (1, 8, 2, 32, True, False, True), (16, 1, 4, 16, True, False, True), (0, 2, 3, 8, True, False, True),
-         (64, 1, 1, 128, True, False, True), (128, 2, 1, 16, True, False, True))
+         (64, 1, 1, 128, True, False, True), (128, 2, 1, 16, True, False, True),
+         (0, 0, 1, 16, False, False, False), (64, 0, 1, 16, True, False, False), (1, 0, 2, 32, True, False, False),
+         (64, 0, 1, 16, True, True, False), (0, 0, 1, 16, False, False, True), (64, 0, 1, 128, True, False, True))
 # fast / precise: QGMMA, HGMMA, FP8 unpacks and ldmatrix (K's fragments: 576 B x 64 rows in 16-byte pieces) a tile
 PRODUCTS = {False: (34, 0, 0, 0), True: (0, 68, 272, 18)}
 SPILL_BYTES = {"fast": 0, "precise": 16, "mxfp4": 32}  # stack frame allowed (the variants' worst, Triton 3.6.0)
 SHARED_PER_PROGRAM = (228 * 1024) // 2 - 1024  # two programs an SM, 1 KB reserved each
 SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "kscale_stride": "i32", "seq_ptr": "*i32",
              "table_ptr": "*i32", "max_pages": "i32", "kv_rows": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "items_ptr": "*i32", "qk_scale": "fp32"}
 MXFP4_SIGNATURE = dict(SIGNATURE, kv_ptr="*u8", kscale_ptr="*u8")  # the codes and the E8M0 scales, as bytes
 
 
@@ -73,8 +76,8 @@ def compile_case(module, triton, case) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     page, splits, q_len, heads, lse, precise, mxfp4 = case
-    constexprs = dict(NUM_SPLITS=splits, PAGE_SIZE=page, FP8_MAX=448.0, WRITE_LSE=lse, NUM_HEADS=heads, Q_LEN=q_len,
-                      CAUSAL=q_len > 1, PRECISE=precise, MXFP4=mxfp4)
+    constexprs = dict(NUM_SPLITS=max(splits, 1), PAGE_SIZE=page, FP8_MAX=448.0, WRITE_LSE=lse, NUM_HEADS=heads,
+                      Q_LEN=q_len, CAUSAL=q_len > 1, PRECISE=precise, MXFP4=mxfp4, BALANCED=splits == 0)
     arguments = MXFP4_SIGNATURE if mxfp4 else SIGNATURE
     signature = dict(arguments, **{name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(arguments.values()) if kind.startswith("*")}

@@ -3,7 +3,8 @@ explicit-layout dialect): the products as the cuda backend's wgmma kernel takes 
 give.
 
 Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
-the portable kernel does (same arguments, same partials for its combine kernel). Per 64-row tile, in shared memory
+the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (item, group) walks
+the schedule's piece `item`, as there). Per 64-row tile, in shared memory
 as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128-byte swizzle; the rope dims
 [64][64 B], 64-byte swizzle), two tiles buffered (2 x 36 KB + Q, 9 KB in E4M3 or 18 in fp16: two programs an SM):
   S^T (64 x 16) = K Q^T   FP8 x FP8, both from shared memory, Q in E4M3 with one scale per query row;
@@ -342,23 +343,62 @@ if HOPPER_KERNEL_REASON is None:
         return bad
 
     @gluon.jit
+    def _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, ok, acc0, acc1, acc2, acc3, inv,
+                             lse2, WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
+                             PARTIAL_ROWS: gl.constexpr):
+        """A whole sequence's 16 query rows: its output, bf16 (NaN where not ok), and its LSE."""
+        dst = out_ptr + first_row * V_DIM + at
+        gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        if WRITE_LSE:
+            gl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * TL_LN2, float("nan")),
+                     mask=row_in if PARTIAL_ROWS else None)
+
+    @gluon.jit
+    def _hopper_store_partial(part_o_ptr, part_lse_ptr, part, group, qrow, row_in, at, mask, bad, acc0, acc1, acc2,
+                              acc3, inv, lse2, ROWS: gl.constexpr, PARTIAL_ROWS: gl.constexpr):
+        """A piece's normalized partial output and its log2-sum-exp (NaN: a page outside the cache) into slot
+        `part`."""
+        dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
+        gl.store(dst, acc0 * inv[None, :], mask=mask)
+        gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
+        gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
+        gl.store(dst + 384, acc3 * inv[None, :], mask=mask)
+        gl.store(part_lse_ptr + part * ROWS + qrow, gl.where(bad == 0, lse2, float("nan")),
+                 mask=row_in if PARTIAL_ROWS else None)
+
+    @gluon.jit
     def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
-                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
                              PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
                              NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                             PRECISE: gl.constexpr, MXFP4: gl.constexpr):
-        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused)
+                             PRECISE: gl.constexpr, MXFP4: gl.constexpr, BALANCED: gl.constexpr):
+        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
+        # program (item, group) takes the schedule's piece `item`, as the portable kernel does
         gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
-        split = gl.program_id(0)
         group = gl.program_id(1)
-        b = gl.program_id(2)
+        if BALANCED:
+            item = gl.program_id(0)
+            b = gl.load(items_ptr + item * 4)
+            count = gl.load(items_ptr + item * 4 + 3) & 0xFFFF
+            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
+                return
+        else:
+            split = gl.program_id(0)
+            b = gl.program_id(2)
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
-        per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
-        lo = start + split * per_split
-        hi = gl.minimum(lo + per_split, end)
+        if BALANCED:  # whole 64-row tiles (the schedule's)
+            lo = start + gl.load(items_ptr + item * 4 + 1) * 64
+            hi = gl.minimum(start + gl.load(items_ptr + item * 4 + 2) * 64, end)
+        else:
+            per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
+            lo = start + split * per_split
+            hi = gl.minimum(lo + per_split, end)
         MMA: gl.constexpr = _MMA16 if PRECISE else _MMA
         cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
         qrow = group * 16 + gl.arange(0, 16, layout=cols)
@@ -534,22 +574,16 @@ if HOPPER_KERNEL_REASON is None:
         h = gl.arange(0, 16, layout=cols)
         at = h[None, :] * V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
-        if NUM_SPLITS == 1:
-            ok = valid & (bad == 0)
-            dst = out_ptr + first_row * V_DIM + at
-            gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-            if WRITE_LSE:
-                gl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * TL_LN2, float("nan")),
-                         mask=row_in if PARTIAL_ROWS else None)
-        else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache)
-            part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
-            gl.store(dst, acc0 * inv[None, :], mask=mask)
-            gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
-            gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
-            gl.store(dst + 384, acc3 * inv[None, :], mask=mask)
-            gl.store(part_lse_ptr + part * ROWS + qrow, gl.where(bad == 0, lse2, float("nan")),
-                     mask=row_in if PARTIAL_ROWS else None)
+        if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
+            if count == 1:
+                _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
+                                     acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+            else:
+                _hopper_store_partial(part_o_ptr, part_lse_ptr, item.to(gl.int64), group, qrow, row_in, at, mask, bad,
+                                      acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+        elif NUM_SPLITS == 1:
+            _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
+                                 acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+        else:
+            _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, at, mask,
+                                  bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)

@@ -23,9 +23,16 @@ V is the same tile (FP8 and MXFP4 converted to fp16, BF16 as it is; fast FP8 on 
 Under the interpreter the dots take fp32 operands (DOT_DTYPE): its bf16 dots are wrong.
 On Hopper with Triton 3.6 the FP8 plans (fast and precise) and the fast MXFP4 ones launch hopper.py's Gluon
 kernel in this one's place (TritonPlan.hopper), with the same arguments and combine.
+
+Two ways to cut the work (TritonDecode's schedule). Fixed: program (split, group, b) takes split `split` of
+NUM_SPLITS equal ones of sequence b. BALANCED: mla_schedule_kernel first lists the pieces of the work-balanced
+schedule (mla_decode/schedule.py) from the lengths on the device; program (item, group) takes piece `item`, tiles
+[first, end) of its sequence, and a sequence of one piece writes its output directly, else its pieces' partials are
+merged by the combine.
 """
 
 from ..contract import QK_ROPE_HEAD_DIM
+from ..schedule import SEQUENCE_COST
 from .common import (
     FP4_ROW_BYTES,
     MX_BLOCK,
@@ -40,14 +47,17 @@ from .common import (
 )
 
 PAGE_CHUNK_TILES = 32  # pages of whole tiles: the tiles whose bases are read from the table at once
+ITEM_FIELDS = 4  # a schedule item: {b, first tile, end tile, index << 16 | count} (mla_schedule_kernel)
 # without Triton: no kernels (the backend is unusable, plan.triton_unusable_reason)
-mla_split_kernel = mla_combine_kernel = None
+mla_split_kernel = mla_combine_kernel = mla_schedule_kernel = None
 
 if triton is not None:
     # The problem's sizes as the kernels see them (a jit function reads only constexpr globals); the row widths and
     # LN2 are common.py's.
     _ROPE_DIM = tl.constexpr(QK_ROPE_HEAD_DIM)  # the rope dims after them: 64
     _PAGE_CHUNK = tl.constexpr(PAGE_CHUNK_TILES)
+    _SEQUENCE_COST = tl.constexpr(SEQUENCE_COST)
+    _ITEM_FIELDS = tl.constexpr(ITEM_FIELDS)
 
     # 4 packed bytes ($4) -> the e4m3 bytes of their low nibbles and of their high nibbles, interleaved byte by byte
     # -> f16x2 pairs in the values' order: $k = (low, high) nibble of byte k, which the join after it keeps (a pair a
@@ -246,25 +256,121 @@ if triton is not None:
         return m_i, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
+    def _sequence_tiles(seq_ptr, b, in_batch, max_pages, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The KV tiles of sequences b (in_batch: those in the batch; others 0), int64: schedule.py's sequence_tiles,
+        0 for an invalid length or range. A ragged range is judged without the cache's rows (as the cuda schedule's:
+        a schedule is made from kv_indptr alone): one past them costs its tiles, and the split kernel reads none."""
+        if PAGE_SIZE == 0:
+            start = tl.load(seq_ptr + b, mask=in_batch, other=0)
+            end = tl.load(seq_ptr + b + 1, mask=in_batch, other=0)
+            length = tl.where((start >= 0) & (end >= start), end.to(tl.int64) - start, 0)
+        else:
+            length = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
+            length = tl.where((length >= 0) & (length <= max_pages.to(tl.int64) * PAGE_SIZE), length, 0)
+        return (length + BLOCK_N - 1) // BLOCK_N
+
+    @triton.jit
+    def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, batch, parts, max_items, PAGE_SIZE: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+        """One program: the pieces of the work-balanced schedule of the lengths (seq_ptr: cache_seqlens, or kv_indptr
+        where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, exactly as schedule.py's
+        schedule_items lists them: items (max_items, 4) int32 rows {b, first tile, end tile, index << 16 | count},
+        then {-1, 0, 0, 0}; and first (batch,) int32, the item of each sequence's first piece (the combine's). The
+        sequences come BLOCK_B at a time: one pass sums the line's length, a second cuts it by prefix sums."""
+        r = tl.arange(0, BLOCK_B)
+        field = tl.arange(0, _ITEM_FIELDS)[None, :]
+        total = tl.full([], 0, tl.int64)
+        for b0 in range(0, batch, BLOCK_B):
+            in_batch = b0 + r < batch
+            tiles = _sequence_tiles(seq_ptr, b0 + r, in_batch, max_pages, PAGE_SIZE, BLOCK_N)
+            total += tl.sum(tl.where(in_batch, tiles + _SEQUENCE_COST, 0), 0)
+        share = tl.maximum((total + parts - 1) // parts, 1)
+        line = tl.full([], 0, tl.int64)  # where this block's first sequence starts on the line
+        item = tl.full([], 0, tl.int32)  # its first piece
+        for b0 in range(0, batch, BLOCK_B):
+            b = b0 + r
+            in_batch = b < batch
+            cost = tl.where(in_batch, _sequence_tiles(seq_ptr, b, in_batch, max_pages, PAGE_SIZE, BLOCK_N)
+                            + _SEQUENCE_COST, 0)
+            start = line + tl.cumsum(cost, 0) - cost
+            first_part = start // share
+            count = tl.where(in_batch, ((start + cost - 1) // share - first_part + 1).to(tl.int32), 0)
+            first = item + tl.cumsum(count, 0) - count
+            tl.store(first_ptr + b, first, mask=in_batch)
+            # piece j of every sequence of the block at once: as many rounds as its longest sequence has pieces
+            for j in range(0, tl.max(count, 0)):
+                part = first_part + j
+                lo = tl.maximum(tl.maximum(start, part * share) - start - _SEQUENCE_COST, 0)
+                hi = tl.maximum(tl.minimum(start + cost, (part + 1) * share) - start - _SEQUENCE_COST, lo)
+                row = tl.where(field == 0, b[:, None], tl.where(field == 1, lo.to(tl.int32)[:, None], tl.where(
+                    field == 2, hi.to(tl.int32)[:, None], ((j << 16) | count)[:, None])))
+                tl.store(items_ptr + (first + j)[:, None] * _ITEM_FIELDS + field, row, mask=(j < count)[:, None])
+            line += tl.sum(cost, 0)
+            item += tl.sum(count, 0)
+        for k0 in range(0, max_items, BLOCK_B):
+            k = k0 + r
+            tl.store(items_ptr + k[:, None] * _ITEM_FIELDS + field, tl.where(field == 0, -1, 0),
+                     mask=((k >= item) & (k < max_items))[:, None])
+
+    @triton.jit
+    def _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid, acc0, acc1, acc2, acc3, inv, lse2,
+                      WRITE_LSE: tl.constexpr, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr,
+                      PARTIAL_ROWS: tl.constexpr):
+        """A whole sequence's group of query rows: its output, bf16 (NaN where not valid), and its LSE."""
+        dst = out_ptr + first_row * V_DIM
+        _store_chunk(dst, acc0, inv, valid, row_in, 0, tl.bfloat16, PARTIAL_ROWS)
+        _store_chunk(dst, acc1, inv, valid, row_in, 128, tl.bfloat16, PARTIAL_ROWS)
+        _store_chunk(dst, acc2, inv, valid, row_in, 256, tl.bfloat16, PARTIAL_ROWS)
+        _store_chunk(dst, acc3, inv, valid, row_in, 384, tl.bfloat16, PARTIAL_ROWS)
+        if WRITE_LSE:
+            tl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), tl.where(valid, lse2 * TL_LN2, float("nan")),
+                     mask=row_in if PARTIAL_ROWS else None)
+
+    @triton.jit
+    def _store_partial(part_o_ptr, part_lse_ptr, part, group, qrow, row_in, bad, acc0, acc1, acc2, acc3, inv, lse2,
+                       ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PARTIAL_ROWS: tl.constexpr):
+        """A piece's normalized partial output, fp32, and its log2-sum-exp (NaN: a page outside the cache) into
+        slot `part` of the partials; the combine weighs them."""
+        dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * V_DIM
+        _store_chunk(dst, acc0, inv, True, row_in, 0, tl.float32, PARTIAL_ROWS)
+        _store_chunk(dst, acc1, inv, True, row_in, 128, tl.float32, PARTIAL_ROWS)
+        _store_chunk(dst, acc2, inv, True, row_in, 256, tl.float32, PARTIAL_ROWS)
+        _store_chunk(dst, acc3, inv, True, row_in, 384, tl.float32, PARTIAL_ROWS)
+        tl.store(part_lse_ptr + part * ROWS + qrow, tl.where(bad == 0, lse2, float("nan")),
+                 mask=row_in if PARTIAL_ROWS else None)
+
+    @triton.jit
     def mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
-                          lse_ptr, part_o_ptr, part_lse_ptr, qk_scale, NUM_SPLITS: tl.constexpr,
+                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: tl.constexpr,
                           BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr,
                           PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
                           USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
                           SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
                           NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
-                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr):
-        split = tl.program_id(0)
-        group = tl.program_id(1)  # query rows group * BLOCK_H onwards of sequence b: a sequence's groups are
-        b = tl.program_id(2)  # launched together, so all but the first read its tiles from L2
+                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
+        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: the groups of a split or piece read the same
+        # tiles, all but the first from L2
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
+        if BALANCED:  # program (item, group): the schedule's piece `item` (items_ptr)
+            item = tl.program_id(0)
+            b = tl.load(items_ptr + item * _ITEM_FIELDS)
+            count = tl.load(items_ptr + item * _ITEM_FIELDS + 3) & 0xFFFF
+            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
+                return
+        else:  # program (split, group, b)
+            split = tl.program_id(0)
+            b = tl.program_id(2)
         if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
             tl.extra.cuda.gdc_launch_dependents()
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
-        per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = start + split * per_split
-        hi = tl.minimum(lo + per_split, end)
+        if BALANCED:  # whole tiles of BLOCK_N rows (the schedule's), so pages of whole tiles keep a tile in one page
+            lo = start + tl.load(items_ptr + item * _ITEM_FIELDS + 1) * BLOCK_N
+            hi = tl.minimum(start + tl.load(items_ptr + item * _ITEM_FIELDS + 2) * BLOCK_N, end)
+        else:
+            per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = start + split * per_split
+            hi = tl.minimum(lo + per_split, end)
         qrow = group * BLOCK_H + tl.arange(0, BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
         row_in = qrow < ROWS
         limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
@@ -361,51 +467,83 @@ if triton is not None:
 
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
-        if NUM_SPLITS == 1:
-            valid = valid & (tl.max(bad, 0) == 0)
-            dst = out_ptr + first_row * V_DIM
-            _store_chunk(dst, acc0, inv, valid, row_in, 0, tl.bfloat16, PARTIAL_ROWS)
-            _store_chunk(dst, acc1, inv, valid, row_in, 128, tl.bfloat16, PARTIAL_ROWS)
-            _store_chunk(dst, acc2, inv, valid, row_in, 256, tl.bfloat16, PARTIAL_ROWS)
-            _store_chunk(dst, acc3, inv, valid, row_in, 384, tl.bfloat16, PARTIAL_ROWS)
-            if WRITE_LSE:
-                tl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), tl.where(valid, lse2 * TL_LN2, float("nan")),
-                         mask=row_in if PARTIAL_ROWS else None)
-        else:  # normalized partial output and its log2-sum-exp (NaN: a page outside the cache); the combine weighs them
-            part = b * NUM_SPLITS + split
-            dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * V_DIM
-            _store_chunk(dst, acc0, inv, True, row_in, 0, tl.float32, PARTIAL_ROWS)
-            _store_chunk(dst, acc1, inv, True, row_in, 128, tl.float32, PARTIAL_ROWS)
-            _store_chunk(dst, acc2, inv, True, row_in, 256, tl.float32, PARTIAL_ROWS)
-            _store_chunk(dst, acc3, inv, True, row_in, 384, tl.float32, PARTIAL_ROWS)
-            tl.store(part_lse_ptr + part * ROWS + qrow, tl.where(bad == 0, lse2, float("nan")),
-                     mask=row_in if PARTIAL_ROWS else None)
+        if BALANCED:  # a sequence of one piece is written here; the pieces of the others go to their item's slot
+            if count == 1:
+                _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
+                              acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+            else:
+                _store_partial(part_o_ptr, part_lse_ptr, item.to(tl.int64), group, qrow, row_in, bad, acc0, acc1, acc2,
+                               acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
+        elif NUM_SPLITS == 1:
+            _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
+                          acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
+        else:
+            _store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, bad, acc0, acc1,
+                           acc2, acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
 
     @triton.jit
-    def mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                            NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    def _merge_pieces(part_o_ptr, part_lse_ptr, first, count, r, dv, ROWS: tl.constexpr):
+        """The `count` partials of query row r in slots first .. first + count - 1, merged by an online max and sum
+        (a piece of no row, LSE -inf, weighs 0): (their weighted sum (BLOCK_DV,) / its weights' sum, the running max,
+        the weights' sum, whether a piece met a page outside the cache (its LSE NaN))."""
+        m = tl.full([], float("-inf"), tl.float32)
+        denom = tl.full([], 0.0, tl.float32)
+        bad = tl.full([], 0, tl.int32)
+        acc = tl.zeros(dv.shape, tl.float32)
+        for i in range(0, count):
+            slot = (first + i).to(tl.int64) * ROWS + r  # a slot a piece: (parts + batch) x ROWS rows
+            lse = tl.load(part_lse_ptr + slot)
+            bad = bad | (lse != lse).to(tl.int32)
+            lse = tl.where(lse == lse, lse, float("-inf"))
+            m_new = tl.maximum(m, lse)
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - base)
+            w = tl.exp2(lse - base)
+            acc = acc * alpha + w * tl.load(part_o_ptr + slot * V_DIM + dv)
+            denom = denom * alpha + w
+            m = m_new
+        return acc / tl.where(denom > 0, denom, 1.0), m, denom, bad != 0
+
+    @triton.jit
+    def mla_combine_kernel(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr,
+                            first_ptr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                            NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr):
+                            NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, BALANCED: tl.constexpr):
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS
         bh = tl.program_id(0)  # b * ROWS + query row
         b = bh // ROWS
         r = bh % ROWS
         dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         _, _, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
-        sp = tl.arange(0, SPLITS_P2)
-        row = (b * NUM_SPLITS + sp) * ROWS + r
-        if USE_PDL:  # everything above overlapped the split kernel; the partials are read only after it
-            tl.extra.cuda.gdc_wait()
-        lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
-        valid = valid & (tl.sum((lse != lse).to(tl.int32), 0) == 0)  # a split met a page outside the cache
-        lse = tl.where(lse == lse, lse, float("-inf"))
-        m = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-        o = tl.load(part_o_ptr + row[:, None] * V_DIM + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
-        denom = tl.sum(w, 0)
-        res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + bh * V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
-        if WRITE_LSE:
-            if tl.program_id(1) == 0:
-                total = tl.where(denom > 0, (m + tl.log2(denom)) * TL_LN2, float("-inf"))
-                tl.store(lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
+        if BALANCED:  # sequence b's pieces are items first .. first + count - 1 (the schedule lists them in order)
+            first = tl.load(first_ptr + b)
+            count = tl.load(items_ptr + first * _ITEM_FIELDS + 3) & 0xFFFF
+            if count == 1:  # one piece: the split kernel wrote the output
+                return
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            res, m, denom, bad = _merge_pieces(part_o_ptr, part_lse_ptr, first, count, r, dv, ROWS)
+            valid = valid & ~bad
+            tl.store(out_ptr + bh * V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
+            if WRITE_LSE:
+                if tl.program_id(1) == 0:
+                    total = tl.where(denom > 0, (m + tl.log2(denom)) * TL_LN2, float("-inf"))
+                    tl.store(lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))
+        else:
+            sp = tl.arange(0, SPLITS_P2)
+            row = (b * NUM_SPLITS + sp) * ROWS + r
+            if USE_PDL:  # everything above overlapped the split kernel; the partials are read only after it
+                tl.extra.cuda.gdc_wait()
+            lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
+            valid = valid & (tl.sum((lse != lse).to(tl.int32), 0) == 0)  # a split met a page outside the cache
+            lse = tl.where(lse == lse, lse, float("-inf"))
+            m = tl.max(lse, 0)
+            w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+            o = tl.load(part_o_ptr + row[:, None] * V_DIM + dv[None, :], mask=(sp < NUM_SPLITS)[:, None], other=0.0)
+            denom = tl.sum(w, 0)
+            res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+            tl.store(out_ptr + bh * V_DIM + dv, tl.where(valid, res, float("nan")).to(tl.bfloat16))
+            if WRITE_LSE:
+                if tl.program_id(1) == 0:
+                    total = tl.where(denom > 0, (m + tl.log2(denom)) * TL_LN2, float("-inf"))
+                    tl.store(lse_at(lse_ptr, b, r, NUM_HEADS, Q_LEN), tl.where(valid, total, float("nan")))

@@ -25,12 +25,27 @@ TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the de
 # WIDE_MIN_TILES tiles, or the grid is more than a wave without splits (triton_plan)
 WIDE_BLOCK_H, WIDE_NUM_WARPS, WIDE_MIN_TILES = 32, 8, 32
 TRITON_MAX_GRID = 65535  # the split kernel's grid: (splits, groups, batch); CUDA and HIP cap the last two there
+# The most shares a balanced schedule cuts a batch into: bounds the partials' workspace and the schedule kernel's
+# rounds (a sequence's pieces), far below the 2^16 pieces an item's count field holds
+MAX_PARTS = 1024
 
 
 def query_groups(q_len: int, num_heads: int, block_h: int = TRITON_BLOCK_H) -> int:
     """The programs a sequence's query rows take per split, block_h rows each (the last masked where they do not
     divide q_len x num_heads)."""
     return -(-q_len * num_heads // block_h)
+
+
+def programs_per_sm(target: TritonTarget) -> int:
+    """Split-kernel programs resident at once per SM (CU on AMD), which the splits and the balanced schedule's
+    shares fill."""
+    return PROGRAMS_PER_SM.get(target.arch, 1) if target.vendor == "amd" else NVIDIA_PROGRAMS_PER_SM
+
+
+def balanced_parts(target: TritonTarget, groups: int) -> int:
+    """The shares a balanced schedule cuts a batch into: one per split-kernel program resident at once, over the
+    `groups` programs of each piece (every group of a sequence's query rows runs the same cut), at most MAX_PARTS."""
+    return max(1, min(MAX_PARTS, programs_per_sm(target) * target.num_sms // max(groups, 1)))
 
 
 def triton_unusable_reason(problem: Problem) -> str | None:
@@ -118,8 +133,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     block_h = block_h or TRITON_BLOCK_H
     block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
     max_splits = 32 if kv_format == "fp8" or hopper else 64  # Hopper MXFP4: a split expands a tile past its end
-    per_sm = PROGRAMS_PER_SM.get(target.arch, 1) if amd else NVIDIA_PROGRAMS_PER_SM
-    want = max(1, per_sm * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
+    want = max(1, programs_per_sm(target) * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
     # bf16 at 3 stages asks an H200 for 241,664 B of shared memory (the model counts 2 buffered tiles; Triton holds
     # more): 2 stages
