@@ -1123,7 +1123,7 @@ TILE_ROWS = 64  # KV rows a unit of work reads: the kernels' tile (the cuda kern
 SEQUENCE_COST = 1  # a sequence's fixed cost in tiles (Q staged, the output written): also keeps length 0 on the line
 # How a plan cuts the work (the cuda and triton backends' option): "balanced", this module's schedule, or "fixed",
 # the same number of equal splits for every sequence, sized by the plan's longest
-SCHEDULES = ("balanced", "fixed")
+SCHEDULES = ("fixed", "balanced")
 
 
 class Schedule(NamedTuple):
@@ -2519,16 +2519,17 @@ class TritonWorkspace(NamedTuple):
 
 
 class TritonDecode:
-    """The triton backend's plan for a problem: its launch key, how it cuts the work (schedule: "balanced", the
-    work-balanced schedule of mla_decode/schedule.py, made on the device from the lengths by mla_schedule_kernel;
-    or "fixed", the plan's num_splits equal splits of every sequence), the partials' workspace, grids,
+    """The triton backend's plan for a problem: its launch key, how it cuts the work (schedule: "fixed", the default,
+    the plan's num_splits equal splits of every sequence; or "balanced", opt-in until measured on a GPU, the
+    work-balanced schedule of mla_decode/schedule.py, made on the device from the lengths by mla_schedule_kernel),
+    the partials' workspace, grids,
     meta-arguments and, after the first run on a GPU, the compiled kernels' launchers, called with addresses
     (Triton's JIT dispatch costs host time on every call). run() reads nothing back and allocates nothing after a
     caller's first run: each caller (thread and queue: caller_key) gets its own partials and schedule.
     `target` and `plan`: as triton_key takes them (a balanced plan uses the plan's all but its num_splits)."""
 
     def __init__(self, problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None,
-                 schedule: str = "balanced"):
+                 schedule: str = "fixed"):
         if schedule not in SCHEDULES:
             raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
         self.key = key = triton_key(problem, target, plan)
@@ -3087,7 +3088,7 @@ def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype,
     (FP8 score products where the backend has them) or "precise" (fp16 or wider). backend: "auto" or one of
     mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan). backend_options: passed to the backend's plan
     (the triton backend's {"plan": TritonPlan}, the cuda backend's {"unit_rows": 16, 32 or 64}; both take
-    {"schedule": "balanced" (default) or "fixed"})."""
+    {"schedule": "fixed" (default) or "balanced"})."""
     problem = make_problem(batch_size, kv_dtype, device, layout="paged", page_size=page_size, max_pages=max_pages,
                            num_heads=num_heads, q_len=q_len, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
                            causal=causal, precision=precision, return_lse=return_lse, scale_dtype=kv_scale_dtype)

@@ -431,16 +431,10 @@ METHODS = (
     Method("cuda-fp8-precise", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, precise (mma.sync)",
            _ours("cuda", "fp8", "precise")),
     Method("cuda-mxfp4", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache", _ours("cuda", "mxfp4")),
-    Method("cuda-fp8-balanced", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
-           "schedule (backend option schedule)", _ours("cuda", "fp8", schedule="balanced")),
-    Method("cuda-mxfp4-balanced", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache, the work-balanced "
-           "schedule (backend option schedule)", _ours("cuda", "mxfp4", schedule="balanced")),
     Method("triton-fp8", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache", _ours("triton", "fp8")),
     Method("triton-fp8-precise", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, precise",
            _ours("triton", "fp8", "precise")),
     Method("triton-mxfp4", "ours", "mxfp4", "mla_decode plan, backend triton, MXFP4 cache", _ours("triton", "mxfp4")),
-    Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "
-           "schedule (backend option schedule)", _ours("triton", "fp8", schedule="balanced")),
     Method("triton-fp8-rows16", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the portable kernel with "
            "16 query rows a program (block_h), 4 warps", _ours("triton", "fp8", block_h=16)),
     Method("triton-fp8-rows32", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the portable kernel with "
@@ -451,6 +445,12 @@ METHODS = (
            "(unit_rows)", _ours("cuda", "fp8", unit_rows=32)),
     Method("cuda-fp8-rows64", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, units of 64 query rows "
            "(wgmma64)", _ours("cuda", "fp8", unit_rows=64)),
+    Method("cuda-fp8-balanced", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
+           "schedule (backend option schedule)", _ours("cuda", "fp8", schedule="balanced")),
+    Method("cuda-mxfp4-balanced", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache, the work-balanced "
+           "schedule (backend option schedule)", _ours("cuda", "mxfp4", schedule="balanced")),
+    Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "
+           "schedule (backend option schedule)", _ours("triton", "fp8", schedule="balanced")),
     Method("flashmla-bf16", "peer", "bf16", f"FlashMLA ({FLASHMLA_SOURCE}) fwd_kvcache_mla, BF16 cache",
            _flashmla("bf16")),
     Method("flashmla-fp8", "peer", "fp8",
