@@ -66,16 +66,16 @@ def test_the_launch_path_runs_for_amd_with_the_combine(tmp_path, target):
 
 
 def test_the_library_call_runs_for_amd_paged_with_the_lse(tmp_path):
-    """bf16 pages of 16 rows (smaller than a tile), with the LSE: with fixed splits through the combine and through
-    the split kernel alone (one split); with the library's default, the balanced schedule, through the schedule
+    """bf16 pages of 16 rows (smaller than a tile), with the LSE: with the library's default, fixed splits, through
+    the combine and through the split kernel alone (one split); with the balanced schedule through the schedule
     kernel, the split kernel over its pieces and the combine over theirs."""
     rc, output, results = run_check(ROOT / "submission.py", "gfx950", tmp_path, mode="bf16", shape="",
                                     library="4x1024x16,512x256x16")
     assert rc == 0, output
     (result,) = results
-    for case, splits in (("library bf16 page 16 lse 4x1024 fixed", "many"),
-                         ("library bf16 page 16 lse 512x256 fixed", 1), ("library bf16 page 16 lse 4x1024", None),
-                         ("library bf16 page 16 lse 512x256", None)):
+    for case, splits in (("library bf16 page 16 lse 4x1024", "many"),
+                         ("library bf16 page 16 lse 512x256", 1), ("library bf16 page 16 lse 4x1024 balanced", None),
+                         ("library bf16 page 16 lse 512x256 balanced", None)):
         (made,) = next(c for c in result["cases"] if c["case"] == case)["plans"]
         assert (made["layout"], made["page_size"], made["write_lse"], made["kv_format"]) == ("paged", 16, True, "bf16")
         assert made["schedule"] == ("balanced" if splits is None else "fixed"), made
