@@ -158,8 +158,8 @@ EMULATION_OF = {("cuda", "fp8", "fast"): "+Q+P", ("cuda", "fp8", "precise"): "ca
 def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) -> tuple[str, Tiling | None]:
     """What that backend's kernel rounds on `data` (through custom_kernel): its EMULATIONS name and, where it rounds P
     (the cuda wgmma kernel; the triton backend's Hopper kernel, triton/hopper.py, where its plan takes it), its walk:
-    the splits of the plan the leaderboard adapter makes for `data` (the triton backend's: fixed splits on the
-    config's uniform promise, else the balanced schedule's pieces)."""
+    the splits of the plan the leaderboard adapter makes for `data` (fixed splits: the backends' default, and what
+    the adapter asks for on the config's uniform promise)."""
     emulation = EMULATION_OF[(backend, kv_format, precision)]
     if emulation == "cache" and not (backend == "triton" and precision == "fast"):
         return emulation, None
@@ -170,19 +170,11 @@ def emulation_of(data: input_t, backend: str, kv_format: str, precision: str) ->
     seq_len = kv_seq_len if kv_seq_len is not None else -(-kv_data[kv_format][0].shape[0] // q.shape[0])
     if backend == "triton":
         from mla_decode.triton import triton_plan, triton_target
-        from mla_decode.triton.plan import balanced_parts, query_groups
 
-        target = triton_target(q.device)
-        plan = triton_plan(q.shape[0], seq_len, target, kv_format)
+        plan = triton_plan(q.shape[0], seq_len, triton_target(q.device), kv_format)
         if not plan.hopper:
             return emulation, None
-        if kv_seq_len is not None and q.shape[0] * kv_seq_len == kv_data[kv_format][0].shape[0]:
-            return "+Q+P", Tiling(plan.num_splits, plan.block_n, torch.float32)
-        bounds = data[3].tolist()
-        lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        parts = balanced_parts(target, query_groups(1, NUM_HEADS, plan.block_h))
-        return "+Q+P", Tiling(block_n=plan.block_n, partial_dtype=torch.float32,
-                              pieces=schedule_pieces(lengths, parts, plan.block_n))
+        return "+Q+P", Tiling(plan.num_splits, plan.block_n, torch.float32)
     import mla_decode.cuda as C
 
     return emulation, Tiling(num_splits=C.launch_splits(C.LaunchKey(q.device, q.shape[0], seq_len, kv_format, False)))

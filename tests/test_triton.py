@@ -314,7 +314,7 @@ def test_balanced_ragged_decodes_meet_the_truth(kv_format, sms):
     kv, scale, indptr = ragged_twin(case)
     decode = mla_decode.plan_ragged(len(lens), kv.dtype, "cpu", max(lens), backend="triton",
                                     kv_scale_dtype=torch.uint8 if scale is None else scale.dtype,
-                                    backend_options={"target": interpreter_target(sms)})
+                                    backend_options={"target": interpreter_target(sms), "schedule": "balanced"})
     assert decode.impl.balanced
     assert_meets_truth(case, *decode.run_ragged(case.q, kv, indptr, scale))
 
