@@ -237,7 +237,7 @@ def test_the_schedule_kernel_lists_the_reference_pieces(spread, layout, sms, blo
     max_pages = max(max(lens), 1) // page + 1 if spread != "invalid" else 40  # 640 rows: 10**6 is past them
     problem = mla_decode.api.make_problem(len(lens), torch.float8_e4m3fn, "cpu", layout=layout, page_size=page,
                                           max_pages=max_pages, max_seqlen=max(max(lens), 1))
-    decode = mla_decode.triton.TritonDecode(problem, interpreter_target(sms), (1, block_n, 4, 3))
+    decode = mla_decode.triton.TritonDecode(problem, interpreter_target(sms), (1, block_n, 4, 3), "balanced")
     assert decode.parts == 2 * sms and decode.max_items == decode.parts + len(lens)
     if layout == "paged":
         seqs, lengths, capacity = torch.tensor(lens, dtype=torch.int32), torch.tensor(lens), max_pages * page
