@@ -113,6 +113,7 @@ class Workspace(NamedTuple):
 
     call: DecodeCall
     address: int
+    items: int  # the address of its own schedule items, which a run without a given schedule fills
     buffers: tuple  # the tensors the call points into, kept alive with it
 
 
@@ -173,7 +174,7 @@ class CudaDecode:
         call = DecodeCall.from_buffer_copy(self.call)
         call.part_o, call.part_lse, call.sync = part_o.data_ptr(), part_lse.data_ptr(), sync.data_ptr()
         call.items = items.data_ptr()
-        return Workspace(call, ctypes.addressof(call), (part_o, part_lse, sync, items))
+        return Workspace(call, ctypes.addressof(call), call.items, (part_o, part_lse, sync, items))
 
     def workspace(self, stream: int) -> Workspace:
         """The workspace of this thread on `stream` (a raw handle), made at its first run: callers on two streams
@@ -226,7 +227,7 @@ class CudaDecode:
         call.stream = stream
         if self.balanced:
             if schedule is None:
-                call.schedule, call.items = SCHEDULE_IN_CALL, work.buffers[3].data_ptr()
+                call.schedule, call.items = SCHEDULE_IN_CALL, work.items
             else:
                 call.schedule, call.items = SCHEDULE_GIVEN, schedule.data_ptr()
         err = self.decode(work.address)
