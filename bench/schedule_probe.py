@@ -1,7 +1,7 @@
 """Where a balanced decode's time goes, on one GPU: for a few serving rows, the schedule's pieces (how many, the
 largest in tiles, the most a sequence has), and the time of the fixed splits, the balanced call (schedule made in the
 call), the balanced run with a schedule made before, the schedule alone, and, with --no-merge, the balanced run of a
-library whose merge returns at once (wrong outputs: timing only).
+library whose combine kernel returns at once (wrong outputs: timing only).
 
     python3 bench/schedule_probe.py [--rows 128x4096-h16-q1,8x32768-h16-q1-range] [--no-merge]
 """
@@ -59,7 +59,7 @@ def probe(row: str) -> None:
 
     fixed, balanced = plan("fixed"), plan("balanced")
     step = balanced.schedule(case.cache_seqlens)
-    items = step.items.cpu()
+    items = step.items[:balanced.impl.max_items * 4].view(-1, 4).cpu()
     live = items[items[:, 0] >= 0]
     counts = live[:, 3] & 0xFFFF
     out = torch.empty((batch, q_len, heads, 512), dtype=torch.bfloat16, device="cuda")
@@ -85,9 +85,9 @@ def main() -> int:
         for f in B.source_files(B.CSRC):
             shutil.copy(f, tmp / f.name)
         merge = (tmp / "merge.cuh").read_text()
-        marker = "  if (!*last) return;"
-        assert marker in merge
-        (tmp / "merge.cuh").write_text(merge.replace(marker, "  return;"))
+        marker = "  const int* const starts = part_first(c);"
+        assert merge.count(marker) == 1
+        (tmp / "merge.cuh").write_text(merge.replace(marker, "  return;\n" + marker))
         B.CSRC = tmp
         print("library: the merge returns at once (timing only)")
     for row in args.rows.split(","):

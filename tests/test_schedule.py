@@ -10,7 +10,7 @@ import torch
 
 import mla_decode.schedule as sched
 from mla_decode.cuda.plan import MAX_PIECES, balanced_parts
-from mla_decode.schedule import SEQUENCE_COST, TILE_ROWS, Schedule, make_schedule, schedule_items
+from mla_decode.schedule import SEQUENCE_COST, TILE_ROWS, Schedule, make_schedule, part_first, schedule_items
 
 CAPACITY = 1 << 16
 
@@ -83,6 +83,39 @@ def test_every_tile_is_read_once_and_parts_are_balanced(batch, kind, parts):
     items = schedule_items(s, parts + batch)
     assert int((items[:, 0] >= 0).sum()) <= parts + batch - 1
     assert all(bool((count == 1).all()) for count in item_coverage(items, s.tiles))
+
+
+def part_pieces_misplaced(s: Schedule, items: torch.Tensor, starts: torch.Tensor) -> list[tuple[int, int]]:
+    """(part, item) pairs where part_first gives part p an item whose line segment (its tiles, and its sequence's
+    fixed units for a first piece) is not inside p's share, or leaves a listed piece to no part or to two."""
+    wrong, owner = [], {}
+    for p in range(s.parts):
+        for k in range(int(starts[p]), int(starts[p + 1])):
+            b, lo, hi, word = (int(v) for v in items[k])
+            line_lo = int(s.start[b]) + (0 if word >> 16 == 0 else SEQUENCE_COST + lo)
+            line_hi = max(int(s.start[b]) + SEQUENCE_COST + hi, line_lo + 1)
+            if b < 0 or not (p * s.share <= line_lo and line_hi <= (p + 1) * s.share):
+                wrong.append((p, k))
+            owner[k] = owner.get(k, 0) + 1
+    listed = int((items[:, 0] >= 0).sum())
+    wrong += [(-1, k) for k in range(listed) if owner.get(k) != 1]
+    return wrong
+
+
+@pytest.mark.parametrize("batch,kind,parts", CASES)
+def test_each_part_lists_the_pieces_of_its_share(batch, kind, parts):
+    """part_first (the cuda kernels' persistent CTAs walk part p's items part_first[p] .. part_first[p + 1] - 1)
+    gives every listed piece to exactly the part whose share holds it; a shifted boundary is caught."""
+    s = make_schedule(spread(batch, kind, seed=batch + parts), parts, CAPACITY)
+    items, starts = schedule_items(s, parts + batch), part_first(s)
+    assert starts.shape == (parts + 1,) and int(starts[0]) == 0
+    assert int(starts[-1]) == int((items[:, 0] >= 0).sum())
+    assert part_pieces_misplaced(s, items, starts) == []
+    used = [p for p in range(parts) if starts[p + 1] > starts[p]]
+    if len(used) > 1:  # the negative control: the second part's first piece handed to the first part
+        shifted = starts.clone()
+        shifted[used[1]] += 1
+        assert part_pieces_misplaced(s, items, shifted) != []
 
 
 def test_invalid_lengths_cost_their_fixed_units_alone():

@@ -1,9 +1,10 @@
-"""The cuda backend's work-balanced schedule on the GPU: the schedule kernel lists exactly the pieces of the CPU
-reference (mla_decode.schedule.schedule_items); balanced decodes of uneven batches (lengths 0, 1, odd, one long
-sequence beside short ones, heavy tails; shuffled pages, NaN in every unowned slot) meet the float64 truth within the
-library's GPU bounds and agree with the fixed splits; a step's schedule serves every layer, is refused when stale,
-replays in a CUDA graph with new lengths, and two threads on two streams get what each gets alone. Planted faults in
-the schedule (a tile dropped, a tile taken twice, a piece's count wrong) fail the bounds."""
+"""The cuda backend's work-balanced schedule on the GPU: the schedule kernel lists exactly the pieces and the parts'
+first pieces of the CPU reference (mla_decode.schedule.schedule_items and part_first); balanced decodes of uneven
+batches (lengths 0, 1, odd, one long sequence beside short ones, heavy tails; shuffled pages, NaN in every unowned
+slot) meet the float64 truth within the library's GPU bounds and agree with the fixed splits; a step's schedule serves
+every layer, is refused when stale, replays in a CUDA graph with new lengths, and two threads on two streams get what
+each gets alone. Planted faults in the schedule (a tile dropped, a tile taken twice, a piece's count wrong) fail the
+bounds."""
 
 import threading
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import mla_decode
-from mla_decode.schedule import make_schedule, schedule_items
+from mla_decode.schedule import make_schedule, part_first, schedule_items
 from testkit.emulation import round_q_per_head
 from testkit.paged import errors, make_paged_case, paged_reference, ragged_twin
 
@@ -53,10 +54,12 @@ def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
     plan = cuda_plan(case, "fast")
     made = plan.schedule(case.cache_seqlens)
     capacity = case.block_table.shape[1] * page_size
-    want = schedule_items(make_schedule(case.cache_seqlens.cpu(), plan.impl.parts, capacity), plan.impl.max_items)
+    s = make_schedule(case.cache_seqlens.cpu(), plan.impl.parts, capacity)
+    want = torch.cat([schedule_items(s, plan.impl.max_items).flatten(), part_first(s)])
     assert torch.equal(made.items.cpu(), want)
     kv, _, indptr = ragged_twin(case)  # the ragged plan cuts the same pieces from kv_indptr
-    ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="cuda")
+    ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="cuda",
+                                    backend_options={"schedule": "balanced"})
     assert ragged.impl.parts == plan.impl.parts
     assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
 
@@ -164,7 +167,8 @@ def test_two_threads_on_two_streams_get_what_each_gets_alone(backend, kv_format,
 @pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
 def test_a_planted_schedule_fault_fails_the_bounds(fault):
     """On the precise kernel (the tightest bounds) and short sequences cut into pieces of a tile or two, one tile
-    dropped, one tile taken twice, or a sequence's pieces miscounted moves its output past the bounds."""
+    dropped, one tile taken twice, or a sequence's pieces counting one fewer (the combine leaves out its last piece,
+    which holds tiles) moves its output past the bounds."""
     kernel = ("fp8", "precise")
     case = make_paged_case("fp8", 16, SPREADS["edges"], seed=4, device="cuda")
     plan = cuda_plan(case, "precise")
@@ -174,17 +178,19 @@ def test_a_planted_schedule_fault_fails_the_bounds(fault):
     out_bound, lse_bound = BOUNDS[kernel]
     good = errors(out, lse, *ref)
     assert good[0] < out_bound and good[1] < lse_bound
-    items = step.items
+    items = step.items[:plan.impl.max_items * 4].view(-1, 4)  # a view: the faults land in the step's schedule
     count, index = items[:, 3] & 0xFFFF, items[:, 3] >> 16
     tiles = (case.cache_seqlens.long() + 63) // 64
     short = tiles[items[:, 0].clamp(min=0).long()] <= 20
-    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & (index < count - 1)).nonzero()[0])
+    # a piece with tiles that is not its sequence's last (count: its last, of two or more)
+    last = (index == count - 1) & (count > 1) if fault == "count" else index < count - 1
+    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & last).nonzero()[0])
     if fault == "dropped":
         items[k, 2] -= 1
     elif fault == "twice":
         items[k + 1, 1] -= 1  # the next piece of the sequence starts a tile early
-    else:  # every piece of the sequence counts one more: the merge waits for a piece that never comes
-        items[items[:, 0] == items[k, 0], 3] += 1
+    else:
+        items[items[:, 0] == items[k, 0], 3] -= 1
     out = torch.full_like(out, float("nan"))
     bad = errors(*plan.run(*case.args(), out=out, schedule=step), *ref)
     assert bad[0] > out_bound or bad[1] > lse_bound, bad

@@ -202,7 +202,8 @@ def test_gpu_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
     want = torch.cat([schedule_items(s, impl.max_items).flatten(), (torch.cumsum(counts, 0) - counts).int()])
     assert torch.equal(made.cpu(), want)
     kv, _, indptr = ragged_twin(case)
-    ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="triton")
+    ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="triton",
+                                    backend_options={"schedule": "balanced"})
     assert ragged.impl.parts == impl.parts
     assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
 
@@ -286,8 +287,8 @@ def test_gpu_a_graph_replays_the_schedule_with_new_lengths():
 @needs_cuda
 @pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
 def test_gpu_a_planted_schedule_fault_fails_the_bounds(fault):
-    """A tile dropped, a tile taken twice, or a sequence's pieces counting one more (the combine then merges a slot
-    none of them wrote: the workspace poisoned first) fail the bounds the correct schedule meets. The precise mode
+    """A tile dropped, a tile taken twice, or a sequence's pieces counting one fewer (the combine then leaves out its
+    last piece, which holds tiles) fail the bounds the correct schedule meets. The precise mode
     (the tightest bounds) over short sequences cut into pieces of a tile or two, where one tile moves the output."""
     case = make_paged_case("fp8", 16, SPREADS["edges"], seed=4, device="cuda")
     plan = triton_paged_plan(case, "precise")
@@ -303,13 +304,15 @@ def test_gpu_a_planted_schedule_fault_fails_the_bounds(fault):
     block_n = plan.impl.key.plan.block_n
     tiles = (case.cache_seqlens.long() + block_n - 1) // block_n
     short = tiles[items[:, 0].clamp(min=0).long()] <= 20
-    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & (index < count - 1)).nonzero()[0])
+    # a piece with tiles that is not its sequence's last (count: its last, of two or more)
+    last = (index == count - 1) & (count > 1) if fault == "count" else index < count - 1
+    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & last).nonzero()[0])
     if fault == "dropped":
         items[k, 2] -= 1
     elif fault == "twice":
         items[k + 1, 1] -= 1  # the next piece of the sequence starts a tile early
     else:
-        items[items[:, 0] == items[k, 0], 3] += 1
+        items[items[:, 0] == items[k, 0], 3] -= 1
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     bad = errors(*plan.run(*case.args(), out=out, schedule=step), ref_out, ref_lse)
     assert bad[0] > out_bound or bad[1] > lse_bound, bad

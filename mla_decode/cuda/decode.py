@@ -107,6 +107,12 @@ SCHEDULE_IN_CALL, SCHEDULE_GIVEN = 1, 2  # DecodeCall's schedule (common.cuh): m
 ITEM_FIELDS = 4  # a schedule item: {b, first tile, end tile, index << 16 | count} (schedule.cuh)
 
 
+def schedule_words(parts: int, max_items: int) -> int:
+    """int32 words of a balanced schedule (schedule.cuh): max_items items of ITEM_FIELDS, then part_first (parts +
+    1,)."""
+    return max_items * ITEM_FIELDS + parts + 1
+
+
 class Workspace(NamedTuple):
     """One caller's partials, counters and schedule items, with its own DecodeCall: a plan keeps one per (thread,
     stream), so callers on two streams or two threads never share a partial or a counter."""
@@ -121,10 +127,10 @@ class CudaDecode:
     """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("fixed", the default:
     num_splits equal splits a unit; or "balanced": the work-balanced schedule of schedule.cuh, made on the GPU from
     the lengths, opt-in until it beats the fixed splits on the uneven grid: docs/2026-12-06-balanced-h100.md), and a
-    DecodeCall with the plan's fields set. The workspace (the pieces' partials, part_o (pieces, unit_rows,
-    512) bf16 and part_lse (pieces, unit_rows) fp32, the per-unit counters (units,) int32 and the balanced schedule's
-    items (max_items, 4) int32) is made once per (thread, stream) that runs the plan. run() sets the inputs' fields
-    and makes one ctypes call: no host read; no allocation after a stream's first run."""
+    DecodeCall with the plan's fields set. The workspace (the pieces' partials, part_o (pieces, unit_rows, 512) bf16
+    and part_lse (pieces, unit_rows) fp32, the fixed splits' per-unit counters (units,) int32 and the balanced
+    schedule (schedule_words,) int32) is made once per (thread, stream) that runs the plan. run() sets the inputs'
+    fields and makes one ctypes call: no host read; no allocation after a stream's first run."""
 
     def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = "fixed"):
         if schedule not in SCHEDULES:
@@ -168,9 +174,8 @@ class CudaDecode:
         device, rows = self.device, self.rows
         part_o = torch.empty((self.pieces, rows, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
         part_lse = torch.empty((self.pieces, rows), dtype=torch.float32, device=device)
-        counted = self.balanced or self.num_splits > 1
-        sync = torch.zeros((self.units if counted else 0,), dtype=torch.int32, device=device)
-        items = torch.empty((self.max_items, ITEM_FIELDS), dtype=torch.int32, device=device)
+        sync = torch.zeros((self.units if self.num_splits > 1 else 0,), dtype=torch.int32, device=device)
+        items = torch.empty((schedule_words(self.parts, self.max_items),), dtype=torch.int32, device=device)
         call = DecodeCall.from_buffer_copy(self.call)
         call.part_o, call.part_lse, call.sync = part_o.data_ptr(), part_lse.data_ptr(), sync.data_ptr()
         call.items = items.data_ptr()
@@ -188,11 +193,11 @@ class CudaDecode:
 
     def make_schedule(self, seqs: torch.Tensor) -> torch.Tensor:
         """The balanced schedule of `seqs` (cache_seqlens (batch,) when paged, kv_indptr (batch + 1,) when ragged,
-        int32 on the plan's device) made on the current stream: items (max_items, 4) int32, for run(schedule=) in
-        every layer of a step. Reads no length on the host."""
+        int32 on the plan's device) made on the current stream: (schedule_words,) int32, the items (max_items, 4) and
+        then part_first (parts + 1,), for run(schedule=) in every layer of a step. Reads no length on the host."""
         if not self.balanced:
             raise ValueError("cuda backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
-        items = torch.empty((self.max_items, ITEM_FIELDS), dtype=torch.int32, device=seqs.device)
+        items = torch.empty((schedule_words(self.parts, self.max_items),), dtype=torch.int32, device=seqs.device)
         call = DecodeCall.from_buffer_copy(self.call)
         call.seqs, call.items, call.stream = seqs.data_ptr(), items.data_ptr(), current_raw_stream(self.device_index)
         call.schedule = SCHEDULE_GIVEN

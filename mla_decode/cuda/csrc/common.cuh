@@ -29,10 +29,10 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // 1 - t) positions; stream: the cudaStream_t to launch on; qk_scale = sm_scale * log2(e). Paged: page_mul and
 // page_shift divide by page_size (page_of); guess_rows, split_rows of the plan's length (guess_entries).
 // schedule: FIXED_SPLITS, num_splits a unit as above; or the work-balanced schedule (schedule.cuh), whose items
-// (max_items,) int4 cut the batch into `parts` shares: SCHEDULE_IN_CALL, mla_decode makes them from seqs before the
-// split kernel; SCHEDULE_GIVEN, mla_schedule made them earlier in the stream (one schedule for every layer of a step).
-// Then part_o (max_items * groups, unit_rows, 512), part_lse (max_items * groups, unit_rows) and sync (units,),
-// zero before the first launch, with groups = q_len * num_heads / unit_rows.
+// (max_items,) int4 and part_first cut the batch into `parts` shares: SCHEDULE_IN_CALL, mla_decode makes them from
+// seqs before the split kernel; SCHEDULE_GIVEN, mla_schedule made them earlier in the stream (one schedule for every
+// layer of a step). Then part_o (max_items * groups, unit_rows, 512) and part_lse (max_items * groups, unit_rows),
+// with groups = q_len * num_heads / unit_rows; sync is unused (combine_kernel merges after the grid).
 enum Schedule : int { FIXED_SPLITS = 0, SCHEDULE_IN_CALL = 1, SCHEDULE_GIVEN = 2 };
 struct DecodeCall {
   const __nv_bfloat16* q;
@@ -136,39 +136,61 @@ __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, in
 
 // A CTA's work: piece `index` of the `count` pieces that cut unit rows.unit's positions, positions [lo, ...) (the
 // first: exact, or with fixed splits the plan's guess: the range is piece_range's); count 1: the CTA writes out,
-// else its partial at part_o's slot `part`, the unit's piece i at slot part0 + i * part_stride.
+// else its partial at part_o's slot `part`.
 struct Piece {
   QueryRows rows;
   int index, count, lo, tile_hi;  // tile_hi: the balanced piece's end, in tiles of its sequence
-  size_t part, part0, part_stride;
+  size_t part;
 };
 
-// This CTA's piece; false: none (the balanced grid's CTAs past the schedule's items).
-template <int H, bool BALANCED>
-__device__ __forceinline__ bool piece_of(const DecodeCall& c, Piece& p) {
-  if constexpr (BALANCED) {  // grid (max_items, groups): item blockIdx.x's piece of every group's unit
-    const int4 item = c.items[blockIdx.x];  // {b, first tile, end tile, index << 16 | count}, b -1 past the items
-    if (item.x < 0) return false;
-    const int groups = c.q_len * c.num_heads / H;
-    p.rows = query_rows<H>(c, item.x * groups + blockIdx.y);
-    p.index = item.w >> 16;
-    p.count = item.w & 0xffff;
-    p.lo = item.y * BN;
-    p.tile_hi = item.z;
-    p.part_stride = groups;
-    p.part = static_cast<size_t>(blockIdx.x) * groups + blockIdx.y;
-    p.part0 = p.part - static_cast<size_t>(p.index) * groups;
-  } else {  // grid (num_splits, units)
-    p.rows = query_rows<H>(c, blockIdx.y);
-    p.index = blockIdx.x;
-    p.count = c.num_splits;
-    p.lo = p.index * c.guess_rows;
-    p.tile_hi = 0;
-    p.part_stride = 1;
-    p.part0 = static_cast<size_t>(p.rows.unit) * c.num_splits;
-    p.part = p.part0 + p.index;
+// The fixed splits' piece of this CTA: grid (num_splits, units), split blockIdx.x of unit blockIdx.y; the unit's
+// split s at slot unit * num_splits + s.
+template <int H>
+__device__ __forceinline__ Piece split_piece_of(const DecodeCall& c) {
+  Piece p;
+  p.rows = query_rows<H>(c, blockIdx.y);
+  p.index = blockIdx.x;
+  p.count = c.num_splits;
+  p.lo = p.index * c.guess_rows;
+  p.tile_hi = 0;
+  p.part = static_cast<size_t>(p.rows.unit) * c.num_splits + p.index;
+  return p;
+}
+
+constexpr int MAX_PIECES = 512;  // the most parts a balanced schedule cuts (the most pieces a sequence has)
+
+// The balanced schedule's items, then part_first (parts + 1,) int32: part p's pieces are items part_first[p] ..
+// part_first[p + 1] - 1 (schedule.cuh writes both).
+__device__ __forceinline__ const int* part_first(const DecodeCall& c) {
+  return reinterpret_cast<const int*>(c.items + c.max_items);
+}
+
+// Item k's piece of group blockIdx.y's unit (the balanced grid is (parts, groups)); its partial at slot k * groups +
+// group, so a sequence's pieces (consecutive items) lie groups slots apart.
+template <int H>
+__device__ __forceinline__ Piece item_piece(const DecodeCall& c, int k) {
+  const int4 item = c.items[k];  // {b, first tile, end tile, index << 16 | count}
+  const int groups = c.q_len * c.num_heads / H;
+  Piece p;
+  p.rows = query_rows<H>(c, item.x * groups + blockIdx.y);
+  p.index = item.w >> 16;
+  p.count = item.w & 0xffff;
+  p.lo = item.y * BN;
+  p.tile_hi = item.z;
+  p.part = static_cast<size_t>(k) * groups + blockIdx.y;
+  return p;
+}
+
+// A persistent CTA of the balanced grid walks its part's pieces (part blockIdx.x) in line order, decode(piece) each;
+// a barrier between pieces frees the shared memory. A part's work is one share of the batch, so every CTA of the
+// resident grid has about the same.
+template <int H, typename Decode>
+__device__ __forceinline__ void for_each_piece(const DecodeCall& c, Decode&& decode) {
+  const int first = __ldg(part_first(c) + blockIdx.x), end = __ldg(part_first(c) + blockIdx.x + 1);
+  for (int k = first; k < end; ++k) {
+    if (k > first) __syncthreads();
+    decode(item_piece<H>(c, k));
   }
-  return true;
 }
 
 // The positions of piece p for token t: split_range's with fixed splits; the item's tiles with the balanced schedule,

@@ -161,97 +161,81 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
   }
 }
 
-// The balanced schedule's merge (schedule.cuh): the `count` pieces of a unit meet at no barrier. Each adds its
-// arrival to sync[unit] once its partial is stored (acq_rel: publishing its partial, and seeing the others' when it
-// is the last); the last to arrive merges them all and zeroes the count for the next launch. No CTA waits for
-// another, so the grid need not be resident. A piece of no positions has LSE -inf and weighs 0; a NaN LSE marks a
-// page outside the cache and makes the unit's rows NaN, as does valid = false (piece_range's verdict). smem: shared
-// memory for H x (count + 2) + 1 words, free when called. NT threads; out and lse as merge_quads writes them.
-constexpr int MERGE_QUADS = 8;   // quads a thread merges at once (its accumulators)
-constexpr int MERGE_AHEAD = 4;   // pieces whose loads a thread has in flight at once: MERGE_QUADS x this
-template <int H, int NT>
-__device__ __forceinline__ void merge_pieces(const DecodeCall& call, const Piece& piece, bool valid, float* smem) {
-  static_assert(NT % 32 == 0 && H * DV / 4 % (NT * MERGE_QUADS) == 0, "whole passes of MERGE_QUADS quads a thread");
-  const int unit = piece.rows.unit, count = piece.count;
-  int* const last = reinterpret_cast<int*>(smem + H * (count + 2));
-  __syncthreads();  // every partial store of the CTA is issued before its arrival
-  if (threadIdx.x == 0) {
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(call.sync + unit) : "memory");
-    *last = old == static_cast<unsigned>(count - 1);
-    if (*last) call.sync[unit] = 0;  // every piece has arrived: the next launch starts from zero
+// The balanced schedule's merge, a kernel after the split kernel: each sequence cut into several pieces (consecutive
+// items) is merged by the CTAs of the part its first piece lies in, the last piece of that part (a part starts at
+// most one sequence that goes on past it). Grid (parts, groups, H / COMBINE_WARPS): warp w merges query row
+// blockIdx.z * COMBINE_WARPS + w of group blockIdx.y's unit, a lane 16 columns, over every piece: out = sum_i w_i o_i
+// / sum_i w_i with w_i = 2^(lse_i - max lse). A piece of no positions has LSE -inf and weighs 0 (every piece empty:
+// zeros, LSE -inf, as one piece writes); a NaN LSE (a page outside the cache, an invalid range) makes the row NaN.
+constexpr int COMBINE_WARPS = 4;
+constexpr int COMBINE_AHEAD = 4;  // pieces whose loads a lane has in flight at once (2 x 16 bytes each)
+template <int H>
+__global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const DecodeCall c) {
+  __shared__ float lses[COMBINE_WARPS][MAX_PIECES];  // a sequence has at most `parts` pieces
+  const int* const starts = part_first(c);
+  const int last = __ldg(starts + blockIdx.x + 1) - 1;
+  if (last < __ldg(starts + blockIdx.x)) return;  // a part of no pieces
+  const int4 item = c.items[last];
+  const int count = item.w & 0xffff;
+  if ((item.w >> 16) != 0 || count == 1) return;  // not the first of several pieces
+  const int groups = c.q_len * c.num_heads / H, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int h = blockIdx.z * COMBINE_WARPS + warp;
+  const QueryRows rows = query_rows<H>(c, item.x * groups + blockIdx.y);
+  // piece i's partial of this row: slot (last + i) * groups + group
+  const size_t row0 = (static_cast<size_t>(last) * groups + blockIdx.y) * H + h, step = static_cast<size_t>(groups) * H;
+  float* const lse = lses[warp];
+  float mx = -INFINITY, sum = 0.f;
+  bool bad = false;
+  for (int i = lane; i < count; i += 32) {  // an online max and sum over the warp's share, then across the lanes
+    const float l = __ldcg(c.part_lse + row0 + i * step);
+    lse[i] = l;
+    bad |= l != l;
+    if (l > mx) sum = sum * exp2f(mx - l) + 1.f, mx = l;  // -inf and NaN never raise the max
+    else if (l > -INFINITY) sum += exp2f(l - mx);
   }
-  __syncthreads();
-  if (!*last) return;
-  // Each row's LSEs (log2) in smem, and per row its max and 1 / the sum of its weights (NaN when not ok): a warp a
-  // row, one pass of loads with an online max and sum.
-  float* const lses = smem;                   // [H][count]
-  float* const row_max = smem + H * count;    // [H]
-  float* const row_scale = row_max + H;       // [H]
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int h = warp; h < H; h += NT / 32) {
-    float mx = -INFINITY, sum = 0.f;
-    bool bad_page = false;
-    for (int i = lane; i < count; i += 32) {
-      const float l = __ldcg(call.part_lse + (piece.part0 + i * piece.part_stride) * H + h);
-      lses[h * count + i] = l;
-      bad_page |= l != l;
-      if (l > mx) sum = sum * exp2f(mx - l) + 1.f, mx = l;  // -inf and NaN never raise the max
-      else if (l > -INFINITY) sum += exp2f(l - mx);
-    }
-    for (int o = 16; o; o >>= 1) {
-      const float omx = __shfl_xor_sync(0xffffffffu, mx, o), osum = __shfl_xor_sync(0xffffffffu, sum, o);
-      const float nm = fmaxf(mx, omx);
-      sum = (mx == -INFINITY ? 0.f : sum * exp2f(mx - nm)) + (omx == -INFINITY ? 0.f : osum * exp2f(omx - nm));
-      mx = nm;
-    }
-    bad_page = __any_sync(0xffffffffu, bad_page);
-    if (lane == 0) {
-      const bool ok = valid && !bad_page;
-      row_max[h] = mx;
-      row_scale[h] = (sum > 0.f ? 1.f / sum : 0.f) * (ok ? 1.f : NAN);  // every piece empty: zeros
-      if (call.lse)
-        call.lse[piece.rows.lse0 + h * piece.rows.lse_stride] =
-            ok ? (sum > 0.f ? (mx + __log2f(sum)) * LN2 : -INFINITY) : NAN;
-    }
+  for (int o = 16; o; o >>= 1) {
+    const float omx = __shfl_xor_sync(0xffffffffu, mx, o), osum = __shfl_xor_sync(0xffffffffu, sum, o);
+    const float nm = fmaxf(mx, omx);
+    sum = (mx == -INFINITY ? 0.f : sum * exp2f(mx - nm)) + (omx == -INFINITY ? 0.f : osum * exp2f(omx - nm));
+    mx = nm;
   }
-  __syncthreads();
-  // Thread t merges quads t + NT j (4 columns of one row each), MERGE_QUADS at a time over every piece, the loads of
-  // MERGE_AHEAD pieces issued before any is used: a round trip to L2 per MERGE_AHEAD pieces, not per piece and quad.
-  __nv_bfloat16* out = call.out + static_cast<size_t>(unit) * H * DV;
-  const uint2* parts = reinterpret_cast<const uint2*>(call.part_o + piece.part0 * H * DV);
-  const size_t piece_step = piece.part_stride * H * DV / 4;  // uint2 (4 bf16) from one piece's partial to the next
-  for (int q0 = threadIdx.x; q0 < H * DV / 4; q0 += NT * MERGE_QUADS) {
-    float4 acc[MERGE_QUADS];
+  bad = __any_sync(0xffffffffu, bad);
+  __syncwarp();
+  float acc[16] = {};
+  const uint4* po = reinterpret_cast<const uint4*>(c.part_o + row0 * DV) + 2 * lane;
+  const size_t po_step = step * DV / 8;  // uint4 (8 bf16) from one piece's row to the next's
+  for (int i0 = 0; i0 < count; i0 += COMBINE_AHEAD) {
+    uint4 o[COMBINE_AHEAD][2];
 #pragma unroll
-    for (int j = 0; j < MERGE_QUADS; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i0 = 0; i0 < count; i0 += MERGE_AHEAD) {
-      uint2 o[MERGE_AHEAD][MERGE_QUADS];
+    for (int a = 0; a < COMBINE_AHEAD; ++a)
 #pragma unroll
-      for (int a = 0; a < MERGE_AHEAD; ++a)
+      for (int j = 0; j < 2; ++j)
+        o[a][j] = i0 + a < count ? __ldcg(po + (i0 + a) * po_step + j) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int j = 0; j < MERGE_QUADS; ++j)
-          o[a][j] = i0 + a < count ? __ldcg(parts + (i0 + a) * piece_step + q0 + NT * j) : make_uint2(0u, 0u);
+    for (int a = 0; a < COMBINE_AHEAD; ++a) {
+      const float l = i0 + a < count ? lse[i0 + a] : -INFINITY;
+      const float wt = l > -INFINITY ? exp2f(l - mx) : 0.f;  // NaN: weight 0, the row is NaN below
 #pragma unroll
-      for (int a = 0; a < MERGE_AHEAD; ++a) {
+      for (int j = 0; j < 2; ++j) {
+        const uint32_t w[4] = {o[a][j].x, o[a][j].y, o[a][j].z, o[a][j].w};
 #pragma unroll
-        for (int j = 0; j < MERGE_QUADS; ++j) {
-          const int h = (q0 + NT * j) / (DV / 4);
-          const float l = i0 + a < count ? lses[h * count + i0 + a] : -INFINITY;
-          const float wt = l > -INFINITY ? exp2f(l - row_max[h]) : 0.f;  // NaN LSE: weight 0, the row is NaN
-          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o[a][j].x));
-          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o[a][j].y));
-          acc[j].x += wt * lo.x, acc[j].y += wt * lo.y, acc[j].z += wt * hi.x, acc[j].w += wt * hi.y;
+        for (int k = 0; k < 4; ++k) {
+          const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
+          acc[8 * j + 2 * k] += wt * v.x;
+          acc[8 * j + 2 * k + 1] += wt * v.y;
         }
       }
     }
-#pragma unroll
-    for (int j = 0; j < MERGE_QUADS; ++j) {
-      const int quad = q0 + NT * j, h = quad / (DV / 4), col = quad % (DV / 4) * 4;
-      const float s = row_scale[h];
-      store_bf16x4(out + h * DV + col, make_float4(acc[j].x * s, acc[j].y * s, acc[j].z * s, acc[j].w * s));
-    }
   }
+  const bool ok = !bad;
+  const float scale = (sum > 0.f ? 1.f / sum : 0.f) * (ok ? 1.f : NAN);
+  __nv_bfloat16* out = c.out + (static_cast<size_t>(rows.unit) * H + h) * DV + 16 * lane;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    store_bf16x4(out + 4 * j, make_float4(acc[4 * j] * scale, acc[4 * j + 1] * scale, acc[4 * j + 2] * scale,
+                                          acc[4 * j + 3] * scale));
+  if (c.lse && lane == 0)
+    c.lse[rows.lse0 + h * rows.lse_stride] = ok ? (sum > 0.f ? (mx + __log2f(sum)) * LN2 : -INFINITY) : NAN;
 }
 
 }  // namespace mla

@@ -15,7 +15,8 @@
 // bf16, its normalised partial output, and part_lse (units * num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs
 // of a unit meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each
 // merges 1 / num_splits of the unit's outputs. The grid is launched cooperatively, so all its CTAs are resident and
-// the wait cannot hang.
+// the wait cannot hang. With the balanced schedule (schedule.cuh) the grid is (parts, groups): each CTA walks its
+// part's pieces, and combine_kernel (merge.cuh) merges the sequences of several pieces after it.
 
 #if MLA_WGMMA
 #include <cudaTypedefs.h>
@@ -117,7 +118,7 @@ static int wide_ctas(int units, int) { return units; }
 // first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
-// BAL: the balanced schedule's grid (max_items, groups), launched plainly: its merge waits for no CTA.
+// BAL: the balanced schedule's grid (parts, groups), launched plainly: no CTA waits for another.
 template <int STAGES, bool MX, int LAYOUT, int H, bool BAL>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
   constexpr bool PAGED = LAYOUT != mla::RAGGED;
@@ -145,7 +146,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
   }
   cudaLaunchConfig_t cfg = {};
   const int groups = a.q_len * a.num_heads / H, units = a.batch * groups;
-  if constexpr (BAL) cfg.gridDim = dim3(a.max_items, groups);
+  if constexpr (BAL) cfg.gridDim = dim3(a.parts, groups);
   else cfg.gridDim = dim3(a.num_splits, wide && a.num_splits == 1 ? wide_ctas(units, sms) : units);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
@@ -254,6 +255,21 @@ static bool schedule_ok(const DecodeCall& c) {
          c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1;
 }
 
+// The balanced grid's merge (merge.cuh's combine_kernel) on c.stream, in units of the call's rows.
+static cudaError_t launch_combine(const DecodeCall& c) {
+  const int groups = c.q_len * c.num_heads / c.unit_rows;
+  const dim3 grid(c.parts, groups, c.unit_rows / mla::COMBINE_WARPS), block(mla::COMBINE_WARPS * 32);
+  const cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
+  switch (c.unit_rows) {
+#if MLA_WGMMA
+    case 64: mla::combine_kernel<64><<<grid, block, 0, stream>>>(c); break;
+    case 32: mla::combine_kernel<32><<<grid, block, 0, stream>>>(c); break;
+#endif
+    default: mla::combine_kernel<16><<<grid, block, 0, stream>>>(c);
+  }
+  return cudaGetLastError();
+}
+
 // Launches the schedule kernel alone on c->stream: c->items from c->seqs (schedule.cuh), for calls with
 // SCHEDULE_GIVEN. Returns a cudaError_t.
 extern "C" int mla_schedule(const DecodeCall* c) {
@@ -263,8 +279,8 @@ extern "C" int mla_schedule(const DecodeCall* c) {
   return static_cast<int>(cudaGetLastError());
 }
 
-// Launches the split kernel (which merges its splits itself) on c->stream, after the schedule kernel where the call
-// makes its schedule (SCHEDULE_IN_CALL).
+// Launches the split kernel (which merges fixed splits itself) on c->stream, after the schedule kernel where the call
+// makes its schedule (SCHEDULE_IN_CALL) and before the balanced schedule's combine_kernel.
 // C ABI (loaded with ctypes: no torch headers, seconds to build). Returns a cudaError_t.
 extern "C" int mla_decode(const DecodeCall* c) {
   static thread_local int sms[32] = {}, smem_per_block[32] = {}, max_window[32] = {};  // per device
@@ -295,7 +311,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
 #if MLA_WGMMA
   const int groups = c->q_len * c->num_heads / rows;
   // CTAs of the grid: with more than the SMs, two share an SM (fewer stages each)
-  const int ctas = c->schedule == mla::FIXED_SPLITS ? c->batch * groups * num_splits : c->max_items * groups;
+  const int ctas = c->schedule == mla::FIXED_SPLITS ? c->batch * groups * num_splits : c->parts * groups;
   if (rows == mla::WIDE_ROWS)
     e = launch_wide(dev, *c, max_window[dev], sms[dev]);
   else if (kv_format == 1)
@@ -311,5 +327,6 @@ extern "C" int mla_decode(const DecodeCall* c) {
     default: e = launch_layout<2, false>(dev, *c, max_window[dev], sms[dev]);
   }
 #endif
+  if (e == cudaSuccess && c->schedule != mla::FIXED_SPLITS) e = launch_combine(*c);
   return static_cast<int>(e);
 }

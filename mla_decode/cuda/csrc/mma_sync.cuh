@@ -46,11 +46,10 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// MX: not supported here (the launcher never instantiates it); BALANCED: the balanced schedule's grid (piece_of).
-template <int STAGES, bool MX, bool PAGED, bool BALANCED>
-__global__ void __launch_bounds__(NTHREADS, 1)
-split_kernel(const DecodeCall call) {
-  extern __shared__ __align__(128) uint8_t smem[];
+// One piece of a unit's positions in split_kernel's CTA: the output (one piece) or its partial (merged by the fixed
+// splits' barrier here, by combine_kernel after a balanced grid).
+template <int STAGES, bool PAGED, bool BALANCED>
+__device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece& piece, uint8_t* smem) {
   uint8_t* ks = smem;
   uint8_t* const tail = smem + STAGES * BN * KROW;
   __half* qs = reinterpret_cast<__half*>(tail);
@@ -59,8 +58,6 @@ split_kernel(const DecodeCall call) {
   int* const rows_smem = reinterpret_cast<int*>(tail + SMEM_Q + SMEM_P + SMEM_RED);
   const PagedRows paged_rows{rows_smem, rows_smem + ROW_SLOTS * BN};
 
-  Piece piece;
-  if (!piece_of<H, BALANCED>(call, piece)) return;
   const QueryRows& rows = piece.rows;
   const int b = rows.b, unit = rows.unit;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -262,18 +259,27 @@ split_kernel(const DecodeCall call) {
   }
   if (warp == 0 && t4 == 0) {
     const float lse0 = l0 > 0.f ? m0 + log2f(l0) : -INFINITY, lse1 = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
-    if (!direct) {  // NaN: a page outside the cache; the merge makes the unit NaN
-      call.part_lse[part * H + g] = bad_page ? NAN : lse0;
-      call.part_lse[part * H + g + 8] = bad_page ? NAN : lse1;
+    if (!direct) {  // NaN: a page outside the cache or an invalid range; the merge makes the unit NaN
+      call.part_lse[part * H + g] = ok ? lse0 : NAN;
+      call.part_lse[part * H + g + 8] = ok ? lse1 : NAN;
     } else if (call.lse) {
       call.lse[rows.lse0 + g * rows.lse_stride] = ok ? lse0 * LN2 : NAN;
       call.lse[rows.lse0 + (g + 8) * rows.lse_stride] = ok ? lse1 * LN2 : NAN;
     }
   }
-  if (!direct) {
-    if constexpr (BALANCED) merge_pieces<H, NTHREADS>(call, piece, valid, reinterpret_cast<float*>(smem));
-    else merge_splits<H>(call, base, rows, piece.index, valid);
-  }
+  if (!BALANCED && !direct) merge_splits<H>(call, base, rows, piece.index, valid);
+}
+
+// MX: not supported here (the launcher never instantiates it). BALANCED: the balanced schedule's grid (parts,
+// groups), each CTA walking its part's pieces (for_each_piece); else fixed splits.
+template <int STAGES, bool MX, bool PAGED, bool BALANCED>
+__global__ void __launch_bounds__(NTHREADS, 1)
+split_kernel(const DecodeCall call) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  if constexpr (BALANCED)
+    for_each_piece<H>(call, [&](const Piece& piece) { decode_piece<STAGES, PAGED, true>(call, piece, smem); });
+  else
+    decode_piece<STAGES, PAGED, false>(call, split_piece_of<H>(call), smem);
 }
 
 }  // namespace mla

@@ -2,7 +2,8 @@
 // the batch's work on one line of cost units, SEQUENCE_COST for each sequence's fixed work and one a KV tile, cut into
 // `parts` equal shares. A piece is a sequence's run within one share: item k of the call's items, in line order, is
 // {b, first tile, end tile, index << 16 | count} (piece `index` of sequence b's `count`), and {-1, 0, 0, 0} past the
-// last piece (max_items = parts + batch bounds the pieces: each share boundary adds at most one). Made by one CTA
+// last piece (max_items = parts + batch bounds the pieces: each share boundary adds at most one); after them,
+// part_first (parts + 1,): part p's pieces are items part_first[p] .. part_first[p + 1] - 1. Made by one CTA
 // from seqs on the device, so no length is read on the host and a CUDA graph replays it with new lengths.
 #pragma once
 
@@ -12,7 +13,6 @@ namespace mla {
 
 constexpr int SEQUENCE_COST = 1;         // schedule.py's SEQUENCE_COST: a sequence's fixed work, in tiles
 constexpr int SCHEDULE_THREADS = 1024;   // one CTA: a sequence a thread, in rounds of this many
-constexpr int MAX_PIECES = 512;          // the most parts a schedule cuts (a unit's pieces: the merge's weights)
 
 // Sequence b's tiles: 0 where its length or range is invalid (the split kernels make its rows NaN, reading nothing).
 // A ragged range is judged without the cache's rows (a schedule is made from kv_indptr alone): one that ends past
@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const Dec
     total += round_total;
   }
   const long long share = max((total + c.parts - 1) / c.parts, 1LL);
+  int* const starts = const_cast<int*>(part_first(c));
   long long line = 0;  // where this round's first sequence starts
   int item = 0;        // its first piece
   for (int b0 = 0; b0 < c.batch; b0 += blockDim.x) {
@@ -84,11 +85,15 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const Dec
       const int lo = static_cast<int>(max(from - start - SEQUENCE_COST, 0LL));
       const int hi = max(static_cast<int>(to - start - SEQUENCE_COST), lo);
       c.items[first + j] = make_int4(b, lo, hi, j << 16 | count);
+      if (from == part * share) starts[part] = first + j;  // the part's first piece: every used part has one
     }
     line += round_total;
     item += round_items;
   }
   for (int k = item + threadIdx.x; k < c.max_items; k += blockDim.x) c.items[k] = make_int4(-1, 0, 0, 0);
+  // the parts past the line's end (share rounds up) take no piece, and part_first[parts] closes the last
+  for (int p = static_cast<int>((total + share - 1) / share) + threadIdx.x; p <= c.parts; p += blockDim.x)
+    starts[p] = item;
 }
 
 }  // namespace mla

@@ -237,12 +237,13 @@ __device__ __forceinline__ void v_fragment(uint32_t* a, uint32_t addr) {
 }
 
 // Query row h's log2-sum-exp lse2 (of H rows): where the unit has more than one piece, to part_lse's row `part` (NaN
-// on a bad page: the merge makes the unit NaN), else to lse (natural log; NaN where not ok).
+// where not ok, a page outside the cache or an invalid range: the merge makes the unit NaN), else to lse (natural
+// log; NaN where not ok).
 template <int H>
 __device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRows& rows, int pieces, size_t part,
-                                          int h, float lse2, bool bad_page, bool ok) {
+                                          int h, float lse2, bool ok) {
   if (pieces > 1)
-    call.part_lse[part * H + h] = bad_page ? NAN : lse2;
+    call.part_lse[part * H + h] = ok ? lse2 : NAN;
   else if (call.lse)
     call.lse[rows.lse0 + h * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
 }
@@ -438,17 +439,14 @@ struct QueryQuant {
   }
 };
 
-// H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products. BALANCED: the grid is
-// the balanced schedule's (piece_of), else fixed splits.
+// One piece of a unit's positions, in split_kernel's CTA: the output (one piece) or its partial (merged by the
+// fixed splits' barrier here, by combine_kernel after a balanced grid).
 template <int STAGES, bool MX, int LAYOUT, int H, bool BALANCED>
-__global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
-split_kernel(const DecodeCall call) {
+__device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece& piece, uint8_t* smem) {
   static_assert(H == 16 || H == 32, "16 or 32 query rows a CTA");
   static_assert(!(MX && LAYOUT == TILE_PAGES), "MXFP4 reads its block scales per row: ROW_PAGES");
   constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][H heads][16 bytes]
   constexpr int NE = H / 4;       // heads a thread (score columns; value product columns)
-  extern __shared__ __align__(1024) uint8_t smem[];
-  // TUNE: entry
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   uint8_t* ks = MX ? smem + TILE : smem;  // the stages (MX: after the dequantized tile)
   uint8_t* qs = smem + stage_bytes<STAGES, MX>();
@@ -457,8 +455,6 @@ split_kernel(const DecodeCall call) {
   float* qscale = red + NWARPS * H;
   const PagedRows paged_rows{reinterpret_cast<int*>(qscale + H), reinterpret_cast<int*>(qscale + H) + ROW_SLOTS * BN};
 
-  Piece piece;
-  if (!piece_of<H, BALANCED>(call, piece)) return;
   const QueryRows& rows = piece.rows;
   const int b = rows.b, unit = rows.unit;
   constexpr bool paged = LAYOUT != RAGGED, row_pages = LAYOUT == ROW_PAGES;  // the launcher picks the instance
@@ -683,7 +679,8 @@ split_kernel(const DecodeCall call) {
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
-      store_lse<H>(call, rows, piece.count, piece.part, heads[e], l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY, bad_page, ok);
+      store_lse<H>(call, rows, piece.count, piece.part, heads[e],
+                   l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY, ok);
     }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
@@ -714,11 +711,21 @@ split_kernel(const DecodeCall call) {
     store_bf16x4(dst + h * DV + col, v);
   }
   // TUNE: partial
-  if (!direct) {
-    if constexpr (BALANCED) merge_pieces<H, NTHREADS>(call, piece, valid, staged);
-    else merge_splits<H>(call, base, rows, piece.index, valid);
-  }
+  if (!BALANCED && !direct) merge_splits<H>(call, base, rows, piece.index, valid);
   // TUNE: merged
+}
+
+// H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products. BALANCED: the grid is
+// the balanced schedule's (parts, groups), each CTA walking its part's pieces (for_each_piece); else fixed splits.
+template <int STAGES, bool MX, int LAYOUT, int H, bool BALANCED>
+__global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
+split_kernel(const DecodeCall call) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  // TUNE: entry
+  if constexpr (BALANCED)
+    for_each_piece<H>(call, [&](const Piece& piece) { decode_piece<STAGES, MX, LAYOUT, H, true>(call, piece, smem); });
+  else
+    decode_piece<STAGES, MX, LAYOUT, H, false>(call, split_piece_of<H>(call), smem);
 }
 
 }  // namespace mla
