@@ -60,9 +60,9 @@ class MlaMetadata:
     num_heads_q and is_fp8_kvcache. Making it reads no length on the host and launches one small kernel (num_splits),
     so it can run inside a CUDA graph capture.
 
-    `schedules` is where a work-balanced schedule made on the GPU from these lengths will go (the "uneven batches"
-    change: one per plan, made by DecodePlan.schedule(cache_seqlens) at the first layer that runs that plan and reused
-    by the later layers of the step); nothing fills or reads it yet."""
+    `schedules` holds the step's schedule of each plan that ran with it (DecodePlan.schedule(cache_seqlens), made on the
+    GPU at the first layer that runs that plan and reused by the later layers of the step: the work-balanced schedule
+    where the plan cuts one, else an empty one)."""
 
     __slots__ = ("cache_seqlens", "version", "num_q_tokens_per_head_k", "num_heads_k", "num_heads_q",
                  "is_fp8_kvcache", "schedules")
@@ -240,7 +240,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | Non
         plan = remember(_PLANS, key, DecodePlan(problem, backend), PLAN_CACHE_LIMIT)
     out = torch.empty((batch, s_q, h_q, V_HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((batch, h_q, s_q), dtype=torch.float32, device=q.device)
-    plan.run(q, k_cache, block_table, cache_seqlens, kv_scale, out=out, lse=lse)
+    schedule = metadata.schedules.get(plan)
+    if schedule is None:  # the step's first layer on this plan
+        schedule = metadata.schedules[plan] = plan.schedule(cache_seqlens)
+    plan.run(q, k_cache, block_table, cache_seqlens, kv_scale, out=out, lse=lse, schedule=schedule)
     # mla_decode's LSE of a query that sees nothing is -inf, FlashMLA's +inf; NaN (an invalid length) stays NaN
     lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
     return out, lse

@@ -232,6 +232,32 @@ def test_metadata_is_opaque_and_tied_to_its_cache_seqlens():
     flash_mla_with_kvcache(*args, lens, 512, fresh, num_splits)
 
 
+def test_a_step_makes_one_schedule_per_plan_and_its_layers_reuse_it(monkeypatch):
+    """The step's schedule is made at the first layer that runs a plan (DecodePlan.schedule) and passed to that
+    layer's run and every later one: one schedule a plan a step, none made again by the layers."""
+    case = make_case(seed=21, s_q=1)
+    lens = case["cache_seqlens"]
+    metadata, num_splits = get_mla_metadata(lens, HEADS, 1)
+    made, given = [], []
+    real_schedule, real_run = mla_decode.DecodePlan.schedule, mla_decode.DecodePlan.run
+
+    def schedule(self, seqs):
+        made.append(self)
+        return real_schedule(self, seqs)
+
+    def run(self, *args, schedule=None, **kwargs):
+        given.append(schedule)
+        return real_run(self, *args, schedule=schedule, **kwargs)
+
+    monkeypatch.setattr(mla_decode.DecodePlan, "schedule", schedule)
+    monkeypatch.setattr(mla_decode.DecodePlan, "run", run)
+    args = (case["q"], case["k_cache"], case["block_table"], lens, 512, metadata, num_splits)
+    for _ in range(3):  # three layers of one step
+        flash_mla_with_kvcache(*args)
+    assert len(made) == 1 and list(metadata.schedules) == made
+    assert len(given) == 3 and all(g is metadata.schedules[made[0]] for g in given)
+
+
 def test_inference_mode_as_flashmla_test_runs():
     """FlashMLA's test makes its tensors under torch.inference_mode: they have no version counter, and the call works
     (the tie to the tensor still holds)."""
