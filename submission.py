@@ -1192,6 +1192,16 @@ def schedule_items(schedule: Schedule, max_items: int) -> torch.Tensor:
     return items
 
 
+def part_first(schedule: Schedule) -> torch.Tensor:
+    """(parts + 1,) int32: part p's pieces are schedule_items' rows part_first[p] .. part_first[p + 1] - 1 (the pieces
+    in line order whose part is below p), as the cuda schedule kernel lists them after its items; parts past the
+    line's end take none."""
+    pieces = [int(schedule.first_part(b)) + j for b in range(schedule.tiles.shape[0])
+              for j in range(int(schedule.last_part(b)) - int(schedule.first_part(b)) + 1)]
+    of_part = torch.tensor(pieces, dtype=torch.int64)
+    return torch.searchsorted(of_part, torch.arange(schedule.parts + 1), right=False).int()
+
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/triton/hopper.py
