@@ -1,9 +1,10 @@
 """Where a balanced decode's time goes, on one GPU: for a few serving rows, the schedule's pieces (how many, the
 largest in tiles, the most a sequence has), and the time of the fixed splits, the balanced call (schedule made in the
 call), the balanced run with a schedule made before, the schedule alone, and, with --no-merge, the balanced run of a
-library whose combine kernel returns at once (wrong outputs: timing only).
+library whose combine kernel returns at once (wrong outputs: timing only). --sequence-cost N builds the library
+with the schedule's SEQUENCE_COST set to N (the kernels' cut only: the CPU reference keeps its own).
 
-    python3 bench/schedule_probe.py [--rows 128x4096-h16-q1,8x32768-h16-q1-range] [--no-merge]
+    python3 bench/schedule_probe.py [--rows 128x4096-h16-q1,8x32768-h16-q1-range] [--no-merge] [--sequence-cost 4]
 """
 
 import argparse
@@ -79,17 +80,26 @@ def main() -> int:
     p.add_argument("--rows", default="128x4096-h16-q1,128x4096-h16-q2,128x4096-h128-q1,8x32768-h16-q1-range,"
                                       "32x65536-h16-q1-one-long,128x4096-h16-q1-normal")
     p.add_argument("--no-merge", action="store_true")
+    p.add_argument("--sequence-cost", type=int)
     args = p.parse_args()
+    patches = []  # (file, text, replacement)
     if args.no_merge:
+        marker = "  const int* const starts = part_first(c);"
+        patches.append(("merge.cuh", marker, "  return;\n" + marker))
+        print("library: the merge returns at once (timing only)")
+    if args.sequence_cost is not None:
+        patches.append(("schedule.cuh", "constexpr int SEQUENCE_COST = 1;",
+                        f"constexpr int SEQUENCE_COST = {args.sequence_cost};"))
+        print(f"library: SEQUENCE_COST {args.sequence_cost}")
+    if patches:
         tmp = Path(tempfile.mkdtemp())
         for f in B.source_files(B.CSRC):
             shutil.copy(f, tmp / f.name)
-        merge = (tmp / "merge.cuh").read_text()
-        marker = "  const int* const starts = part_first(c);"
-        assert merge.count(marker) == 1
-        (tmp / "merge.cuh").write_text(merge.replace(marker, "  return;\n" + marker))
+        for name, text, replacement in patches:
+            source = (tmp / name).read_text()
+            assert source.count(text) == 1, (name, text)
+            (tmp / name).write_text(source.replace(text, replacement))
         B.CSRC = tmp
-        print("library: the merge returns at once (timing only)")
     for row in args.rows.split(","):
         probe(row)
     return 0

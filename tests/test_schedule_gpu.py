@@ -167,8 +167,8 @@ def test_two_threads_on_two_streams_get_what_each_gets_alone(backend, kv_format,
 @pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
 def test_a_planted_schedule_fault_fails_the_bounds(fault):
     """On the precise kernel (the tightest bounds) and short sequences cut into pieces of a tile or two, one tile
-    dropped, one tile taken twice, or a sequence's pieces counting one fewer (the combine leaves out its last piece,
-    which holds tiles) moves its output past the bounds."""
+    dropped, one tile taken twice, or a sequence's first piece counting one fewer (the combine, which reads that count,
+    leaves out the last piece, half the sequence's positions) moves its output past the bounds."""
     kernel = ("fp8", "precise")
     case = make_paged_case("fp8", 16, SPREADS["edges"], seed=4, device="cuda")
     plan = cuda_plan(case, "precise")
@@ -182,15 +182,17 @@ def test_a_planted_schedule_fault_fails_the_bounds(fault):
     count, index = items[:, 3] & 0xFFFF, items[:, 3] >> 16
     tiles = (case.cache_seqlens.long() + 63) // 64
     short = tiles[items[:, 0].clamp(min=0).long()] <= 20
-    # a piece with tiles that is not its sequence's last (count: its last, of two or more)
-    last = (index == count - 1) & (count > 1) if fault == "count" else index < count - 1
-    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & last).nonzero()[0])
+    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & (index < count - 1)).nonzero()[0])
     if fault == "dropped":
         items[k, 2] -= 1
     elif fault == "twice":
         items[k + 1, 1] -= 1  # the next piece of the sequence starts a tile early
-    else:
-        items[items[:, 0] == items[k, 0], 3] -= 1
+    else:  # the last piece of three or more holding the largest share of its sequence's positions
+        lens = case.cache_seqlens.long()[items[:, 0].clamp(min=0).long()]
+        rows = (torch.minimum(items[:, 2].long() * 64, lens) - items[:, 1].long() * 64).clamp(min=0)
+        share = torch.where((items[:, 0] >= 0) & (index == count - 1) & (count >= 3), rows / lens.clamp(min=1), -1.0)
+        last = int(share.argmax())
+        items[last - int(index[last]), 3] -= 1  # its first piece, whose count the merge reads
     out = torch.full_like(out, float("nan"))
     bad = errors(*plan.run(*case.args(), out=out, schedule=step), *ref)
     assert bad[0] > out_bound or bad[1] > lse_bound, bad

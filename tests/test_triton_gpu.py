@@ -287,9 +287,10 @@ def test_gpu_a_graph_replays_the_schedule_with_new_lengths():
 @needs_cuda
 @pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
 def test_gpu_a_planted_schedule_fault_fails_the_bounds(fault):
-    """A tile dropped, a tile taken twice, or a sequence's pieces counting one fewer (the combine then leaves out its
-    last piece, which holds tiles) fail the bounds the correct schedule meets. The precise mode
-    (the tightest bounds) over short sequences cut into pieces of a tile or two, where one tile moves the output."""
+    """A tile dropped, a tile taken twice, or a sequence's first piece counting one fewer (the combine, which reads that
+    count, leaves out the last piece, half the sequence's positions) fail the bounds the correct schedule meets. The
+    precise mode (the tightest bounds) over short sequences cut into pieces of a tile or two, where one tile moves the
+    output."""
     case = make_paged_case("fp8", 16, SPREADS["edges"], seed=4, device="cuda")
     plan = triton_paged_plan(case, "precise")
     step = plan.schedule(case.cache_seqlens)
@@ -304,15 +305,17 @@ def test_gpu_a_planted_schedule_fault_fails_the_bounds(fault):
     block_n = plan.impl.key.plan.block_n
     tiles = (case.cache_seqlens.long() + block_n - 1) // block_n
     short = tiles[items[:, 0].clamp(min=0).long()] <= 20
-    # a piece with tiles that is not its sequence's last (count: its last, of two or more)
-    last = (index == count - 1) & (count > 1) if fault == "count" else index < count - 1
-    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & last).nonzero()[0])
+    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & (index < count - 1)).nonzero()[0])
     if fault == "dropped":
         items[k, 2] -= 1
     elif fault == "twice":
         items[k + 1, 1] -= 1  # the next piece of the sequence starts a tile early
-    else:
-        items[items[:, 0] == items[k, 0], 3] -= 1
+    else:  # the last piece of three or more holding the largest share of its sequence's positions
+        lens = case.cache_seqlens.long()[items[:, 0].clamp(min=0).long()]
+        rows = (torch.minimum(items[:, 2].long() * block_n, lens) - items[:, 1].long() * block_n).clamp(min=0)
+        share = torch.where((items[:, 0] >= 0) & (index == count - 1) & (count >= 3), rows / lens.clamp(min=1), -1.0)
+        last = int(share.argmax())
+        items[last - int(index[last]), 3] -= 1  # its first piece, whose count the merge reads
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     bad = errors(*plan.run(*case.args(), out=out, schedule=step), ref_out, ref_lse)
     assert bad[0] > out_bound or bad[1] > lse_bound, bad
