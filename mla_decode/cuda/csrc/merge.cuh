@@ -168,7 +168,7 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
 // / sum_i w_i with w_i = 2^(lse_i - max lse). A piece of no positions has LSE -inf and weighs 0 (every piece empty:
 // zeros, LSE -inf, as one piece writes); a NaN LSE (a page outside the cache, an invalid range) makes the row NaN.
 constexpr int COMBINE_WARPS = 4;
-constexpr int COMBINE_AHEAD = 4;  // pieces whose loads a lane has in flight at once (2 x 16 bytes each)
+constexpr int COMBINE_AHEAD = 8;  // pieces whose loads a lane has in flight at once (2 x 16 bytes each)
 template <int H>
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const DecodeCall c) {
   __shared__ float lses[COMBINE_WARPS][MAX_PIECES];  // a sequence has at most `parts` pieces
@@ -205,16 +205,16 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const Decod
   const uint4* po = reinterpret_cast<const uint4*>(c.part_o + row0 * DV) + 2 * lane;
   const size_t po_step = step * DV / 8;  // uint4 (8 bf16) from one piece's row to the next's
   for (int i0 = 0; i0 < count; i0 += COMBINE_AHEAD) {
-    uint4 o[COMBINE_AHEAD][2];
+    uint4 o[COMBINE_AHEAD][2];  // loads from a piece that exists (past the last: the last again, weight 0), no branch
 #pragma unroll
     for (int a = 0; a < COMBINE_AHEAD; ++a)
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
-        o[a][j] = i0 + a < count ? __ldcg(po + (i0 + a) * po_step + j) : make_uint4(0u, 0u, 0u, 0u);
+      for (int j = 0; j < 2; ++j) o[a][j] = __ldcg(po + min(i0 + a, count - 1) * po_step + j);
 #pragma unroll
     for (int a = 0; a < COMBINE_AHEAD; ++a) {
       const float l = i0 + a < count ? lse[i0 + a] : -INFINITY;
       const float wt = l > -INFINITY ? exp2f(l - mx) : 0.f;  // NaN: weight 0, the row is NaN below
+      if (wt == 0.f) continue;  // a piece of no positions, or past the last: its partial may hold anything
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const uint32_t w[4] = {o[a][j].x, o[a][j].y, o[a][j].z, o[a][j].w};
