@@ -90,9 +90,11 @@ class Bound(NamedTuple):
 # (per head or per tensor, as our fast kernels and FlashMLA's FP8 kernel read it) costs up to 2.7e-2 on the output and
 # 8e-3 on the LSE, e4m3 softmax weights (the wgmma kernel) 0.7e-2 more on the output; the FP8 MMAs' sums move the LSE
 # by up to 1.1e-2 on the H200 (tests/test_library_gpu.py's GPU_BOUNDS); bf16 products and output cost ~2e-3 on the
-# output and < 1e-5 on the LSE. The bounds sit 2x or more above those and far below the 1.0 of a zero or unwritten
-# output.
-SERVING_BOUNDS = {"bf16": Bound(1e-2, 1e-3), "fp8": Bound(8e-2, 5e-2), "mxfp4": Bound(8e-2, 5e-2)}
+# output and < 1e-5 on the LSE. A sequence of a few positions (uneven.yml's normal rows clamp lengths at q_len) has
+# the LSE of its top score, whose e4m3 Q error does not average out: up to 9.4e-2 for ours and 1.0e-1 for FlashMLA's
+# FP8 kernel on an H100 (docs/2026-12-06-persistent-h100.md). The bounds sit 2x or more above those and far below the
+# 1.0 of a zero or unwritten output.
+SERVING_BOUNDS = {"bf16": Bound(1e-2, 1e-3), "fp8": Bound(8e-2, 2e-1), "mxfp4": Bound(8e-2, 2e-1)}
 
 
 @dataclasses.dataclass(frozen=True)

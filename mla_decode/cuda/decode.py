@@ -126,7 +126,8 @@ class Workspace(NamedTuple):
 class CudaDecode:
     """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("fixed", the default:
     num_splits equal splits a unit; or "balanced": the work-balanced schedule of schedule.cuh, made on the GPU from
-    the lengths, opt-in until it beats the fixed splits on the uneven grid: docs/2026-12-06-balanced-h100.md), and a
+    the lengths, persistent CTAs over its parts and a combine kernel after them; opt-in while it loses uniform
+    batches: docs/2026-12-06-persistent-h100.md), and a
     DecodeCall with the plan's fields set. The workspace (the pieces' partials, part_o (pieces, unit_rows, 512) bf16
     and part_lse (pieces, unit_rows) fp32, the fixed splits' per-unit counters (units,) int32 and the balanced
     schedule (schedule_words,) int32) is made once per (thread, stream) that runs the plan. run() sets the inputs'
