@@ -1,10 +1,11 @@
-"""The cuda backend's work-balanced schedule on the GPU: the schedule kernel lists exactly the pieces and the parts'
+"""The work-balanced schedule on the GPU. The cuda backend: the schedule kernel lists exactly the pieces and the parts'
 first pieces of the CPU reference (mla_decode.schedule.schedule_items and part_first); balanced decodes of uneven
 batches (lengths 0, 1, odd, one long sequence beside short ones, heavy tails; shuffled pages, NaN in every unowned
-slot) meet the float64 truth within the library's GPU bounds and agree with the fixed splits; a step's schedule serves
-every layer, is refused when stale, replays in a CUDA graph with new lengths, and two threads on two streams get what
-each gets alone. Planted faults in the schedule (a tile dropped, a tile taken twice, a piece's count wrong) fail the
-bounds."""
+slot) meet the float64 truth within the library's GPU bounds and agree with the fixed splits. Both backends that cut
+it (cuda, triton): a step's schedule serves every layer, is refused when stale, replays in a CUDA graph with new
+lengths, and two threads on two streams get what each gets alone; planted faults in the schedule (a tile dropped, a
+tile taken twice, a piece's count wrong) fail the bounds. The triton backend's schedule kernel and decodes:
+tests/test_triton_gpu.py."""
 
 import threading
 
@@ -13,15 +14,13 @@ import torch
 
 import mla_decode
 from mla_decode.schedule import make_schedule, part_first, schedule_items
-from testkit.emulation import round_q_per_head
-from testkit.paged import errors, make_paged_case, paged_reference, ragged_twin
+from testkit.balanced import balanced_plan, plan_truth
+from testkit.paged import errors, make_paged_case, ragged_twin
 
 needs_nvidia = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                   reason="needs an NVIDIA GPU")
 pytestmark = [pytest.mark.gpu, needs_nvidia]
-
-# Against the float64 truth with Q rounded to e4m3 per head as the fast kernels round it (test_library_gpu's GPU_BOUNDS)
-BOUNDS = {("fp8", "fast"): (4e-2, 2e-2), ("fp8", "precise"): (5e-3, 5e-3), ("mxfp4", "fast"): (4e-2, 1e-2)}
+BACKENDS = ("cuda", "triton")  # the backends that cut the balanced schedule
 SPREADS = {
     "edges": [0, 1, 63, 64, 65, 127, 1001, 0, 5000, 3],
     "one-long": [20000] + [700] * 15,
@@ -32,18 +31,7 @@ SPREADS = {
 
 def cuda_plan(case, precision: str, schedule: str = "balanced", **options):
     pytest.importorskip("mla_decode.cuda")
-    batch, q_len, heads = case.q.shape[:3]
-    return mla_decode.plan(batch, case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
-                           num_heads=heads, q_len=q_len, causal=case.causal, backend="cuda", precision=precision,
-                           kv_scale_dtype=case.kv_scale.dtype, backend_options={"schedule": schedule, **options})
-
-
-def truth(case, precision: str):
-    q = None
-    if precision == "fast":
-        values, scale = round_q_per_head(case.q)
-        q = values.double() / scale.double()
-    return paged_reference(case, q=q)
+    return balanced_plan("cuda", case, precision, schedule=schedule, **options)
 
 
 @pytest.mark.parametrize("spread", sorted(SPREADS))
@@ -76,17 +64,23 @@ def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len):
     plan = cuda_plan(case, precision)
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     out, lse = plan.run(*case.args(), out=out)
-    ref_out, ref_lse = truth(case, precision)
+    (ref_out, ref_lse), (out_bound, lse_bound) = plan_truth(case, plan, precision)
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
-    out_bound, lse_bound = BOUNDS[kernel]
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
     fixed_out, fixed_lse = cuda_plan(case, precision, "fixed").run(*case.args())
     assert errors(out, lse, fixed_out.double().cpu(), fixed_lse.double().cpu())[0] < out_bound
 
 
-def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
+def backend_plan(backend: str, case, precision: str = "fast"):
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    return balanced_plan(backend, case, precision)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused(backend):
     case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=2, device="cuda")
-    plan = cuda_plan(case, "fast")
+    plan = backend_plan(backend, case)
     step = plan.schedule(case.cache_seqlens)
     alone = plan.run(*case.args())
     for _ in range(3):  # the layers of a step
@@ -98,10 +92,13 @@ def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
         plan.run(*case.args(), schedule=step)
 
 
-def test_a_graph_replays_the_schedule_with_new_lengths():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_graph_replays_the_schedule_with_new_lengths(backend):
+    """One step (the schedule kernel, then two layers' runs) captured in a CUDA graph and replayed with other lengths:
+    what the eager calls give, bit for bit, and the truth."""
     lens = SPREADS["lognormal"]
     case = make_paged_case("fp8", 64, lens, seed=3, device="cuda")
-    plan = cuda_plan(case, "fast")
+    plan = backend_plan(backend, case)
     out = torch.empty((len(lens), 1, 16, 512), dtype=torch.bfloat16, device="cuda")
     lse = torch.empty((len(lens), 16, 1), dtype=torch.float32, device="cuda")
 
@@ -110,7 +107,8 @@ def test_a_graph_replays_the_schedule_with_new_lengths():
         for _ in range(2):
             plan.run(*case.args(), out=out, lse=lse, schedule=schedule)
 
-    step()  # outside the capture first
+    step()  # outside the capture first (twice: triton's JIT, then its compiled kernels' launchers)
+    step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -123,8 +121,9 @@ def test_a_graph_replays_the_schedule_with_new_lengths():
         eager_out, eager_lse = plan.run(*case.args())
         assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
         shorter = case._replace(cache_seqlens=case.cache_seqlens.clone())
-        out_error, lse_error = errors(out, lse, *truth(shorter, "fast"))
-        assert out_error < BOUNDS[("fp8", "fast")][0] and lse_error < BOUNDS[("fp8", "fast")][1]
+        (ref_out, ref_lse), (out_bound, lse_bound) = plan_truth(shorter, plan, "fast")
+        out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+        assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
 @pytest.mark.parametrize("backend,kv_format,schedule", [("cuda", "fp8", "fixed"), ("cuda", "fp8", "balanced"),
@@ -164,23 +163,43 @@ def test_two_threads_on_two_streams_get_what_each_gets_alone(backend, kv_format,
         assert all(torch.equal(o, alone[i][0]) and torch.equal(l_, alone[i][1]) for o, l_ in results[i])
 
 
+def tile_rows(plan) -> int:
+    """The rows of a tile of the plan's schedule: the cuda kernels' 64, the triton plan's block_n."""
+    return 64 if plan.backend == "cuda" else plan.impl.key.plan.block_n
+
+
+def poison_partials(plan) -> None:
+    """NaN in the partial slots the plan's next run on this stream uses (as a fresh workspace may hold anything)."""
+    if plan.backend == "cuda":
+        from mla_decode.cuda.decode import current_raw_stream
+
+        part_o, part_lse = plan.impl.workspace(current_raw_stream(torch.cuda.current_device())).buffers[:2]
+    else:
+        work = plan.impl.workspace()
+        part_o, part_lse = work.part_o, work.part_lse
+    part_o.fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
-def test_a_planted_schedule_fault_fails_the_bounds(fault):
+def test_a_planted_schedule_fault_fails_the_bounds(fault, backend):
     """On the precise kernel (the tightest bounds) and short sequences cut into pieces of a tile or two, one tile
     dropped, one tile taken twice, or a sequence's first piece counting one fewer (the combine, which reads that count,
-    leaves out the last piece, half the sequence's positions) moves its output past the bounds."""
-    kernel = ("fp8", "precise")
+    leaves out the last piece, half the sequence's positions) moves its output past the bounds; the partials
+    poisoned first."""
     case = make_paged_case("fp8", 16, SPREADS["edges"], seed=4, device="cuda")
-    plan = cuda_plan(case, "precise")
+    plan = backend_plan(backend, case, "precise")
     step = plan.schedule(case.cache_seqlens)
-    ref = truth(case, "precise")
+    ref, (out_bound, lse_bound) = plan_truth(case, plan, "precise")
     out, lse = plan.run(*case.args(), schedule=step)
-    out_bound, lse_bound = BOUNDS[kernel]
     good = errors(out, lse, *ref)
     assert good[0] < out_bound and good[1] < lse_bound
+    poison_partials(plan)
     items = step.items[:plan.impl.max_items * 4].view(-1, 4)  # a view: the faults land in the step's schedule
     count, index = items[:, 3] & 0xFFFF, items[:, 3] >> 16
-    tiles = (case.cache_seqlens.long() + 63) // 64
+    rows_a_tile = tile_rows(plan)
+    tiles = (case.cache_seqlens.long() + rows_a_tile - 1) // rows_a_tile
     short = tiles[items[:, 0].clamp(min=0).long()] <= 20
     k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & (index < count - 1)).nonzero()[0])
     if fault == "dropped":
@@ -189,7 +208,7 @@ def test_a_planted_schedule_fault_fails_the_bounds(fault):
         items[k + 1, 1] -= 1  # the next piece of the sequence starts a tile early
     else:  # the last piece of three or more holding the largest share of its sequence's positions
         lens = case.cache_seqlens.long()[items[:, 0].clamp(min=0).long()]
-        rows = (torch.minimum(items[:, 2].long() * 64, lens) - items[:, 1].long() * 64).clamp(min=0)
+        rows = (torch.minimum(items[:, 2].long() * rows_a_tile, lens) - items[:, 1].long() * rows_a_tile).clamp(min=0)
         share = torch.where((items[:, 0] >= 0) & (index == count - 1) & (count >= 3), rows / lens.clamp(min=1), -1.0)
         last = int(share.argmax())
         items[last - int(index[last]), 3] -= 1  # its first piece, whose count the merge reads

@@ -2,9 +2,10 @@
 compiler): through custom_kernel and the library's ragged plan, the task's cases and ragged batches against the
 emulation, gfx950's scaled MXFP4 scores (Triton's emulation of dot_scaled on this GPU), no row read outside a
 sequence, invalid ranges, inputs off a 16-byte boundary; the work-balanced schedule (the schedule kernel's pieces
-against the CPU reference, balanced decodes of uneven batches against the float64 truth and the fixed splits, a
-step's schedule, a CUDA graph replayed with new lengths, planted schedule faults). The interpreted runs on the CPU:
-tests/test_triton.py; the paged layout: tests/test_library_gpu.py.
+against the CPU reference, balanced decodes of uneven batches against the float64 truth and the fixed splits; a step's
+schedule, a CUDA graph replayed with new lengths and planted schedule faults are tests/test_schedule_gpu.py's, for
+both backends). The interpreted runs on the CPU: tests/test_triton.py; the paged
+layout: tests/test_library_gpu.py.
 """
 
 import pytest
@@ -21,10 +22,11 @@ from testkit.attention import (
     triton_expected,
     triton_reference,
 )
+from testkit.balanced import balanced_plan, plan_truth
 from testkit.calls import ragged_decode
-from testkit.emulation import emulate, kernel_emulation, round_q_per_head
+from testkit.emulation import emulate, kernel_emulation
 from testkit.inputs import shifted
-from testkit.paged import LSE_BOUND, OUT_BOUND, errors, make_paged_case, paged_reference, ragged_twin
+from testkit.paged import errors, make_paged_case, ragged_twin
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TASK_CASES = [(4, 1024), (32, 1024), (64, 8192), (256, 8192), (4, 8192), (32, 8192), (64, 1024), (256, 1024)]
@@ -157,30 +159,8 @@ SPREADS = {
     "lognormal": [int(x) for x in torch.exp(torch.randn(24, generator=torch.Generator().manual_seed(5)) * 1.3
                                             + 7.0).clamp(max=30000)],
 }
-# Against the float64 truth with Q rounded as the kernel rounds it (tests/test_library_gpu.py's GPU_BOUNDS): the
-# portable kernel's, and the Hopper kernel's (P in e4m3 too, as the cuda fast kernels: their bounds)
-PORTABLE_BOUNDS = {("fp8", "fast"): (OUT_BOUND, 2e-2), ("mxfp4", "fast"): (OUT_BOUND, 5e-3),
-                   ("fp8", "precise"): (OUT_BOUND, LSE_BOUND), ("bf16", "fast"): (OUT_BOUND, LSE_BOUND)}
-HOPPER_BOUNDS = {("fp8", "fast"): (4e-2, 2e-2), ("mxfp4", "fast"): (4e-2, 1e-2), ("fp8", "precise"): (OUT_BOUND, 5e-3)}
-
-
 def triton_paged_plan(case, precision: str = "fast", **options) -> mla_decode.DecodePlan:
-    batch, q_len, heads = case.q.shape[:3]
-    return mla_decode.plan(batch, case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
-                           num_heads=heads, q_len=q_len, causal=case.causal, backend="triton", precision=precision,
-                           kv_scale_dtype=torch.uint8 if case.kv_scale is None else case.kv_scale.dtype,
-                           backend_options={"schedule": "balanced", **options})
-
-
-def balanced_truth(case, plan: mla_decode.DecodePlan, precision: str) -> tuple[tuple, tuple[float, float]]:
-    """(the float64 truth with Q as the plan's kernel rounds it, the bounds it is held to)."""
-    hopper = plan.impl.key.plan.hopper
-    q = None
-    if precision == "fast" and (case.kv_format == "fp8" or (case.kv_format == "mxfp4" and hopper)):
-        values, scale = round_q_per_head(case.q)
-        q = values.double() / scale.double()
-    bounds = (HOPPER_BOUNDS if hopper else PORTABLE_BOUNDS)[(case.kv_format, precision)]
-    return paged_reference(case, q=q), bounds
+    return balanced_plan("triton", case, precision, **options)
 
 
 @pytest.mark.gpu
@@ -226,96 +206,8 @@ def test_gpu_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len):
     assert plan.impl.balanced
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     out, lse = plan.run(*case.args(), out=out)
-    (ref_out, ref_lse), (out_bound, lse_bound) = balanced_truth(case, plan, precision)
+    (ref_out, ref_lse), (out_bound, lse_bound) = plan_truth(case, plan, precision)
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
     fixed_out, fixed_lse = triton_paged_plan(case, precision, schedule="fixed").run(*case.args())
     assert errors(out, lse, fixed_out.double().cpu(), fixed_lse.double().cpu())[0] < out_bound
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
-    case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=2, device="cuda")
-    plan = triton_paged_plan(case)
-    step = plan.schedule(case.cache_seqlens)
-    alone = plan.run(*case.args())
-    for _ in range(3):  # the layers of a step
-        assert all(torch.equal(a, b) for a, b in zip(plan.run(*case.args(), schedule=step), alone, strict=True))
-    with pytest.raises(ValueError, match="schedule: expected one made from the lengths tensor passed here"):
-        plan.run(*case.args()[:3], case.cache_seqlens.clone(), case.kv_scale, schedule=step)
-    case.cache_seqlens[1] -= 1  # the next step's lengths, written in place
-    with pytest.raises(ValueError, match="stale"):
-        plan.run(*case.args(), schedule=step)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_a_graph_replays_the_schedule_with_new_lengths():
-    """One step (the schedule kernel, then two layers' runs) captured in a CUDA graph and replayed with other lengths:
-    what the eager calls give, bit for bit, and the truth."""
-    lens = SPREADS["lognormal"]
-    case = make_paged_case("fp8", 64, lens, seed=3, device="cuda")
-    plan = triton_paged_plan(case)
-    out = torch.empty((len(lens), 1, 16, 512), dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty((len(lens), 16, 1), dtype=torch.float32, device="cuda")
-
-    def step():
-        schedule = plan.schedule(case.cache_seqlens)
-        for _ in range(2):
-            plan.run(*case.args(), out=out, lse=lse, schedule=schedule)
-
-    step()  # outside the capture first: the JIT, then the compiled kernels' launchers
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for seed in range(3):  # lengths of another step, shorter than the pages they own
-        gen = torch.Generator().manual_seed(seed)
-        new = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens]
-        case.cache_seqlens.copy_(torch.tensor(new, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        eager_out, eager_lse = plan.run(*case.args())
-        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
-        (ref_out, ref_lse), (out_bound, lse_bound) = balanced_truth(case, plan, "fast")
-        out_error, lse_error = errors(out, lse, ref_out, ref_lse)
-        assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
-def test_gpu_a_planted_schedule_fault_fails_the_bounds(fault):
-    """A tile dropped, a tile taken twice, or a sequence's first piece counting one fewer (the combine, which reads that
-    count, leaves out the last piece, half the sequence's positions) fail the bounds the correct schedule meets. The
-    precise mode (the tightest bounds) over short sequences cut into pieces of a tile or two, where one tile moves the
-    output."""
-    case = make_paged_case("fp8", 16, SPREADS["edges"], seed=4, device="cuda")
-    plan = triton_paged_plan(case, "precise")
-    step = plan.schedule(case.cache_seqlens)
-    (ref_out, ref_lse), (out_bound, lse_bound) = balanced_truth(case, plan, "precise")
-    good = errors(*plan.run(*case.args(), schedule=step), ref_out, ref_lse)
-    assert good[0] < out_bound and good[1] < lse_bound
-    work = plan.impl.workspace()
-    work.part_o.fill_(float("nan"))
-    work.part_lse.fill_(float("nan"))
-    items = step.items[:plan.impl.max_items * 4].view(-1, 4)  # a view: the faults land in the step's schedule
-    count, index = items[:, 3] & 0xFFFF, items[:, 3] >> 16
-    block_n = plan.impl.key.plan.block_n
-    tiles = (case.cache_seqlens.long() + block_n - 1) // block_n
-    short = tiles[items[:, 0].clamp(min=0).long()] <= 20
-    k = int(((items[:, 0] >= 0) & short & (items[:, 2] > items[:, 1]) & (index < count - 1)).nonzero()[0])
-    if fault == "dropped":
-        items[k, 2] -= 1
-    elif fault == "twice":
-        items[k + 1, 1] -= 1  # the next piece of the sequence starts a tile early
-    else:  # the last piece of three or more holding the largest share of its sequence's positions
-        lens = case.cache_seqlens.long()[items[:, 0].clamp(min=0).long()]
-        rows = (torch.minimum(items[:, 2].long() * block_n, lens) - items[:, 1].long() * block_n).clamp(min=0)
-        share = torch.where((items[:, 0] >= 0) & (index == count - 1) & (count >= 3), rows / lens.clamp(min=1), -1.0)
-        last = int(share.argmax())
-        items[last - int(index[last]), 3] -= 1  # its first piece, whose count the merge reads
-    out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    bad = errors(*plan.run(*case.args(), out=out, schedule=step), ref_out, ref_lse)
-    assert bad[0] > out_bound or bad[1] > lse_bound, bad
