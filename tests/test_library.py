@@ -90,8 +90,8 @@ def test_triton_walks_pages_of_whole_tiles_both_ways(chunked_pages, v_cast_first
 def test_serving_shapes(backend, q_len, num_heads):
     """q_len 2 and 4 (causal: token t sees the first len - q_len + 1 + t slots; a token that sees nothing gives out
     0 and LSE -inf) and 32 or 128 heads; 1, 8 (Kimi-K2 at TP8), 24, 40 and 72 (tensor-parallel splits), whose q_len x
-    heads the triton kernel's groups of 16 rows do not divide (the last group's extra rows masked). Lengths 0, 1 and 3 give tokens that see nothing
-    beside tokens that see one slot; 130 crosses a tile."""
+    heads the triton kernel's groups of 16 rows do not divide (the last group's extra rows masked). Lengths 0, 1 and
+    3 give tokens that see nothing beside tokens that see one slot; 130 crosses a tile."""
     case = make_paged_case("fp8", 16, [0, 1, 3, 130], seed=q_len * num_heads, q_len=q_len, num_heads=num_heads)
     out, lse = mla_decode.mla_decode_with_kvcache(*case.args(), causal=case.causal, backend=backend)
     assert out.shape == (4, q_len, num_heads, 512) and lse.shape == (4, num_heads, q_len)

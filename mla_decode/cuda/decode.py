@@ -113,6 +113,15 @@ def schedule_words(parts: int, max_items: int) -> int:
     return max_items * ITEM_FIELDS + parts + 1
 
 
+def expect_schedule(schedule: torch.Tensor, parts: int, max_items: int) -> None:
+    """A ValueError unless `schedule` is the shape of a schedule of `parts` parts and `max_items` items, int32: one of
+    another plan would send the kernels to another part_first, past the tensor's end."""
+    want = (schedule_words(parts, max_items),)
+    if tuple(schedule.shape) != want or schedule.dtype != torch.int32:
+        raise ValueError(f"cuda backend: schedule: expected this balanced plan's make_schedule, {want} int32; got "
+                         f"{tuple(schedule.shape)} {schedule.dtype}")
+
+
 class Workspace(NamedTuple):
     """One caller's partials, counters and schedule items, with its own DecodeCall: a plan keeps one per (thread,
     stream), so callers on two streams or two threads never share a partial or a counter."""
@@ -235,6 +244,7 @@ class CudaDecode:
             if schedule is None:
                 call.schedule, call.items = SCHEDULE_IN_CALL, work.items
             else:
+                expect_schedule(schedule, self.parts, self.max_items)
                 call.schedule, call.items = SCHEDULE_GIVEN, schedule.data_ptr()
         err = self.decode(work.address)
         if err:
