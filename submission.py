@@ -2861,13 +2861,22 @@ def make_backend_plan(record: Backend, problem: Problem, options: dict) -> objec
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def version_of(x: torch.Tensor) -> int | None:
+    """x's version counter (bumped by every in-place write), or None for an inference-mode tensor, which has none."""
+    try:
+        return x._version
+    except RuntimeError:
+        return None
+
+
 class StepSchedule(NamedTuple):
     """DecodePlan.schedule's work-balanced schedule of one step's lengths, for run(schedule=) in every layer of the
     step. Tied to the tensor it was made from and that tensor's version: a run with another lengths tensor, or after
-    the lengths were written in place, is refused (make a new one each step, or capture both in one CUDA graph)."""
+    the lengths were written in place, is refused (make a new one each step, or capture both in one CUDA graph). An
+    inference-mode tensor has no version: only the tensor is checked then."""
 
     seqs: torch.Tensor  # the cache_seqlens or kv_indptr it was made from
-    version: int  # seqs._version when it was made
+    version: int | None  # seqs' version counter when it was made (None: an inference tensor, which has none)
     items: torch.Tensor | None  # the backend's schedule; None where the backend cuts the work in each call
 
 
@@ -2910,7 +2919,7 @@ class DecodePlan:
         _expect_buffer(seqs, name, shape, torch.int32, p.device)
         make = getattr(self.impl, "make_schedule", None)
         items = make(seqs) if make is not None and getattr(self.impl, "balanced", False) else None
-        return StepSchedule(seqs, seqs._version, items)
+        return StepSchedule(seqs, version_of(seqs), items)
 
     def _schedule_items(self, schedule: StepSchedule | None, seqs: torch.Tensor) -> torch.Tensor | None:
         if schedule is None:
@@ -2919,7 +2928,9 @@ class DecodePlan:
                type(schedule).__name__)
         expect(schedule.seqs is seqs, "schedule", "one made from the lengths tensor passed here",
                "one made from another tensor")
-        expect(schedule.version == seqs._version, "schedule", "one made after the lengths were last written",
+        version = version_of(seqs)
+        expect(version is None or schedule.version is None or schedule.version == version, "schedule",
+               "one made after the lengths were last written",
                "a stale one (the lengths were written since)")
         return schedule.items
 

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .api import DecodePlan, make_problem
+from .api import DecodePlan, make_problem, version_of
 from .contract import (
     DEFAULT_SOFTMAX_SCALE,
     FP8_DTYPES,
@@ -70,7 +70,7 @@ class MlaMetadata:
     def __init__(self, cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
                  num_heads_q: int | None, is_fp8_kvcache: bool):
         self.cache_seqlens = cache_seqlens
-        self.version = _version(cache_seqlens)
+        self.version = version_of(cache_seqlens)
         self.num_q_tokens_per_head_k = num_q_tokens_per_head_k
         self.num_heads_k = num_heads_k
         self.num_heads_q = num_heads_q
@@ -81,14 +81,6 @@ class MlaMetadata:
         return (f"MlaMetadata(batch={self.cache_seqlens.shape[0]}, num_q_tokens_per_head_k="
                 f"{self.num_q_tokens_per_head_k}, num_heads_k={self.num_heads_k}, num_heads_q={self.num_heads_q}, "
                 f"is_fp8_kvcache={self.is_fp8_kvcache}, device={self.cache_seqlens.device})")
-
-
-def _version(x: torch.Tensor) -> int | None:
-    """x's version counter (bumped by every in-place write), or None for an inference-mode tensor, which has none."""
-    try:
-        return x._version
-    except RuntimeError:
-        return None
 
 
 def _same_tensor(held: torch.Tensor, given: torch.Tensor) -> bool:
@@ -287,7 +279,7 @@ def _expect_metadata(metadata, cache_seqlens: torch.Tensor, num_q_tokens_per_hea
         raise TypeError(f"tile_scheduler_metadata: expected the MlaMetadata of mla_decode.flash_mla.get_mla_metadata, "
                         f"got {type(metadata).__name__}")
     # Every layer of a step checks this: a good call passes before any message is formatted
-    version, held = _version(cache_seqlens), metadata.version
+    version, held = version_of(cache_seqlens), metadata.version
     if (_same_tensor(metadata.cache_seqlens, cache_seqlens) and (version is None or held is None or version == held)
             and metadata.num_q_tokens_per_head_k == num_q_tokens_per_head_k
             and metadata.num_heads_q in (None, h_q) and metadata.is_fp8_kvcache == is_fp8):
