@@ -51,7 +51,8 @@ SPILL_BYTES = {"fast": 0, "precise": 16, "mxfp4": 32}  # stack frame allowed (th
 SHARED_PER_PROGRAM = (228 * 1024) // 2 - 1024  # two programs an SM, 1 KB reserved each
 SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "kscale_stride": "i32", "seq_ptr": "*i32",
              "table_ptr": "*i32", "max_pages": "i32", "kv_rows": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "items_ptr": "*i32", "qk_scale": "fp32"}
+             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "items_ptr": "*i32", "part_first_ptr": "*i32",
+             "qk_scale": "fp32"}
 MXFP4_SIGNATURE = dict(SIGNATURE, kv_ptr="*u8", kscale_ptr="*u8")  # the codes and the E8M0 scales, as bytes
 
 
