@@ -21,7 +21,8 @@ specializes them. Gates, per kernel:
   - MXFP4 whose tiles' rows are contiguous (ragged with one query token, pages of a multiple of 64): the L2 bulk
     prefetch of a tile ahead; every other kernel: none.
 It also prints, ungated, the SASS instructions of each kernel's tile loop (the span of its longest backward branch):
-the figure the journal's instruction counts a warp a tile come from.
+the figure the journal's instruction counts a warp a tile come from. A balanced kernel's longest is its walk over a
+part's pieces, which holds the tile loop: its figure is the whole piece's.
 """
 
 import argparse
