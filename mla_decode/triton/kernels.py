@@ -491,12 +491,16 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         if BALANCED:  # program (part, group): the schedule's pieces part_first[part] .. part_first[part + 1] - 1
             part = tl.program_id(0)
-            for item in range(tl.load(part_first_ptr + part), tl.load(part_first_ptr + part + 1)):
+            item = tl.load(part_first_ptr + part)
+            last = tl.load(part_first_ptr + part + 1)
+            # a while loop: gfx950's FP8 dot inside a for loop nested in another does not lower with Triton 3.6
+            while item < last:
                 _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
                              tl.load(items_ptr + item * _ITEM_FIELDS), group, NUM_SPLITS, BLOCK_N, PAGE_SIZE,
                              KV_FORMAT, PRECISE, DOT_DTYPE, FP8_MAX, USE_ASM, ROUND_FP8, SCALED_SCORES, WRITE_LSE,
                              CHUNKED_PAGES, NUM_HEADS, Q_LEN, CAUSAL, V_CAST_FIRST, BLOCK_H, BALANCED)
+                item += 1
         else:  # program (split, group, b)
             _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, tl.program_id(0), tl.program_id(2),
