@@ -1210,8 +1210,8 @@ def part_first(schedule: Schedule) -> torch.Tensor:
 # give.
 #
 # Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
-# the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (item, group) walks
-# the schedule's piece `item`, as there). Per 64-row tile, in shared memory
+# the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (part, group) walks
+# its part's pieces of the schedule in line order, as there). Per 64-row tile, in shared memory
 # as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128-byte swizzle; the rope dims
 # [64][64 B], 64-byte swizzle), two tiles buffered (2 x 36 KB + Q, 9 KB in E4M3 or 18 in fp16: two programs an SM):
 #   S^T (64 x 16) = K Q^T   FP8 x FP8, both from shared memory, Q in E4M3 with one scale per query row;
@@ -1562,34 +1562,23 @@ if HOPPER_KERNEL_REASON is None:
                  mask=row_in if PARTIAL_ROWS else None)
 
     @gluon.jit
-    def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
-                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
-                             PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
-                             NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                             PRECISE: gl.constexpr, MXFP4: gl.constexpr, BALANCED: gl.constexpr):
-        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
-        # program (item, group) takes the schedule's piece `item`, as the portable kernel does
-        gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
-        group = gl.program_id(1)
-        if BALANCED:
-            item = gl.program_id(0)
-            b = gl.load(items_ptr + item * 4)
-            count = gl.load(items_ptr + item * 4 + 3) & 0xFFFF
-            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
-                return
-        else:
-            split = gl.program_id(0)
-            b = gl.program_id(2)
+    def _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                      lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, piece, b, group,
+                      NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
+                      WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BALANCED: gl.constexpr):
+        """Group `group` of sequence b's 16 query rows over one piece of its rows: BALANCED, the schedule's item
+        `piece`; else split `piece` of NUM_SPLITS. Its output, or its partial in the piece's slot."""
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         if BALANCED:  # whole 64-row tiles (the schedule's)
-            lo = start + gl.load(items_ptr + item * 4 + 1) * 64
-            hi = gl.minimum(start + gl.load(items_ptr + item * 4 + 2) * 64, end)
+            lo = start + gl.load(items_ptr + piece * 4 + 1) * 64
+            hi = gl.minimum(start + gl.load(items_ptr + piece * 4 + 2) * 64, end)
         else:
             per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
-            lo = start + split * per_split
+            lo = start + piece * per_split
             hi = gl.minimum(lo + per_split, end)
         MMA: gl.constexpr = _MMA16 if PRECISE else _MMA
         cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
@@ -1767,18 +1756,42 @@ if HOPPER_KERNEL_REASON is None:
         at = h[None, :] * V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
-            if count == 1:
+            if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
                 _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                      acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
-                _hopper_store_partial(part_o_ptr, part_lse_ptr, item.to(gl.int64), group, qrow, row_in, at, mask, bad,
+                _hopper_store_partial(part_o_ptr, part_lse_ptr, piece.to(gl.int64), group, qrow, row_in, at, mask, bad,
                                       acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
         elif NUM_SPLITS == 1:
             _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                  acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
         else:
-            _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, at, mask,
+            _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + piece, group, qrow, row_in, at, mask,
                                   bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+
+    @gluon.jit
+    def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, part_first_ptr, qk_scale,
+                             NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
+                             WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
+                             CAUSAL: gl.constexpr, PRECISE: gl.constexpr, MXFP4: gl.constexpr,
+                             BALANCED: gl.constexpr):
+        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
+        # program (part, group) walks its part's pieces, as the portable kernel does
+        gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
+        group = gl.program_id(1)
+        if BALANCED:
+            part = gl.program_id(0)
+            for item in range(gl.load(part_first_ptr + part), gl.load(part_first_ptr + part + 1)):
+                _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
+                              gl.load(items_ptr + item * 4), group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE,
+                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BALANCED)
+        else:
+            _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, gl.program_id(0), gl.program_id(2),
+                          group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE, NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4,
+                          BALANCED)
 
 
 
@@ -1812,9 +1825,9 @@ if HOPPER_KERNEL_REASON is None:
 #
 # Two ways to cut the work (TritonDecode's schedule). Fixed: program (split, group, b) takes split `split` of
 # NUM_SPLITS equal ones of sequence b. BALANCED: mla_schedule_kernel first lists the pieces of the work-balanced
-# schedule (mla_decode/schedule.py) from the lengths on the device; program (item, group) takes piece `item`, tiles
-# [first, end) of its sequence, and a sequence of one piece writes its output directly, else its pieces' partials are
-# merged by the combine.
+# schedule (mla_decode/schedule.py) from the lengths on the device; program (part, group) walks its part's pieces in
+# line order (persistent: one program a part, no second wave), each tiles [first, end) of its sequence, and a sequence
+# of one piece writes its output directly, else its pieces' partials (a slot an item) are merged by the combine.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -2042,13 +2055,14 @@ if triton is not None:
         return (length + BLOCK_N - 1) // BLOCK_N
 
     @triton.jit
-    def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, batch, parts, max_items, PAGE_SIZE: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, part_first_ptr, batch, parts, max_items,
+                            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         """One program: the pieces of the work-balanced schedule of the lengths (seq_ptr: cache_seqlens, or kv_indptr
         where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, exactly as schedule.py's
         schedule_items lists them: items (max_items, 4) int32 rows {b, first tile, end tile, index << 16 | count},
-        then {-1, 0, 0, 0}; and first (batch,) int32, the item of each sequence's first piece (the combine's). The
-        sequences come BLOCK_B at a time: one pass sums the line's length, a second cuts it by prefix sums."""
+        then {-1, 0, 0, 0}; first (batch,) int32, the item of each sequence's first piece (the combine's); and
+        part_first (parts + 1,) int32, schedule.py's part_first (the split kernel's programs walk their part's items).
+        The sequences come BLOCK_B at a time: one pass sums the line's length, a second cuts it by prefix sums."""
         r = tl.arange(0, BLOCK_B)
         field = tl.arange(0, _ITEM_FIELDS)[None, :]
         total = tl.full([], 0, tl.int64)
@@ -2077,12 +2091,18 @@ if triton is not None:
                 row = tl.where(field == 0, b[:, None], tl.where(field == 1, lo.to(tl.int32)[:, None], tl.where(
                     field == 2, hi.to(tl.int32)[:, None], ((j << 16) | count)[:, None])))
                 tl.store(items_ptr + (first + j)[:, None] * _ITEM_FIELDS + field, row, mask=(j < count)[:, None])
+                # a part's first piece starts on its share's first unit: every part before the line's end has one
+                tl.store(part_first_ptr + part, first + j, mask=(j < count) & (tl.maximum(start, part * share)
+                                                                               == part * share))
             line += tl.sum(cost, 0)
             item += tl.sum(count, 0)
         for k0 in range(0, max_items, BLOCK_B):
             k = k0 + r
             tl.store(items_ptr + k[:, None] * _ITEM_FIELDS + field, tl.where(field == 0, -1, 0),
                      mask=((k >= item) & (k < max_items))[:, None])
+        # the parts past the line's end (share rounds up) take none; part_first[parts] closes the last part
+        for p0 in range((total + share - 1) // share, parts + 1, BLOCK_B):
+            tl.store(part_first_ptr + p0 + r, item, mask=p0 + r <= parts)
 
     @triton.jit
     def _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid, acc0, acc1, acc2, acc3, inv, lse2,
@@ -2112,36 +2132,24 @@ if triton is not None:
                  mask=row_in if PARTIAL_ROWS else None)
 
     @triton.jit
-    def mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
-                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr,
-                          PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
-                          USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                          SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
-                          NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
-                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
-        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: the groups of a split or piece read the same
-        # tiles, all but the first from L2
+    def _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                     lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, piece, b, group, NUM_SPLITS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr, PRECISE: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr,
+                     SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
+                     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr, V_CAST_FIRST: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
+        """Group `group` of sequence b's query rows over one piece of its rows: BALANCED, the schedule's item `piece`;
+        else split `piece` of NUM_SPLITS. Its output, or its partial in the piece's slot."""
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
-        if BALANCED:  # program (item, group): the schedule's piece `item` (items_ptr)
-            item = tl.program_id(0)
-            b = tl.load(items_ptr + item * _ITEM_FIELDS)
-            count = tl.load(items_ptr + item * _ITEM_FIELDS + 3) & 0xFFFF
-            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
-                return
-        else:  # program (split, group, b)
-            split = tl.program_id(0)
-            b = tl.program_id(2)
-        if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
-            tl.extra.cuda.gdc_launch_dependents()
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         if BALANCED:  # whole tiles of BLOCK_N rows (the schedule's), so pages of whole tiles keep a tile in one page
-            lo = start + tl.load(items_ptr + item * _ITEM_FIELDS + 1) * BLOCK_N
-            hi = tl.minimum(start + tl.load(items_ptr + item * _ITEM_FIELDS + 2) * BLOCK_N, end)
+            lo = start + tl.load(items_ptr + piece * _ITEM_FIELDS + 1) * BLOCK_N
+            hi = tl.minimum(start + tl.load(items_ptr + piece * _ITEM_FIELDS + 2) * BLOCK_N, end)
         else:
             per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = start + split * per_split
+            lo = start + piece * per_split
             hi = tl.minimum(lo + per_split, end)
         qrow = group * BLOCK_H + tl.arange(0, BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
         row_in = qrow < ROWS
@@ -2240,18 +2248,50 @@ if triton is not None:
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
         if BALANCED:  # a sequence of one piece is written here; the pieces of the others go to their item's slot
-            if count == 1:
+            if (tl.load(items_ptr + piece * _ITEM_FIELDS + 3) & 0xFFFF) == 1:
                 _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
                               acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
-                _store_partial(part_o_ptr, part_lse_ptr, item.to(tl.int64), group, qrow, row_in, bad, acc0, acc1, acc2,
-                               acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
+                _store_partial(part_o_ptr, part_lse_ptr, tl.cast(piece, tl.int64), group, qrow, row_in, bad, acc0,
+                               acc1, acc2, acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
         elif NUM_SPLITS == 1:
             _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
                           acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
         else:
-            _store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, bad, acc0, acc1,
+            _store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + piece, group, qrow, row_in, bad, acc0, acc1,
                            acc2, acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
+
+    @triton.jit
+    def mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, part_first_ptr, qk_scale,
+                          NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                          KV_FORMAT: tl.constexpr, PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                          FP8_MAX: tl.constexpr, USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+                          SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
+                          NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
+                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
+        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: the groups of a split or piece read the same
+        # tiles, all but the first from L2
+        if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
+            tl.extra.cuda.gdc_launch_dependents()
+        if BALANCED:  # program (part, group): the schedule's pieces part_first[part] .. part_first[part + 1] - 1
+            part = tl.program_id(0)
+            item = tl.load(part_first_ptr + part)
+            last = tl.load(part_first_ptr + part + 1)
+            # a while loop: gfx950's FP8 dot inside a for loop nested in another does not lower with Triton 3.6
+            while item < last:
+                _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
+                             tl.load(items_ptr + item * _ITEM_FIELDS), group, NUM_SPLITS, BLOCK_N, PAGE_SIZE,
+                             KV_FORMAT, PRECISE, DOT_DTYPE, FP8_MAX, USE_ASM, ROUND_FP8, SCALED_SCORES, WRITE_LSE,
+                             CHUNKED_PAGES, NUM_HEADS, Q_LEN, CAUSAL, V_CAST_FIRST, BLOCK_H, BALANCED)
+                item += 1
+        else:  # program (split, group, b)
+            _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                         lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, tl.program_id(0), tl.program_id(2),
+                         group, NUM_SPLITS, BLOCK_N, PAGE_SIZE, KV_FORMAT, PRECISE, DOT_DTYPE, FP8_MAX, USE_ASM,
+                         ROUND_FP8, SCALED_SCORES, WRITE_LSE, CHUNKED_PAGES, NUM_HEADS, Q_LEN, CAUSAL, V_CAST_FIRST,
+                         BLOCK_H, BALANCED)
 
     @triton.jit
     def _merge_pieces(part_o_ptr, part_lse_ptr, first, count, r, dv, ROWS: tl.constexpr):
@@ -2523,7 +2563,7 @@ class TritonWorkspace(NamedTuple):
 
     part_o: torch.Tensor  # (slots, query rows, 512) fp32: a split's or a piece's normalized output
     part_lse: torch.Tensor  # (slots, query rows) fp32: its log2-sum-exp
-    schedule: torch.Tensor  # balanced: (max_items * 4 + batch,) int32, as make_schedule returns; else empty
+    schedule: torch.Tensor  # balanced: (max_items * 4 + batch + parts + 1,) int32, as make_schedule returns; else empty
     part_o_ptr: int
     part_lse_ptr: int
 
@@ -2547,7 +2587,8 @@ class TritonDecode:
         target, plan = key.target, key.plan
         self.balanced = balanced = schedule == "balanced"
         groups = query_groups(key.q_len, key.num_heads, plan.block_h)
-        # balanced: one share per resident program (parts); at most parts + batch pieces (max_items), each a slot
+        # balanced: one share per resident program (parts), which walks its share's pieces; at most parts + batch
+        # pieces (max_items), each a slot
         self.parts = balanced_parts(target, groups) if balanced else 0
         self.max_items = self.parts + key.batch if balanced else 0
         self.max_pages = problem.max_pages  # the table's width, which the schedule's valid lengths are judged by
@@ -2558,7 +2599,8 @@ class TritonDecode:
         block_dv = BALANCED_BLOCK_DV if balanced else min(V_HEAD_DIM, max(16, 8192 // splits_p2))
         query_rows = key.q_len * key.num_heads  # a sequence's, folded token-major as q lays them out
         self.parts_shape = (self.max_items if balanced else key.batch * splits if splits > 1 else 0, query_rows)
-        self.schedule_shape = (self.max_items * ITEM_FIELDS + key.batch,) if balanced else (0,)
+        # balanced: the items, each sequence's first item, then part_first (make_schedule)
+        self.schedule_shape = (self.max_items * ITEM_FIELDS + key.batch + self.parts + 1,) if balanced else (0,)
         self._workspaces: dict[tuple[int, int], TritonWorkspace] = {}
         self._lock = threading.Lock()
         # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none otherwise
@@ -2585,7 +2627,7 @@ class TritonDecode:
         # the schedule's tile is the split kernel's, so that a piece's bounds are whole tiles of its walk
         schedule_consts = dict(PAGE_SIZE=key.page_size, BLOCK_N=plan.block_n,
                                BLOCK_B=min(SCHEDULE_MAX_BLOCK, triton.next_power_of_2(max(key.batch, 16))))
-        self.split_grid = (self.max_items, groups, 1) if balanced else (splits, groups, key.batch)
+        self.split_grid = (self.parts, groups, 1) if balanced else (splits, groups, key.batch)
         self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1) if merged else None
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())
@@ -2613,24 +2655,25 @@ class TritonDecode:
     def _launch_schedule(self, seqs: torch.Tensor, schedule: torch.Tensor) -> None:
         """mla_schedule_kernel, launched as the plan's other kernels are: the pieces of the lengths `seqs` into
         `schedule`."""
-        items_at = self.max_items * ITEM_FIELDS
+        items_at, parts_at = self.max_items * ITEM_FIELDS, self.max_items * ITEM_FIELDS + self.key.batch
         max_pages = self.max_pages if self.key.page_size else 0
         if self.schedule_run is not None:
             address = schedule.data_ptr()
-            self.schedule_run(seqs.data_ptr(), max_pages, address, address + 4 * items_at, self.key.batch, self.parts,
-                              self.max_items, *self.schedule_consts)
+            self.schedule_run(seqs.data_ptr(), max_pages, address, address + 4 * items_at, address + 4 * parts_at,
+                              self.key.batch, self.parts, self.max_items, *self.schedule_consts)
             return
-        made = mla_schedule_kernel[(1, 1, 1)](seqs, max_pages, schedule, schedule[items_at:], self.key.batch,
-                                              self.parts, self.max_items, **self.schedule_meta)
+        made = mla_schedule_kernel[(1, 1, 1)](seqs, max_pages, schedule, schedule[items_at:], schedule[parts_at:],
+                                              self.key.batch, self.parts, self.max_items, **self.schedule_meta)
         if made is not None:  # compiled (not interpreted): its launcher, with its grid bound once
             self.schedule_run = made[(1, 1, 1)]
 
     def make_schedule(self, seqs: torch.Tensor) -> torch.Tensor:
         """The balanced schedule of `seqs` (cache_seqlens (batch,) when paged, kv_indptr (batch + 1,) when ragged,
         int32 on the plan's device), made on the GPU in the caller's order of work for run(schedule=) in every layer
-        of a step: (max_items * 4 + batch,) int32, the items (max_items, 4) {b, first tile, end tile, index << 16 |
-        count} of mla_decode.schedule.schedule_items (tiles of the plan's block_n rows), then each sequence's first
-        item (batch,). Reads no length on the host."""
+        of a step: (max_items * 4 + batch + parts + 1,) int32, the items (max_items, 4) {b, first tile, end tile,
+        index << 16 | count} of mla_decode.schedule.schedule_items (tiles of the plan's block_n rows), then each
+        sequence's first item (batch,), then mla_decode.schedule.part_first (parts + 1,): the split kernel's program p
+        walks items part_first[p] .. part_first[p + 1] - 1. Reads no length on the host."""
         if not self.balanced:
             raise ValueError("triton backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
         if seqs.data_ptr() % 16:  # as run() refuses them: the compiled kernel assumes aligned lengths
@@ -2668,13 +2711,15 @@ class TritonDecode:
             raise ValueError(f"triton backend: q, the KV cache ({kv.dtype}), the sequence lengths or offsets, the "
                              "page table and the schedule must start on 16-byte boundaries")
         first_ptr = items_ptr + 4 * self.max_items * ITEM_FIELDS  # fixed: unused
+        part_first_ptr = first_ptr + 4 * self.key.batch  # fixed: unused
         out_ptr, lse_ptr = out.data_ptr(), 0 if lse is None else lse.data_ptr()
         aligned = scale_ptr % 16 == 0 and lse_ptr % 16 == 0  # read or written element by element: any address
         if made:
             self._launch_schedule(seqs, schedule)
         if self.split_run is not None and aligned:
             self.split_run(q_ptr, kv_ptr, scale_ptr, scale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
-                           lse_ptr, work.part_o_ptr, work.part_lse_ptr, items_ptr, self.qk_scale, *self.split_consts)
+                           lse_ptr, work.part_o_ptr, work.part_lse_ptr, items_ptr, part_first_ptr, self.qk_scale,
+                           *self.split_consts)
             if self.combine_run is not None:
                 self.combine_run(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, work.part_o_ptr, work.part_lse_ptr,
                                  items_ptr, first_ptr, *self.combine_consts)
@@ -2682,10 +2727,12 @@ class TritonDecode:
         if self.key.kv_format == "mxfp4":  # the kernel reads the codes and the E8M0 scales as bytes
             kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
         lse = out if lse is None else lse  # not written: an unused pointer
-        first = schedule[self.max_items * ITEM_FIELDS:] if self.balanced else seqs
+        items_at = self.max_items * ITEM_FIELDS
+        first = schedule[items_at:] if self.balanced else seqs
+        part_first = schedule[items_at + self.key.batch:] if self.balanced else seqs
         split = self.split_kernel[self.split_grid](q, kv, scale, scale_stride, seqs, table, max_pages, kv_rows, out,
-                                                   lse, work.part_o, work.part_lse, schedule, self.qk_scale,
-                                                   **self.split_meta)
+                                                   lse, work.part_o, work.part_lse, schedule, part_first,
+                                                   self.qk_scale, **self.split_meta)
         combine = None
         if self.combine_grid is not None:
             combine = mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, work.part_o,

@@ -12,7 +12,7 @@ import torch
 
 import mla_decode
 import reference as R
-from mla_decode.schedule import make_schedule, schedule_items
+from mla_decode.schedule import make_schedule, part_first, schedule_items
 from testkit.attention import (
     TRITON_REL_L2,
     assert_matches,
@@ -210,12 +210,13 @@ def interpreter_target(sms: int) -> mla_decode.triton.TritonTarget:
 
 def reference_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int,
                        max_items: int) -> torch.Tensor:
-    """What make_schedule returns, by the CPU reference: schedule_items' rows, flat, then each sequence's first item."""
+    """What make_schedule returns, by the CPU reference: schedule_items' rows, flat, each sequence's first item, then
+    part_first."""
     s = make_schedule(lengths, parts, capacity, tile_rows)
     b = torch.arange(lengths.shape[0])
     counts = s.last_part(b) - s.first_part(b) + 1
     first = torch.cumsum(counts, 0) - counts
-    return torch.cat([schedule_items(s, max_items).flatten(), first.int()])
+    return torch.cat([schedule_items(s, max_items).flatten(), first.int(), part_first(s)])
 
 
 @needs_interpreter
@@ -224,10 +225,10 @@ def reference_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_ro
 @pytest.mark.parametrize("spread", sorted(SCHEDULE_SPREADS) + ["invalid"])
 def test_the_schedule_kernel_lists_the_reference_pieces(spread, layout, sms, block_n):
     """make_schedule (mla_schedule_kernel, one program) lists exactly schedule_items' pieces of the CPU reference, in
-    tiles of the plan's block_n rows, and each sequence's first item, for 2 to 264 parts, batches within one block
-    of the kernel and past it (1500), one sequence cut into every part. Invalid lengths (negative, past the table;
-    ragged: a range that ends before it starts, or starts below 0) cost their fixed unit alone; a ragged range past
-    the cache is judged without it, as the cuda schedule judges it."""
+    tiles of the plan's block_n rows, each sequence's first item and part_first, for 2 to 264 parts, batches within
+    one block of the kernel and past it (1500), one sequence cut into every part. Invalid lengths (negative, past
+    the table; ragged: a range that ends before it starts, or starts below 0) cost their fixed unit alone; a ragged
+    range past the cache is judged without it, as the cuda schedule judges it."""
     if spread == "invalid":
         lens, indptr = [-5, 0, 10**6, 64, 200], [-3, 10, 5, 300, 400, 401]
     else:
@@ -330,7 +331,7 @@ def test_balanced_serving_shapes(q_len, num_heads, block_h):
                            num_heads=num_heads)
     decode = balanced_plan(case, plan=(1, 64, 4, 3, False, True, True, block_h))
     groups = -(-q_len * num_heads // block_h)
-    assert decode.impl.split_grid == (decode.impl.max_items, groups, 1)
+    assert decode.impl.split_grid == (decode.impl.parts, groups, 1)  # persistent: a program a part
     assert decode.impl.parts == mla_decode.triton.plan.balanced_parts(mla_decode.triton.common.INTERPRETER_TARGET,
                                                                        groups)
     assert_meets_truth(case, *decode.run(*case.args()))
@@ -344,7 +345,7 @@ def test_a_step_schedule_serves_every_layer_and_a_stale_one_is_refused():
     case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=2)
     decode = balanced_plan(case, SMALL_GRID)
     step = decode.schedule(case.cache_seqlens)
-    assert step.items.shape == (decode.impl.max_items * 4 + case.q.shape[0],)
+    assert step.items.shape == (decode.impl.max_items * 4 + case.q.shape[0] + decode.impl.parts + 1,)
     alone = decode.run(*case.args())
     for _ in range(2):  # the layers of a step
         assert all(torch.equal(a, b) for a, b in zip(decode.run(*case.args(), schedule=step), alone, strict=True))
@@ -372,12 +373,13 @@ def test_the_schedule_option_is_checked_and_names_itself():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fault", ["dropped", "twice", "count"])
+@pytest.mark.parametrize("fault", ["dropped", "twice", "count", "part_first"])
 def test_a_planted_schedule_fault_fails_the_bounds(fault):
     """The step's schedule with one fault planted: a piece's last tile dropped, the next piece of its sequence
-    starting a tile early (a tile taken twice), or every piece of a sequence counting one more (the combine merges
-    a slot no piece of it wrote; the workspace poisoned, as a fresh one may hold anything): each fails the bounds
-    the correct schedule meets."""
+    starting a tile early (a tile taken twice), every piece of a sequence counting one more (the combine merges
+    a slot no piece of it wrote; the workspace poisoned, as a fresh one may hold anything), or part_first one item
+    late (each part's first piece handed to the part before; the first piece to none): each fails the bounds the
+    correct schedule meets."""
     case = make_paged_case("fp8", 64, SPREADS["one-long"], seed=4)
     decode = balanced_plan(case, SMALL_GRID)
     step = decode.schedule(case.cache_seqlens)
@@ -393,8 +395,11 @@ def test_a_planted_schedule_fault_fails_the_bounds(fault):
         items[k, 2] -= 1
     elif fault == "twice":
         items[k + 1, 1] -= 1
-    else:
+    elif fault == "count":
         items[items[:, 0] == items[k, 0], 3] += 1
+    else:
+        starts = step.items[-decode.impl.parts - 1:]
+        starts.copy_((starts + 1).clamp(max=int(starts[-1])))
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16)
     bad = errors(*decode.run(*case.args(), out=out, schedule=step), *truth)
     assert bad[0] > OUT_BOUND or bad[1] > LSE_BOUND, bad

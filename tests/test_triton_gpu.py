@@ -13,7 +13,7 @@ import torch
 
 import mla_decode
 import reference as R
-from mla_decode.schedule import make_schedule, schedule_items
+from mla_decode.schedule import make_schedule, part_first, schedule_items
 from testkit.attention import (
     TRITON_REL_L2,
     assert_grid_match,
@@ -169,7 +169,8 @@ def triton_paged_plan(case, precision: str = "fast", **options) -> mla_decode.De
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_gpu_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
     """The compiled schedule kernel lists exactly the CPU reference's pieces (schedule_items, tiles of the plan's
-    block_n) and each sequence's first item, for this GPU's parts; the ragged plan cuts the same from kv_indptr."""
+    block_n), each sequence's first item and part_first, for this GPU's parts; the ragged plan cuts the same from
+    kv_indptr."""
     lens = SPREADS[spread]
     case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
     plan = triton_paged_plan(case)
@@ -179,7 +180,8 @@ def test_gpu_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
                       impl.key.plan.block_n)
     b = torch.arange(len(lens))
     counts = s.last_part(b) - s.first_part(b) + 1
-    want = torch.cat([schedule_items(s, impl.max_items).flatten(), (torch.cumsum(counts, 0) - counts).int()])
+    want = torch.cat([schedule_items(s, impl.max_items).flatten(), (torch.cumsum(counts, 0) - counts).int(),
+                      part_first(s)])
     assert torch.equal(made.cpu(), want)
     kv, _, indptr = ragged_twin(case)
     ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="triton",

@@ -21,7 +21,8 @@ specializes them. Gates, per kernel:
   - MXFP4 whose tiles' rows are contiguous (ragged with one query token, pages of a multiple of 64): the L2 bulk
     prefetch of a tile ahead; every other kernel: none.
 It also prints, ungated, the SASS instructions of each kernel's tile loop (the span of its longest backward branch):
-the figure the journal's instruction counts a warp a tile come from.
+the figure the journal's instruction counts a warp a tile come from. A balanced kernel's longest is its walk over a
+part's pieces, which holds the tile loop: its figure is the whole piece's.
 """
 
 import argparse
@@ -51,7 +52,8 @@ SPILL_BYTES = {"fast": 0, "precise": 16, "mxfp4": 32}  # stack frame allowed (th
 SHARED_PER_PROGRAM = (228 * 1024) // 2 - 1024  # two programs an SM, 1 KB reserved each
 SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "kscale_stride": "i32", "seq_ptr": "*i32",
              "table_ptr": "*i32", "max_pages": "i32", "kv_rows": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "items_ptr": "*i32", "qk_scale": "fp32"}
+             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "items_ptr": "*i32", "part_first_ptr": "*i32",
+             "qk_scale": "fp32"}
 MXFP4_SIGNATURE = dict(SIGNATURE, kv_ptr="*u8", kscale_ptr="*u8")  # the codes and the E8M0 scales, as bytes
 
 

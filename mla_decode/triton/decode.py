@@ -24,7 +24,7 @@ class TritonWorkspace(NamedTuple):
 
     part_o: torch.Tensor  # (slots, query rows, 512) fp32: a split's or a piece's normalized output
     part_lse: torch.Tensor  # (slots, query rows) fp32: its log2-sum-exp
-    schedule: torch.Tensor  # balanced: (max_items * 4 + batch,) int32, as make_schedule returns; else empty
+    schedule: torch.Tensor  # balanced: (max_items * 4 + batch + parts + 1,) int32, as make_schedule returns; else empty
     part_o_ptr: int
     part_lse_ptr: int
 
@@ -48,7 +48,8 @@ class TritonDecode:
         target, plan = key.target, key.plan
         self.balanced = balanced = schedule == "balanced"
         groups = query_groups(key.q_len, key.num_heads, plan.block_h)
-        # balanced: one share per resident program (parts); at most parts + batch pieces (max_items), each a slot
+        # balanced: one share per resident program (parts), which walks its share's pieces; at most parts + batch
+        # pieces (max_items), each a slot
         self.parts = balanced_parts(target, groups) if balanced else 0
         self.max_items = self.parts + key.batch if balanced else 0
         self.max_pages = problem.max_pages  # the table's width, which the schedule's valid lengths are judged by
@@ -59,7 +60,8 @@ class TritonDecode:
         block_dv = BALANCED_BLOCK_DV if balanced else min(V_HEAD_DIM, max(16, 8192 // splits_p2))
         query_rows = key.q_len * key.num_heads  # a sequence's, folded token-major as q lays them out
         self.parts_shape = (self.max_items if balanced else key.batch * splits if splits > 1 else 0, query_rows)
-        self.schedule_shape = (self.max_items * ITEM_FIELDS + key.batch,) if balanced else (0,)
+        # balanced: the items, each sequence's first item, then part_first (make_schedule)
+        self.schedule_shape = (self.max_items * ITEM_FIELDS + key.batch + self.parts + 1,) if balanced else (0,)
         self._workspaces: dict[tuple[int, int], TritonWorkspace] = {}
         self._lock = threading.Lock()
         # Q's FP8 maximum: the cache's FP8 type (448 e4m3fn, 240 fnuz), E4M3 against MXFP4 codes; none otherwise
@@ -86,7 +88,7 @@ class TritonDecode:
         # the schedule's tile is the split kernel's, so that a piece's bounds are whole tiles of its walk
         schedule_consts = dict(PAGE_SIZE=key.page_size, BLOCK_N=plan.block_n,
                                BLOCK_B=min(SCHEDULE_MAX_BLOCK, triton.next_power_of_2(max(key.batch, 16))))
-        self.split_grid = (self.max_items, groups, 1) if balanced else (splits, groups, key.batch)
+        self.split_grid = (self.parts, groups, 1) if balanced else (splits, groups, key.batch)
         self.combine_grid = (key.batch * query_rows, V_HEAD_DIM // block_dv, 1) if merged else None
         # constexprs in the kernels' parameter order: the compiled kernels take them after the other arguments
         self.split_consts, self.combine_consts = tuple(split_consts.values()), tuple(combine_consts.values())
@@ -114,24 +116,25 @@ class TritonDecode:
     def _launch_schedule(self, seqs: torch.Tensor, schedule: torch.Tensor) -> None:
         """mla_schedule_kernel, launched as the plan's other kernels are: the pieces of the lengths `seqs` into
         `schedule`."""
-        items_at = self.max_items * ITEM_FIELDS
+        items_at, parts_at = self.max_items * ITEM_FIELDS, self.max_items * ITEM_FIELDS + self.key.batch
         max_pages = self.max_pages if self.key.page_size else 0
         if self.schedule_run is not None:
             address = schedule.data_ptr()
-            self.schedule_run(seqs.data_ptr(), max_pages, address, address + 4 * items_at, self.key.batch, self.parts,
-                              self.max_items, *self.schedule_consts)
+            self.schedule_run(seqs.data_ptr(), max_pages, address, address + 4 * items_at, address + 4 * parts_at,
+                              self.key.batch, self.parts, self.max_items, *self.schedule_consts)
             return
-        made = mla_schedule_kernel[(1, 1, 1)](seqs, max_pages, schedule, schedule[items_at:], self.key.batch,
-                                              self.parts, self.max_items, **self.schedule_meta)
+        made = mla_schedule_kernel[(1, 1, 1)](seqs, max_pages, schedule, schedule[items_at:], schedule[parts_at:],
+                                              self.key.batch, self.parts, self.max_items, **self.schedule_meta)
         if made is not None:  # compiled (not interpreted): its launcher, with its grid bound once
             self.schedule_run = made[(1, 1, 1)]
 
     def make_schedule(self, seqs: torch.Tensor) -> torch.Tensor:
         """The balanced schedule of `seqs` (cache_seqlens (batch,) when paged, kv_indptr (batch + 1,) when ragged,
         int32 on the plan's device), made on the GPU in the caller's order of work for run(schedule=) in every layer
-        of a step: (max_items * 4 + batch,) int32, the items (max_items, 4) {b, first tile, end tile, index << 16 |
-        count} of mla_decode.schedule.schedule_items (tiles of the plan's block_n rows), then each sequence's first
-        item (batch,). Reads no length on the host."""
+        of a step: (max_items * 4 + batch + parts + 1,) int32, the items (max_items, 4) {b, first tile, end tile,
+        index << 16 | count} of mla_decode.schedule.schedule_items (tiles of the plan's block_n rows), then each
+        sequence's first item (batch,), then mla_decode.schedule.part_first (parts + 1,): the split kernel's program p
+        walks items part_first[p] .. part_first[p + 1] - 1. Reads no length on the host."""
         if not self.balanced:
             raise ValueError("triton backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
         if seqs.data_ptr() % 16:  # as run() refuses them: the compiled kernel assumes aligned lengths
@@ -169,13 +172,15 @@ class TritonDecode:
             raise ValueError(f"triton backend: q, the KV cache ({kv.dtype}), the sequence lengths or offsets, the "
                              "page table and the schedule must start on 16-byte boundaries")
         first_ptr = items_ptr + 4 * self.max_items * ITEM_FIELDS  # fixed: unused
+        part_first_ptr = first_ptr + 4 * self.key.batch  # fixed: unused
         out_ptr, lse_ptr = out.data_ptr(), 0 if lse is None else lse.data_ptr()
         aligned = scale_ptr % 16 == 0 and lse_ptr % 16 == 0  # read or written element by element: any address
         if made:
             self._launch_schedule(seqs, schedule)
         if self.split_run is not None and aligned:
             self.split_run(q_ptr, kv_ptr, scale_ptr, scale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
-                           lse_ptr, work.part_o_ptr, work.part_lse_ptr, items_ptr, self.qk_scale, *self.split_consts)
+                           lse_ptr, work.part_o_ptr, work.part_lse_ptr, items_ptr, part_first_ptr, self.qk_scale,
+                           *self.split_consts)
             if self.combine_run is not None:
                 self.combine_run(seq_ptr, max_pages, kv_rows, out_ptr, lse_ptr, work.part_o_ptr, work.part_lse_ptr,
                                  items_ptr, first_ptr, *self.combine_consts)
@@ -183,10 +188,12 @@ class TritonDecode:
         if self.key.kv_format == "mxfp4":  # the kernel reads the codes and the E8M0 scales as bytes
             kv, scale = kv.view(torch.uint8), scale.view(torch.uint8)
         lse = out if lse is None else lse  # not written: an unused pointer
-        first = schedule[self.max_items * ITEM_FIELDS:] if self.balanced else seqs
+        items_at = self.max_items * ITEM_FIELDS
+        first = schedule[items_at:] if self.balanced else seqs
+        part_first = schedule[items_at + self.key.batch:] if self.balanced else seqs
         split = self.split_kernel[self.split_grid](q, kv, scale, scale_stride, seqs, table, max_pages, kv_rows, out,
-                                                   lse, work.part_o, work.part_lse, schedule, self.qk_scale,
-                                                   **self.split_meta)
+                                                   lse, work.part_o, work.part_lse, schedule, part_first,
+                                                   self.qk_scale, **self.split_meta)
         combine = None
         if self.combine_grid is not None:
             combine = mla_combine_kernel[self.combine_grid](seqs, max_pages, kv_rows, out, lse, work.part_o,

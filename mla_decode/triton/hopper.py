@@ -3,8 +3,8 @@ explicit-layout dialect): the products as the cuda backend's wgmma kernel takes 
 give.
 
 Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
-the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (item, group) walks
-the schedule's piece `item`, as there). Per 64-row tile, in shared memory
+the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (part, group) walks
+its part's pieces of the schedule in line order, as there). Per 64-row tile, in shared memory
 as wgmma's K-major swizzled layouts (dims 0..511 as four [64][128 B] blocks, 128-byte swizzle; the rope dims
 [64][64 B], 64-byte swizzle), two tiles buffered (2 x 36 KB + Q, 9 KB in E4M3 or 18 in fp16: two programs an SM):
   S^T (64 x 16) = K Q^T   FP8 x FP8, both from shared memory, Q in E4M3 with one scale per query row;
@@ -370,34 +370,23 @@ if HOPPER_KERNEL_REASON is None:
                  mask=row_in if PARTIAL_ROWS else None)
 
     @gluon.jit
-    def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
-                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: gl.constexpr,
-                             PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr, WRITE_LSE: gl.constexpr,
-                             NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                             PRECISE: gl.constexpr, MXFP4: gl.constexpr, BALANCED: gl.constexpr):
-        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
-        # program (item, group) takes the schedule's piece `item`, as the portable kernel does
-        gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
-        group = gl.program_id(1)
-        if BALANCED:
-            item = gl.program_id(0)
-            b = gl.load(items_ptr + item * 4)
-            count = gl.load(items_ptr + item * 4 + 3) & 0xFFFF
-            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
-                return
-        else:
-            split = gl.program_id(0)
-            b = gl.program_id(2)
+    def _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                      lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, piece, b, group,
+                      NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
+                      WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BALANCED: gl.constexpr):
+        """Group `group` of sequence b's 16 query rows over one piece of its rows: BALANCED, the schedule's item
+        `piece`; else split `piece` of NUM_SPLITS. Its output, or its partial in the piece's slot."""
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
         PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         if BALANCED:  # whole 64-row tiles (the schedule's)
-            lo = start + gl.load(items_ptr + item * 4 + 1) * 64
-            hi = gl.minimum(start + gl.load(items_ptr + item * 4 + 2) * 64, end)
+            lo = start + gl.load(items_ptr + piece * 4 + 1) * 64
+            hi = gl.minimum(start + gl.load(items_ptr + piece * 4 + 2) * 64, end)
         else:
             per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
-            lo = start + split * per_split
+            lo = start + piece * per_split
             hi = gl.minimum(lo + per_split, end)
         MMA: gl.constexpr = _MMA16 if PRECISE else _MMA
         cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
@@ -575,15 +564,39 @@ if HOPPER_KERNEL_REASON is None:
         at = h[None, :] * V_DIM + _dim_of(r)[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
-            if count == 1:
+            if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
                 _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                      acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
-                _hopper_store_partial(part_o_ptr, part_lse_ptr, item.to(gl.int64), group, qrow, row_in, at, mask, bad,
+                _hopper_store_partial(part_o_ptr, part_lse_ptr, piece.to(gl.int64), group, qrow, row_in, at, mask, bad,
                                       acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
         elif NUM_SPLITS == 1:
             _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                  acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
         else:
-            _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, at, mask,
+            _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + piece, group, qrow, row_in, at, mask,
                                   bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+
+    @gluon.jit
+    def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, part_first_ptr, qk_scale,
+                             NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
+                             WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
+                             CAUSAL: gl.constexpr, PRECISE: gl.constexpr, MXFP4: gl.constexpr,
+                             BALANCED: gl.constexpr):
+        # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
+        # program (part, group) walks its part's pieces, as the portable kernel does
+        gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
+        group = gl.program_id(1)
+        if BALANCED:
+            part = gl.program_id(0)
+            for item in range(gl.load(part_first_ptr + part), gl.load(part_first_ptr + part + 1)):
+                _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
+                              gl.load(items_ptr + item * 4), group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE,
+                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BALANCED)
+        else:
+            _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, gl.program_id(0), gl.program_id(2),
+                          group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE, NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4,
+                          BALANCED)

@@ -26,9 +26,9 @@ kernel in this one's place (TritonPlan.hopper), with the same arguments and comb
 
 Two ways to cut the work (TritonDecode's schedule). Fixed: program (split, group, b) takes split `split` of
 NUM_SPLITS equal ones of sequence b. BALANCED: mla_schedule_kernel first lists the pieces of the work-balanced
-schedule (mla_decode/schedule.py) from the lengths on the device; program (item, group) takes piece `item`, tiles
-[first, end) of its sequence, and a sequence of one piece writes its output directly, else its pieces' partials are
-merged by the combine.
+schedule (mla_decode/schedule.py) from the lengths on the device; program (part, group) walks its part's pieces in
+line order (persistent: one program a part, no second wave), each tiles [first, end) of its sequence, and a sequence
+of one piece writes its output directly, else its pieces' partials (a slot an item) are merged by the combine.
 """
 
 from ..contract import QK_ROPE_HEAD_DIM
@@ -270,13 +270,14 @@ if triton is not None:
         return (length + BLOCK_N - 1) // BLOCK_N
 
     @triton.jit
-    def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, batch, parts, max_items, PAGE_SIZE: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, part_first_ptr, batch, parts, max_items,
+                            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         """One program: the pieces of the work-balanced schedule of the lengths (seq_ptr: cache_seqlens, or kv_indptr
         where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, exactly as schedule.py's
         schedule_items lists them: items (max_items, 4) int32 rows {b, first tile, end tile, index << 16 | count},
-        then {-1, 0, 0, 0}; and first (batch,) int32, the item of each sequence's first piece (the combine's). The
-        sequences come BLOCK_B at a time: one pass sums the line's length, a second cuts it by prefix sums."""
+        then {-1, 0, 0, 0}; first (batch,) int32, the item of each sequence's first piece (the combine's); and
+        part_first (parts + 1,) int32, schedule.py's part_first (the split kernel's programs walk their part's items).
+        The sequences come BLOCK_B at a time: one pass sums the line's length, a second cuts it by prefix sums."""
         r = tl.arange(0, BLOCK_B)
         field = tl.arange(0, _ITEM_FIELDS)[None, :]
         total = tl.full([], 0, tl.int64)
@@ -305,12 +306,18 @@ if triton is not None:
                 row = tl.where(field == 0, b[:, None], tl.where(field == 1, lo.to(tl.int32)[:, None], tl.where(
                     field == 2, hi.to(tl.int32)[:, None], ((j << 16) | count)[:, None])))
                 tl.store(items_ptr + (first + j)[:, None] * _ITEM_FIELDS + field, row, mask=(j < count)[:, None])
+                # a part's first piece starts on its share's first unit: every part before the line's end has one
+                tl.store(part_first_ptr + part, first + j, mask=(j < count) & (tl.maximum(start, part * share)
+                                                                               == part * share))
             line += tl.sum(cost, 0)
             item += tl.sum(count, 0)
         for k0 in range(0, max_items, BLOCK_B):
             k = k0 + r
             tl.store(items_ptr + k[:, None] * _ITEM_FIELDS + field, tl.where(field == 0, -1, 0),
                      mask=((k >= item) & (k < max_items))[:, None])
+        # the parts past the line's end (share rounds up) take none; part_first[parts] closes the last part
+        for p0 in range((total + share - 1) // share, parts + 1, BLOCK_B):
+            tl.store(part_first_ptr + p0 + r, item, mask=p0 + r <= parts)
 
     @triton.jit
     def _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid, acc0, acc1, acc2, acc3, inv, lse2,
@@ -340,36 +347,24 @@ if triton is not None:
                  mask=row_in if PARTIAL_ROWS else None)
 
     @triton.jit
-    def mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
-                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, NUM_SPLITS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr,
-                          PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
-                          USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                          SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
-                          NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
-                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
-        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: the groups of a split or piece read the same
-        # tiles, all but the first from L2
+    def _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                     lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, piece, b, group, NUM_SPLITS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr, PRECISE: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr,
+                     SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
+                     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr, V_CAST_FIRST: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
+        """Group `group` of sequence b's query rows over one piece of its rows: BALANCED, the schedule's item `piece`;
+        else split `piece` of NUM_SPLITS. Its output, or its partial in the piece's slot."""
         ROWS: tl.constexpr = Q_LEN * NUM_HEADS  # a sequence's query rows
         PARTIAL_ROWS: tl.constexpr = ROWS % BLOCK_H != 0  # the last group has rows past the sequence's: masked
-        if BALANCED:  # program (item, group): the schedule's piece `item` (items_ptr)
-            item = tl.program_id(0)
-            b = tl.load(items_ptr + item * _ITEM_FIELDS)
-            count = tl.load(items_ptr + item * _ITEM_FIELDS + 3) & 0xFFFF
-            if count == 0:  # past the pieces: an item {-1, 0, 0, 0}
-                return
-        else:  # program (split, group, b)
-            split = tl.program_id(0)
-            b = tl.program_id(2)
-        if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
-            tl.extra.cuda.gdc_launch_dependents()
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         if BALANCED:  # whole tiles of BLOCK_N rows (the schedule's), so pages of whole tiles keep a tile in one page
-            lo = start + tl.load(items_ptr + item * _ITEM_FIELDS + 1) * BLOCK_N
-            hi = tl.minimum(start + tl.load(items_ptr + item * _ITEM_FIELDS + 2) * BLOCK_N, end)
+            lo = start + tl.load(items_ptr + piece * _ITEM_FIELDS + 1) * BLOCK_N
+            hi = tl.minimum(start + tl.load(items_ptr + piece * _ITEM_FIELDS + 2) * BLOCK_N, end)
         else:
             per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = start + split * per_split
+            lo = start + piece * per_split
             hi = tl.minimum(lo + per_split, end)
         qrow = group * BLOCK_H + tl.arange(0, BLOCK_H)  # token qrow // NUM_HEADS, head qrow % NUM_HEADS
         row_in = qrow < ROWS
@@ -468,18 +463,50 @@ if triton is not None:
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
         if BALANCED:  # a sequence of one piece is written here; the pieces of the others go to their item's slot
-            if count == 1:
+            if (tl.load(items_ptr + piece * _ITEM_FIELDS + 3) & 0xFFFF) == 1:
                 _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
                               acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
-                _store_partial(part_o_ptr, part_lse_ptr, item.to(tl.int64), group, qrow, row_in, bad, acc0, acc1, acc2,
-                               acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
+                _store_partial(part_o_ptr, part_lse_ptr, tl.cast(piece, tl.int64), group, qrow, row_in, bad, acc0,
+                               acc1, acc2, acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
         elif NUM_SPLITS == 1:
             _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
                           acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
         else:
-            _store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + split, group, qrow, row_in, bad, acc0, acc1,
+            _store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + piece, group, qrow, row_in, bad, acc0, acc1,
                            acc2, acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
+
+    @triton.jit
+    def mla_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                          lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, part_first_ptr, qk_scale,
+                          NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                          KV_FORMAT: tl.constexpr, PRECISE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                          FP8_MAX: tl.constexpr, USE_ASM: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+                          SCALED_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNKED_PAGES: tl.constexpr,
+                          NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, CAUSAL: tl.constexpr,
+                          V_CAST_FIRST: tl.constexpr, BLOCK_H: tl.constexpr, BALANCED: tl.constexpr):
+        group = tl.program_id(1)  # query rows group * BLOCK_H onwards: the groups of a split or piece read the same
+        # tiles, all but the first from L2
+        if USE_PDL:  # let the combine launch (and wait in gdc_wait) while this grid's last wave runs
+            tl.extra.cuda.gdc_launch_dependents()
+        if BALANCED:  # program (part, group): the schedule's pieces part_first[part] .. part_first[part + 1] - 1
+            part = tl.program_id(0)
+            item = tl.load(part_first_ptr + part)
+            last = tl.load(part_first_ptr + part + 1)
+            # a while loop: gfx950's FP8 dot inside a for loop nested in another does not lower with Triton 3.6
+            while item < last:
+                _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
+                             tl.load(items_ptr + item * _ITEM_FIELDS), group, NUM_SPLITS, BLOCK_N, PAGE_SIZE,
+                             KV_FORMAT, PRECISE, DOT_DTYPE, FP8_MAX, USE_ASM, ROUND_FP8, SCALED_SCORES, WRITE_LSE,
+                             CHUNKED_PAGES, NUM_HEADS, Q_LEN, CAUSAL, V_CAST_FIRST, BLOCK_H, BALANCED)
+                item += 1
+        else:  # program (split, group, b)
+            _split_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
+                         lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, tl.program_id(0), tl.program_id(2),
+                         group, NUM_SPLITS, BLOCK_N, PAGE_SIZE, KV_FORMAT, PRECISE, DOT_DTYPE, FP8_MAX, USE_ASM,
+                         ROUND_FP8, SCALED_SCORES, WRITE_LSE, CHUNKED_PAGES, NUM_HEADS, Q_LEN, CAUSAL, V_CAST_FIRST,
+                         BLOCK_H, BALANCED)
 
     @triton.jit
     def _merge_pieces(part_o_ptr, part_lse_ptr, first, count, r, dv, ROWS: tl.constexpr):
