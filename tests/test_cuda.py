@@ -558,10 +558,11 @@ def test_a_schedule_of_another_plan_is_refused():
     """A given schedule must have this plan's parts and items (schedule_words, int32): one of another plan, or the old
     (max_items, 4) layout, would send the kernels past its end for part_first."""
     D = pytest.importorskip("mla_decode.cuda.decode")
-    good = torch.zeros(D.schedule_words(264, 264 + 8), dtype=torch.int32)
-    D.expect_schedule(good, 264, 264 + 8)
+    want = (D.schedule_words(264, 264 + 8),)
+    good = torch.zeros(want, dtype=torch.int32)
+    D.expect_schedule(good, want)
     for bad in (torch.zeros(D.schedule_words(132, 132 + 8), dtype=torch.int32),
                 torch.zeros((264 + 8, 4), dtype=torch.int32), good.long()):
         with pytest.raises(ValueError, match="schedule: expected this balanced plan's make_schedule"):
-            D.expect_schedule(bad, 264, 264 + 8)
+            D.expect_schedule(bad, want)
 

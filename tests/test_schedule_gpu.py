@@ -29,9 +29,10 @@ SPREADS = {
 }
 
 
-def cuda_plan(case, precision: str, schedule: str = "balanced", **options):
-    pytest.importorskip("mla_decode.cuda")
-    return balanced_plan("cuda", case, precision, schedule=schedule, **options)
+def backend_plan(backend: str, case, precision: str = "fast", **options):
+    if backend == "cuda":
+        pytest.importorskip("mla_decode.cuda")
+    return balanced_plan(backend, case, precision, **options)
 
 
 @pytest.mark.parametrize("spread", sorted(SPREADS))
@@ -39,7 +40,7 @@ def cuda_plan(case, precision: str, schedule: str = "balanced", **options):
 def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
     lens = SPREADS[spread]
     case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
-    plan = cuda_plan(case, "fast")
+    plan = backend_plan("cuda", case)
     made = plan.schedule(case.cache_seqlens)
     capacity = case.block_table.shape[1] * page_size
     s = make_schedule(case.cache_seqlens.cpu(), plan.impl.parts, capacity)
@@ -61,20 +62,14 @@ def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len):
         pytest.skip("one shape of the precise kernel: its units are 16 rows, like the first")
     case = make_paged_case(kv_format, 64 if spread != "edges" else 16, SPREADS[spread], seed=len(spread),
                            device="cuda", q_len=q_len, num_heads=num_heads)
-    plan = cuda_plan(case, precision)
+    plan = backend_plan("cuda", case, precision)
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     out, lse = plan.run(*case.args(), out=out)
     (ref_out, ref_lse), (out_bound, lse_bound) = plan_truth(case, plan, precision)
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
-    fixed_out, fixed_lse = cuda_plan(case, precision, "fixed").run(*case.args())
+    fixed_out, fixed_lse = backend_plan("cuda", case, precision, schedule="fixed").run(*case.args())
     assert errors(out, lse, fixed_out.double().cpu(), fixed_lse.double().cpu())[0] < out_bound
-
-
-def backend_plan(backend: str, case, precision: str = "fast"):
-    if backend == "cuda":
-        pytest.importorskip("mla_decode.cuda")
-    return balanced_plan(backend, case, precision)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

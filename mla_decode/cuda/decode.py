@@ -113,11 +113,10 @@ def schedule_words(parts: int, max_items: int) -> int:
     return max_items * ITEM_FIELDS + parts + 1
 
 
-def expect_schedule(schedule: torch.Tensor, parts: int, max_items: int) -> None:
-    """A ValueError unless `schedule` is the shape of a schedule of `parts` parts and `max_items` items, int32: one of
-    another plan would send the kernels to another part_first, past the tensor's end."""
-    want = (schedule_words(parts, max_items),)
-    if tuple(schedule.shape) != want or schedule.dtype != torch.int32:
+def expect_schedule(schedule: torch.Tensor, want: tuple[int]) -> None:
+    """A ValueError unless `schedule` is int32 of the plan's schedule shape `want` ((schedule_words,)): one of another
+    plan would send the kernels to another part_first, past the tensor's end."""
+    if schedule.shape != want or schedule.dtype != torch.int32:
         raise ValueError(f"cuda backend: schedule: expected this balanced plan's make_schedule, {want} int32; got "
                          f"{tuple(schedule.shape)} {schedule.dtype}")
 
@@ -163,9 +162,11 @@ class CudaDecode:
             self.num_splits, self.parts = 1, balanced_parts(facts.sms, facts.ctas_per_sm(rows), groups)
             self.max_items = self.parts + batch
             self.pieces = self.max_items * groups
+            self.schedule_shape = (schedule_words(self.parts, self.max_items),)
         else:
             self.num_splits, self.parts, self.max_items = plan_splits(self.key, facts), 0, 0
             self.pieces = units * self.num_splits if self.num_splits > 1 else 0
+            self.schedule_shape = (0,)
         page_mul, page_shift = page_divisor(problem.page_size) if problem.page_size else (0, 0)
         # The split the kernel's first table reads guess at (guess_entries): a sequence of the plan's length.
         guess_rows = split_rows(min(problem.max_seqlen, problem.max_pages * problem.page_size), self.num_splits)
@@ -185,7 +186,7 @@ class CudaDecode:
         part_o = torch.empty((self.pieces, rows, V_HEAD_DIM), dtype=torch.bfloat16, device=device)
         part_lse = torch.empty((self.pieces, rows), dtype=torch.float32, device=device)
         sync = torch.zeros((self.units if self.num_splits > 1 else 0,), dtype=torch.int32, device=device)
-        items = torch.empty((schedule_words(self.parts, self.max_items),), dtype=torch.int32, device=device)
+        items = torch.empty(self.schedule_shape, dtype=torch.int32, device=device)
         call = DecodeCall.from_buffer_copy(self.call)
         call.part_o, call.part_lse, call.sync = part_o.data_ptr(), part_lse.data_ptr(), sync.data_ptr()
         call.items = items.data_ptr()
@@ -207,7 +208,7 @@ class CudaDecode:
         then part_first (parts + 1,), for run(schedule=) in every layer of a step. Reads no length on the host."""
         if not self.balanced:
             raise ValueError("cuda backend: this plan cuts fixed splits (schedule='fixed'); it takes no schedule")
-        items = torch.empty((schedule_words(self.parts, self.max_items),), dtype=torch.int32, device=seqs.device)
+        items = torch.empty(self.schedule_shape, dtype=torch.int32, device=seqs.device)
         call = DecodeCall.from_buffer_copy(self.call)
         call.seqs, call.items, call.stream = seqs.data_ptr(), items.data_ptr(), current_raw_stream(self.device_index)
         call.schedule = SCHEDULE_GIVEN
@@ -244,7 +245,7 @@ class CudaDecode:
             if schedule is None:
                 call.schedule, call.items = SCHEDULE_IN_CALL, work.items
             else:
-                expect_schedule(schedule, self.parts, self.max_items)
+                expect_schedule(schedule, self.schedule_shape)
                 call.schedule, call.items = SCHEDULE_GIVEN, schedule.data_ptr()
         err = self.decode(work.address)
         if err:
