@@ -1106,7 +1106,7 @@ class TorchDecode:
 # The cost line. Sequence b occupies the segment [start[b], start[b + 1]) of one line of integer cost units:
 # SEQUENCE_COST units for its fixed work (its Q, its output), then one unit per KV tile it reads (TILE_ROWS rows, or
 # the kernel's own tile: the triton plans' block_n, so that a piece's bounds are whole tiles of its walk).
-# Part p takes the units [p * share, (p + 1) * share), share = ceil(total / parts). So:
+# Part p takes the units [p * share, (p + 1) * share), share = max(ceil(total / parts), min_share). So:
 #   - a sequence lies in parts first_part(b) .. last_part(b), the parts its segment meets; each is one piece of it,
 #     and a piece may hold no tile (the part met only the fixed units): it weighs 0 in the merge;
 #   - a part is whole sequences in its middle and at most a tail piece of its first sequence and a head piece of its
@@ -1164,17 +1164,22 @@ def sequence_tiles(lengths: torch.Tensor, capacity: int, tile_rows: int = TILE_R
     return torch.where(valid, lengths, 0).add(tile_rows - 1).div(tile_rows, rounding_mode="floor")
 
 
-def make_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS) -> Schedule:
-    """The schedule of a batch of `lengths` (batch,) int32 cut into `parts` shares of tiles of `tile_rows` rows;
-    capacity: the most rows a sequence can hold (the page table's rows, or the ragged plan's longest). Reads no length
-    on the host but the total, which only the CPU reference needs (a GPU twin keeps it on the device)."""
+def make_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS,
+                  min_share: int = 1) -> Schedule:
+    """The schedule of a batch of `lengths` (batch,) int32 cut into `parts` shares of tiles of `tile_rows` rows, each
+    at least `min_share` units (a batch of little work then takes fewer parts, in larger pieces; the parts past the
+    line's end take none); capacity: the most rows a sequence can hold (the page table's rows, or the ragged plan's
+    longest). Reads no length on the host but the total, which only the CPU reference needs (a GPU twin keeps it on
+    the device)."""
     if parts < 1:
         raise ValueError(f"parts: expected >= 1, got {parts}")
+    if min_share < 1:
+        raise ValueError(f"min_share: expected >= 1, got {min_share}")
     tiles = sequence_tiles(lengths.long(), capacity, tile_rows)
     start = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(tiles + SEQUENCE_COST, 0, out=start[1:])
     total = int(start[-1])
-    return Schedule(parts, max(1, -(-total // parts)), start, tiles)
+    return Schedule(parts, max(min_share, -(-total // parts)), start, tiles)
 
 
 def schedule_items(schedule: Schedule, max_items: int) -> torch.Tensor:
@@ -2817,7 +2822,8 @@ class Backend(NamedTuple):
 # auto's order of preference: the first that auto considers on the device and that can serve the problem wins.
 BACKEND_REGISTRY = (
     Backend("aiter", on_rocm, aiter_unusable_reason, aiter_auto_reason, AiterDecode, ("variant", "kv_seq_len")),
-    Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode, ("unit_rows", "schedule")),
+    Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode,
+            ("unit_rows", "schedule", "min_share")),
     Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
             TritonDecode, ("target", "plan", "schedule")),
     Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),

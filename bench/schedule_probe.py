@@ -2,9 +2,13 @@
 largest in tiles, the most a sequence has), and the time of the fixed splits, the balanced call (schedule made in the
 call), the balanced run with a schedule made before, the schedule alone, and, with --no-merge, the balanced run of a
 library whose combine kernel returns at once (wrong outputs: timing only). --sequence-cost N builds the library
-with the schedule's SEQUENCE_COST set to N (the kernels' cut only: the CPU reference keeps its own).
+with the schedule's SEQUENCE_COST set to N (the kernels' cut only: the CPU reference keeps its own). --kernels adds
+each kernel's own time in the balanced call with its schedule given (torch.profiler, device time a call).
+--min-shares 1,8,16 also times the balanced run (schedule given) of plans with those least shares (backend option
+min_share), with their pieces.
 
     python3 bench/schedule_probe.py [--rows 128x4096-h16-q1,8x32768-h16-q1-range] [--no-merge] [--sequence-cost 4]
+                                    [--kernels] [--min-shares 1,8,16]
 """
 
 import argparse
@@ -22,8 +26,8 @@ from testkit.paged import make_paged_case  # noqa: E402
 
 
 def lengths(batch: int, kv: int, spread: str) -> list[int]:
-    if spread == "range":
-        return [max(1, kv * (b + 1) // batch) for b in range(batch)]
+    if spread == "range":  # 1 to kv, evenly in log (bench/serving.py's "range")
+        return [round(kv ** (b / max(1, batch - 1))) for b in range(batch)]
     if spread == "normal":
         gen = torch.Generator().manual_seed(0)
         return [int(x) for x in (torch.randn(batch, generator=gen) * kv / 2 + kv).clamp(1, 4 * kv)]
@@ -45,7 +49,24 @@ def timed(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def probe(row: str) -> None:
+def kernel_times(fn, iters: int = 20) -> str:
+    """Each CUDA kernel's device time per call of fn, by torch.profiler: 'name us, ...'."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.split("<")[0].split("(")[0].removeprefix("void ").removeprefix("mla::")
+            times[name] = times.get(name, 0.0) + event.time_range.elapsed_us() / iters
+    return ", ".join(f"{name} {t:.1f}" for name, t in sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def probe(row: str, kernels: bool, min_shares: list[int]) -> None:
     parts = row.split("-")
     batch, kv = (int(x) for x in parts[0].split("x"))
     heads, q_len = int(parts[1][1:]), int(parts[2][1:])
@@ -53,10 +74,10 @@ def probe(row: str) -> None:
     case = make_paged_case("fp8", 64, lengths(batch, kv, spread), seed=1, device="cuda", q_len=q_len,
                            num_heads=heads)
 
-    def plan(schedule: str):
+    def plan(schedule: str, **options):
         return mla_decode.plan(batch, 64, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=heads,
                                q_len=q_len, causal=q_len > 1, backend="cuda", kv_scale_dtype=case.kv_scale.dtype,
-                               backend_options={"schedule": schedule})
+                               backend_options={"schedule": schedule, **options})
 
     fixed, balanced = plan("fixed"), plan("balanced")
     step = balanced.schedule(case.cache_seqlens)
@@ -73,6 +94,17 @@ def probe(row: str) -> None:
           f"{balanced.impl.parts} pieces {live.shape[0]} (max {balanced.impl.max_items}) largest "
           f"{int((live[:, 2] - live[:, 1]).max())} tiles, most a sequence {int(counts.max())} | fixed {t_fixed:.1f} "
           f"balanced {t_call:.1f} given {t_given:.1f} schedule alone {t_sched:.1f} us", flush=True)
+    if kernels:
+        print(f"  kernels, schedule given (us a call): "
+              f"{kernel_times(lambda: balanced.run(*case.args(), out=out, lse=lse, schedule=step))}", flush=True)
+    for least in min_shares:
+        other = plan("balanced", min_share=least)
+        other_step = other.schedule(case.cache_seqlens)
+        other_items = other_step.items[:other.impl.max_items * 4].view(-1, 4).cpu()
+        other_live = other_items[other_items[:, 0] >= 0]
+        t = timed(lambda p=other, s=other_step: p.run(*case.args(), out=out, lse=lse, schedule=s))
+        print(f"  min_share {least}: pieces {other_live.shape[0]}, most a sequence "
+              f"{int((other_live[:, 3] & 0xFFFF).max())}, given {t:.1f} us", flush=True)
 
 
 def main() -> int:
@@ -81,6 +113,8 @@ def main() -> int:
                                       "32x65536-h16-q1-one-long,128x4096-h16-q1-normal")
     p.add_argument("--no-merge", action="store_true")
     p.add_argument("--sequence-cost", type=int)
+    p.add_argument("--kernels", action="store_true")
+    p.add_argument("--min-shares", default="", help="comma-separated least shares to time besides the default")
     args = p.parse_args()
     patches = []  # (file, text, replacement)
     if args.no_merge:
@@ -101,7 +135,7 @@ def main() -> int:
             (tmp / name).write_text(source.replace(text, replacement))
         B.CSRC = tmp
     for row in args.rows.split(","):
-        probe(row)
+        probe(row, args.kernels, [int(x) for x in args.min_shares.split(",") if x])
     return 0
 
 

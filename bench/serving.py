@@ -310,7 +310,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
     plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
     (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda, triton), the backend
-    option, "fixed" splits (the default) or "balanced"."""
+    option, "fixed" splits (the default) or "balanced" (its step schedule made outside the timing)."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -338,10 +338,13 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
             raise Unavailable(str(e)) from e
         out = torch.empty((shape.batch, shape.q_len, shape.heads, V_DIM), dtype=torch.bfloat16, device=ctx.device)
         lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=ctx.device)
+        # the step's schedule, made once outside the timing as FlashMLA's metadata is: engines make it once a step
+        step = decode.schedule(case.cache_seqlens) if schedule == "balanced" else None
         return Prepared(fn=lambda: decode.run(case.q, kv, case.block_table, case.cache_seqlens, scale, out=out,
-                                              lse=lse),
+                                              lse=lse, schedule=step),
                         check=attention_check(case, kv_format, as_returned),
-                        note="plan outside the timing, out and lse preallocated")
+                        note="plan" + (" and the step's schedule" if step is not None else "")
+                             + " outside the timing, out and lse preallocated")
 
     return prepare
 

@@ -118,6 +118,26 @@ def test_each_part_lists_the_pieces_of_its_share(batch, kind, parts):
         assert part_pieces_misplaced(s, items, shifted) != []
 
 
+@pytest.mark.parametrize("batch,kind", [(32, "one-long"), (8, "edges"), (128, "normal")])
+@pytest.mark.parametrize("min_share", [4, 16, 1 << 20])
+def test_a_least_share_cuts_fewer_larger_pieces(batch, kind, min_share):
+    """With min_share, a batch of little work takes only the parts its shares fill, in pieces of at least min_share
+    units but at a sequence's ends; every tile is still read once, and the parts past the line's end list none."""
+    parts = 264
+    s = make_schedule(spread(batch, kind, seed=batch), parts, CAPACITY, min_share=min_share)
+    total = int(s.start[-1])
+    assert s.share == max(min_share, -(-total // parts))
+    used = -(-total // s.share)
+    assert all(part_units(s, p) == 0 for p in range(used, parts))
+    items, starts = schedule_items(s, parts + batch), part_first(s)
+    assert all(bool((count == 1).all()) for count in item_coverage(items, s.tiles))
+    assert part_pieces_misplaced(s, items, starts) == []
+    assert bool((starts[used:] == int((items[:, 0] >= 0).sum())).all())
+    for b in range(batch):  # a sequence's pieces: its cost over the share, and one more where a boundary cuts it
+        cost = int(s.start[b + 1] - s.start[b])
+        assert int(s.last_part(b) - s.first_part(b)) + 1 <= -(-cost // s.share) + 1
+
+
 def test_invalid_lengths_cost_their_fixed_units_alone():
     """A negative length or one past the table's rows reads no tile (the kernel that reads the sequence makes it
     NaN), and still has a piece, which writes it."""
@@ -134,6 +154,8 @@ def test_parts_follow_the_resident_grid():
     assert balanced_parts(1000, 2, 1) == MAX_PIECES  # a unit's pieces: the merge's weights in shared memory
     with pytest.raises(ValueError, match="parts: expected >= 1"):
         make_schedule(torch.ones(3, dtype=torch.int32), 0, CAPACITY)
+    with pytest.raises(ValueError, match="min_share: expected >= 1"):
+        make_schedule(torch.ones(3, dtype=torch.int32), 4, CAPACITY, min_share=0)
 
 
 def attend_pieces(s: Schedule, q: torch.Tensor, keys: list[torch.Tensor], weight) -> list[torch.Tensor]:

@@ -35,20 +35,21 @@ def backend_plan(backend: str, case, precision: str = "fast", **options):
     return balanced_plan(backend, case, precision, **options)
 
 
+@pytest.mark.parametrize("min_share", [1, 7])
 @pytest.mark.parametrize("spread", sorted(SPREADS))
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size):
+def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_share):
     lens = SPREADS[spread]
     case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
-    plan = backend_plan("cuda", case)
+    plan = backend_plan("cuda", case, min_share=min_share)
     made = plan.schedule(case.cache_seqlens)
     capacity = case.block_table.shape[1] * page_size
-    s = make_schedule(case.cache_seqlens.cpu(), plan.impl.parts, capacity)
+    s = make_schedule(case.cache_seqlens.cpu(), plan.impl.parts, capacity, min_share=min_share)
     want = torch.cat([schedule_items(s, plan.impl.max_items).flatten(), part_first(s)])
     assert torch.equal(made.items.cpu(), want)
     kv, _, indptr = ragged_twin(case)  # the ragged plan cuts the same pieces from kv_indptr
     ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="cuda",
-                                    backend_options={"schedule": "balanced"})
+                                    backend_options={"schedule": "balanced", "min_share": min_share})
     assert ragged.impl.parts == plan.impl.parts
     assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
 

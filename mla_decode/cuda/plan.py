@@ -29,6 +29,9 @@ MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len 
 # lengths each call or once a step)
 SCHEDULES = ("fixed", "balanced")
 MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule cuts
+# The balanced schedule's least share, in its cost units (KV tiles, and one a sequence): a piece of fewer tiles costs
+# more in its restart (Q, the pipeline's first tiles, a partial and its merge) than a part fewer on it saves
+MIN_SHARE = 1
 
 
 class DeviceFacts(NamedTuple):

@@ -54,6 +54,7 @@ struct DecodeCall {
   int page_shift, guess_rows;
   int4* items;
   int schedule, parts, max_items;
+  int min_share;  // the balanced schedule's least share in cost units: a short batch is cut into fewer, larger pieces
 };
 
 // A CTA's H query rows: grid row `unit` = b * groups + group holds rows H group .. H group + H - 1 of sequence b's

@@ -161,32 +161,34 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
   }
 }
 
-// The balanced schedule's merge, a kernel after the split kernel: each sequence cut into several pieces (consecutive
-// items) is merged by the CTAs of the part its first piece lies in, the last piece of that part (a part starts at
-// most one sequence that goes on past it). Grid (parts, groups, H / COMBINE_WARPS): warp w merges query row
-// blockIdx.z * COMBINE_WARPS + w of group blockIdx.y's unit, a lane 16 columns, over every piece: out = sum_i w_i o_i
-// / sum_i w_i with w_i = 2^(lse_i - max lse). A piece of no positions has LSE -inf and weighs 0 (every piece empty:
-// zeros, LSE -inf, as one piece writes); a NaN LSE (a page outside the cache, an invalid range) makes the row NaN.
+// The balanced schedule's merge, a kernel after the split kernel: out = sum_i w_i o_i / sum_i w_i over a sequence's
+// pieces, w_i = 2^(lse_i - max lse). A sequence of count > 1 pieces (items k0 .. k0 + count - 1) lies in consecutive
+// parts, piece j in part p + j, and is merged by those parts' CTAs in `slices` = min(count, 32) (rounded down to a
+// power of two) column slices: piece j's part takes slice j (j < slices), so a sequence of many pieces is merged by
+// as many SMs. Grid (parts, groups, H / COMBINE_WARPS): warp w merges query row blockIdx.z * COMBINE_WARPS + w of
+// group blockIdx.y's unit, its lanes split between the slice's columns (16 a lane) and the pieces, then summed by
+// shuffles. A piece of no positions has LSE -inf and weighs 0 (every piece empty: zeros, LSE -inf, as one piece
+// writes); a NaN LSE (a page outside the cache, an invalid range) makes the row NaN.
 constexpr int COMBINE_WARPS = 4;
-constexpr int COMBINE_AHEAD = 8;  // pieces whose loads a lane has in flight at once (2 x 16 bytes each)
-template <int H>
-__global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const DecodeCall c) {
-  __shared__ float lses[COMBINE_WARPS][MAX_PIECES];  // a sequence has at most `parts` pieces
-  const int* const starts = part_first(c);
-  const int last = __ldg(starts + blockIdx.x + 1) - 1;
-  if (last < __ldg(starts + blockIdx.x)) return;  // a part of no pieces
-  const int4 item = c.items[last];
-  const int count = item.w & 0xffff;
-  if ((item.w >> 16) != 0 || count == 1) return;  // not the first of several pieces
+constexpr int COMBINE_SLICES = 32;  // the most column slices (CTAs a row) of one sequence's merge: 16 columns each
+
+__device__ __forceinline__ int combine_slices(int count) {
+  return min(1 << (31 - __clz(count)), COMBINE_SLICES);
+}
+
+// Slice `slice` of the merge of sequence b's `count` pieces from item k0, for this CTA's group and rows; lse: the
+// warp's scratch for count LSEs. AHEAD: pieces whose loads a lane has in flight at once (2 x 16 bytes each).
+template <int H, int AHEAD>
+__device__ __forceinline__ void combine_slice(const DecodeCall& c, float* lse, int k0, int b, int count, int slice) {
   const int groups = c.q_len * c.num_heads / H, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int h = blockIdx.z * COMBINE_WARPS + warp;
-  const QueryRows rows = query_rows<H>(c, item.x * groups + blockIdx.y);
-  // piece i's partial of this row: slot (last + i) * groups + group
-  const size_t row0 = (static_cast<size_t>(last) * groups + blockIdx.y) * H + h, step = static_cast<size_t>(groups) * H;
-  float* const lse = lses[warp];
+  const QueryRows rows = query_rows<H>(c, b * groups + blockIdx.y);
+  // piece i's partial of this row: slot (k0 + i) * groups + group
+  const size_t row0 = (static_cast<size_t>(k0) * groups + blockIdx.y) * H + h, step = static_cast<size_t>(groups) * H;
   float mx = -INFINITY, sum = 0.f;
   bool bad = false;
-  for (int i = lane; i < count; i += 32) {  // an online max and sum over the warp's share, then across the lanes
+  __syncwarp();  // the scratch's last reader is done
+  for (int i = lane; i < count; i += 32) {  // an online max and sum over the lane's pieces, then across the lanes
     const float l = __ldcg(c.part_lse + row0 + i * step);
     lse[i] = l;
     bad |= l != l;
@@ -201,18 +203,21 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const Decod
   }
   bad = __any_sync(0xffffffffu, bad);
   __syncwarp();
+  const int slices = combine_slices(count), col_lanes = 32 / slices;  // lane = piece lane x col_lanes + column lane
+  const int first = lane / col_lanes, col = slice * (DV / slices) + lane % col_lanes * 16;
   float acc[16] = {};
-  const uint4* po = reinterpret_cast<const uint4*>(c.part_o + row0 * DV) + 2 * lane;
+  const uint4* po = reinterpret_cast<const uint4*>(c.part_o + row0 * DV + col);
   const size_t po_step = step * DV / 8;  // uint4 (8 bf16) from one piece's row to the next's
-  for (int i0 = 0; i0 < count; i0 += COMBINE_AHEAD) {
-    uint4 o[COMBINE_AHEAD][2];  // loads from a piece that exists (past the last: the last again, weight 0), no branch
+  for (int i0 = first; i0 < count; i0 += AHEAD * slices) {
+    uint4 o[AHEAD][2];  // loads from a piece that exists (past the last: the last again, weight 0), no branch
 #pragma unroll
-    for (int a = 0; a < COMBINE_AHEAD; ++a)
+    for (int a = 0; a < AHEAD; ++a)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) o[a][j] = __ldcg(po + min(i0 + a, count - 1) * po_step + j);
+      for (int j = 0; j < 2; ++j) o[a][j] = __ldcg(po + min(i0 + a * slices, count - 1) * po_step + j);
 #pragma unroll
-    for (int a = 0; a < COMBINE_AHEAD; ++a) {
-      const float l = i0 + a < count ? lse[i0 + a] : -INFINITY;
+    for (int a = 0; a < AHEAD; ++a) {
+      const int i = i0 + a * slices;
+      const float l = i < count ? lse[i] : -INFINITY;
       const float wt = l > -INFINITY ? exp2f(l - mx) : 0.f;  // NaN: weight 0, the row is NaN below
       if (wt == 0.f) continue;  // a piece of no positions, or past the last: its partial may hold anything
 #pragma unroll
@@ -227,15 +232,42 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const Decod
       }
     }
   }
+  for (int o = col_lanes; o < 32; o <<= 1)  // the lanes of one column group, every weight against one max
+#pragma unroll
+    for (int k = 0; k < 16; ++k) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], o);
   const bool ok = !bad;
   const float scale = (sum > 0.f ? 1.f / sum : 0.f) * (ok ? 1.f : NAN);
-  __nv_bfloat16* out = c.out + (static_cast<size_t>(rows.unit) * H + h) * DV + 16 * lane;
+  if (first == 0) {
+    __nv_bfloat16* out = c.out + (static_cast<size_t>(rows.unit) * H + h) * DV + col;
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    store_bf16x4(out + 4 * j, make_float4(acc[4 * j] * scale, acc[4 * j + 1] * scale, acc[4 * j + 2] * scale,
-                                          acc[4 * j + 3] * scale));
-  if (c.lse && lane == 0)
+    for (int j = 0; j < 4; ++j)
+      store_bf16x4(out + 4 * j, make_float4(acc[4 * j] * scale, acc[4 * j + 1] * scale, acc[4 * j + 2] * scale,
+                                            acc[4 * j + 3] * scale));
+  }
+  if (c.lse && slice == 0 && lane == 0)
     c.lse[rows.lse0 + h * rows.lse_stride] = ok ? (sum > 0.f ? (mx + __log2f(sum)) * LN2 : -INFINITY) : NAN;
+}
+
+template <int H>
+__device__ __forceinline__ void combine_pieces(const DecodeCall& c, float* lse, int k0, int b, int count,
+                                               int slice) {
+  if (count <= 2 * combine_slices(count)) return combine_slice<H, 2>(c, lse, k0, b, count, slice);
+  combine_slice<H, 8>(c, lse, k0, b, count, slice);
+}
+
+template <int H>
+__global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const DecodeCall c) {
+  __shared__ float lses[COMBINE_WARPS][MAX_PIECES];  // a sequence has at most `parts` pieces
+  const int* const starts = part_first(c);
+  const int first = __ldg(starts + blockIdx.x), last = __ldg(starts + blockIdx.x + 1) - 1;
+  if (last < first) return;  // a part of no pieces
+  float* const lse = lses[threadIdx.x >> 5];
+  const int4 head = c.items[first], tail = c.items[last];
+  const int j = head.w >> 16, head_count = head.w & 0xffff, tail_count = tail.w & 0xffff;
+  // the part's first piece, piece j >= 1 of a sequence begun in part p - j: slice j of that sequence's merge
+  if (j >= 1 && j < combine_slices(head_count)) combine_pieces<H>(c, lse, first - j, head.x, head_count, j);
+  // its last piece, the first of several: slice 0
+  if ((tail.w >> 16) == 0 && tail_count > 1) combine_pieces<H>(c, lse, last, tail.x, tail_count, 0);
 }
 
 }  // namespace mla

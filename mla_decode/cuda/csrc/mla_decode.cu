@@ -221,7 +221,7 @@ static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
-constexpr int DECODE_CALL_FIELDS = 31;
+constexpr int DECODE_CALL_FIELDS = 32;
 extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
   const size_t layout[DECODE_CALL_FIELDS + 1] = {
@@ -235,7 +235,7 @@ extern "C" void mla_decode_call_layout(int* offsets) {
       offsetof(DecodeCall, causal), offsetof(DecodeCall, qk_scale), offsetof(DecodeCall, unit_rows),
       offsetof(DecodeCall, page_mul), offsetof(DecodeCall, page_shift), offsetof(DecodeCall, guess_rows),
       offsetof(DecodeCall, items), offsetof(DecodeCall, schedule), offsetof(DecodeCall, parts),
-      offsetof(DecodeCall, max_items), sizeof(DecodeCall)};
+      offsetof(DecodeCall, max_items), offsetof(DecodeCall, min_share), sizeof(DecodeCall)};
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
@@ -252,7 +252,7 @@ static bool page_divisor_exact(const DecodeCall& c) {
 static bool schedule_ok(const DecodeCall& c) {
   if (c.schedule == mla::FIXED_SPLITS) return true;
   return (c.schedule == mla::SCHEDULE_IN_CALL || c.schedule == mla::SCHEDULE_GIVEN) && c.items && c.parts >= 1 &&
-         c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1;
+         c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1 && c.min_share >= 1;
 }
 
 // The balanced grid's merge (merge.cuh's combine_kernel) on c.stream, in units of the call's rows.

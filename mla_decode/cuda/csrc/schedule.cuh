@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const Dec
     exclusive_scan<long long>(b < c.batch ? sequence_tiles(c, b) + SEQUENCE_COST : 0, scratch_cost, &round_total);
     total += round_total;
   }
-  const long long share = max((total + c.parts - 1) / c.parts, 1LL);
+  const long long share = max((total + c.parts - 1) / c.parts, static_cast<long long>(c.min_share));
   int* const starts = const_cast<int*>(part_first(c));
   long long line = 0;  // where this round's first sequence starts
   int item = 0;        // its first piece
