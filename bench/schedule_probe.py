@@ -4,11 +4,11 @@ call), the balanced run with a schedule made before, the schedule alone, and, wi
 library whose combine kernel returns at once (wrong outputs: timing only). --sequence-cost N builds the library
 with the schedule's SEQUENCE_COST set to N (the kernels' cut only: the CPU reference keeps its own). --kernels adds
 each kernel's own time in the balanced call with its schedule given (torch.profiler, device time a call).
---min-shares 1,8,16 also times the balanced run (schedule given) of plans with those least shares (backend option
-min_share), with their pieces.
+--variants "cut=fill;min_share=8;cut=fill,min_share=8" also times the balanced run (schedule given) of plans with
+those backend options (cut, min_share: ints where they parse), with their pieces.
 
     python3 bench/schedule_probe.py [--rows 128x4096-h16-q1,8x32768-h16-q1-range] [--no-merge] [--sequence-cost 4]
-                                    [--kernels] [--min-shares 1,8,16]
+                                    [--kernels] [--variants "cut=fill;min_share=8"]
 """
 
 import argparse
@@ -66,7 +66,7 @@ def kernel_times(fn, iters: int = 20) -> str:
     return ", ".join(f"{name} {t:.1f}" for name, t in sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-def probe(row: str, kernels: bool, min_shares: list[int]) -> None:
+def probe(row: str, kernels: bool, variants: list[dict]) -> None:
     parts = row.split("-")
     batch, kv = (int(x) for x in parts[0].split("x"))
     heads, q_len = int(parts[1][1:]), int(parts[2][1:])
@@ -97,14 +97,20 @@ def probe(row: str, kernels: bool, min_shares: list[int]) -> None:
     if kernels:
         print(f"  kernels, schedule given (us a call): "
               f"{kernel_times(lambda: balanced.run(*case.args(), out=out, lse=lse, schedule=step))}", flush=True)
-    for least in min_shares:
-        other = plan("balanced", min_share=least)
+    for options in variants:
+        other = plan("balanced", **options)
         other_step = other.schedule(case.cache_seqlens)
         other_items = other_step.items[:other.impl.max_items * 4].view(-1, 4).cpu()
         other_live = other_items[other_items[:, 0] >= 0]
         t = timed(lambda p=other, s=other_step: p.run(*case.args(), out=out, lse=lse, schedule=s))
-        print(f"  min_share {least}: pieces {other_live.shape[0]}, most a sequence "
+        print(f"  {options}: pieces {other_live.shape[0]}, most a sequence "
               f"{int((other_live[:, 3] & 0xFFFF).max())}, given {t:.1f} us", flush=True)
+
+
+def variant(text: str) -> dict:
+    """'cut=fill,min_share=8' -> {'cut': 'fill', 'min_share': 8}."""
+    pairs = (pair.split("=", 1) for pair in text.split(","))
+    return {key: int(value) if value.isdigit() else value for key, value in pairs}
 
 
 def main() -> int:
@@ -114,7 +120,8 @@ def main() -> int:
     p.add_argument("--no-merge", action="store_true")
     p.add_argument("--sequence-cost", type=int)
     p.add_argument("--kernels", action="store_true")
-    p.add_argument("--min-shares", default="", help="comma-separated least shares to time besides the default")
+    p.add_argument("--variants", default="", help="backend options to time besides the defaults: "
+                                                  "'key=value,key=value;...'")
     args = p.parse_args()
     patches = []  # (file, text, replacement)
     if args.no_merge:
@@ -135,7 +142,7 @@ def main() -> int:
             (tmp / name).write_text(source.replace(text, replacement))
         B.CSRC = tmp
     for row in args.rows.split(","):
-        probe(row, args.kernels, [int(x) for x in args.min_shares.split(",") if x])
+        probe(row, args.kernels, [variant(v) for v in args.variants.split(";") if v])
     return 0
 
 

@@ -27,6 +27,10 @@ SEQUENCE_COST = 1  # a sequence's fixed cost in tiles (Q staged, the output writ
 # How a plan cuts the work (the cuda and triton backends' option): "balanced", this module's schedule, or "fixed",
 # the same number of equal splits for every sequence, sized by the plan's longest
 SCHEDULES = ("fixed", "balanced")
+# How a balanced schedule cuts its line: "line", equal shares anywhere (make_schedule); or "fill", parts filled in
+# turn, a sequence whole where it fits and each piece charged PIECE_COST (fill_schedule: the cuda backend's option)
+CUTS = ("line", "fill")
+PIECE_COST = SEQUENCE_COST  # the fill cut's fixed cost of every piece, in tiles (its Q, its partial or output)
 
 
 class Schedule(NamedTuple):
@@ -109,3 +113,50 @@ def part_first(schedule: Schedule) -> torch.Tensor:
     of_part = torch.tensor(pieces, dtype=torch.int64)
     return torch.searchsorted(of_part, torch.arange(schedule.parts + 1), right=False).int()
 
+
+
+def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS, min_share: int = 1,
+                  max_items: int | None = None) -> torch.Tensor:
+    """The fill cut of a batch of `lengths` (batch,) into `parts` parts, as the cuda schedule kernel makes it when
+    its plan's cut is "fill": each part holds `payload` = max(ceil(total / parts), min_share) + PIECE_COST units, total
+    being the tiles plus PIECE_COST a sequence. Parts are filled in turn: a sequence (its rest) goes whole into the
+    part where its tiles and PIECE_COST fit; else, where more than PIECE_COST is left, the part takes what fits and
+    the rest goes on in the next part; else the next part starts it. So a sequence is cut only where the share ends
+    inside it, its pieces lie in consecutive parts (piece j in the part of piece 0, plus j), a piece of a cut sequence
+    holds more than nothing but its last, and a batch of equal sequences that divides into the parts is not cut at
+    all, where the line cuts every one. The last part takes whatever is left (the walk never leaves any: each part
+    but the last takes at least ceil(total / parts) units net of its own cut).
+    Returns (max_items * 4 + parts + 1,) int32 (max_items: parts + batch by default): the pieces in order as
+    schedule_items lists them, padding {-1, 0, 0, 0}, then part_first (parts + 1,)."""
+    if parts < 1:
+        raise ValueError(f"parts: expected >= 1, got {parts}")
+    if min_share < 1:
+        raise ValueError(f"min_share: expected >= 1, got {min_share}")
+    tiles = sequence_tiles(lengths.long(), capacity, tile_rows).tolist()
+    max_items = parts + len(tiles) if max_items is None else max_items
+    total = sum(tiles) + PIECE_COST * len(tiles)
+    payload = max(-(-total // parts), min_share) + PIECE_COST
+    items: list[list[int]] = []
+    starts = [0]  # starts[p]: part p's first item
+    room = payload if parts > 1 else None  # None: the last part, which takes the rest
+    for b, left in enumerate(tiles):
+        first, lo = len(items), 0
+        while True:
+            if room is None or room >= left + PIECE_COST:  # the rest fits
+                items.append([b, lo, lo + left])
+                room = None if room is None else room - left - PIECE_COST
+                break
+            if room > PIECE_COST:  # the part takes what fits
+                take = room - PIECE_COST
+                items.append([b, lo, lo + take])
+                lo, left = lo + take, left - take
+            starts.append(len(items))  # the next part
+            room = payload if len(starts) < parts else None
+        count = len(items) - first
+        for j in range(count):
+            items[first + j].append(j << 16 | count)
+    starts += [len(items)] * (parts + 1 - len(starts))
+    flat = torch.tensor([-1, 0, 0, 0], dtype=torch.int32).repeat(max_items, 1)
+    if items:
+        flat[:len(items)] = torch.tensor(items, dtype=torch.int32)
+    return torch.cat([flat.flatten(), torch.tensor(starts, dtype=torch.int32)])

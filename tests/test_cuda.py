@@ -63,7 +63,7 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
         [2, 2, 1] if capability == B.WGMMA_CAPABILITY else [1, 1, 1])
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert B.library(capability) is lib  # built once, then reused
-    assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 32
+    assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 33
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
     fields = [getattr(B.DecodeCall, name).offset for name, _ in B.DecodeCall._fields_]
@@ -83,9 +83,9 @@ def field_shifted(layout: list[int], field: int, by: int) -> list[int]:
 @pytest.mark.parametrize("layout,named", [
     (field_shifted(LAYOUT, 4, 8), r"field 4 \(seqs\) lies at byte 40 there, 32 here"),
     (field_shifted(field_shifted(LAYOUT, 22, 4), 24, -4), r"field 22 \(qk_scale\) lies at byte"),
-    (LAYOUT[:31] + LAYOUT[-1:], r"31 fields, not 32 \(the first unmatched: min_share\)"),
-    (LAYOUT[:32] + [184, 188], r"33 fields, not 32 \(the first unmatched: its field 32\)"),
-    (LAYOUT[:32] + [192], "its size is 192 bytes there, 184 here"),
+    (LAYOUT[:32] + LAYOUT[-1:], r"32 fields, not 33 \(the first unmatched: cut\)"),
+    (LAYOUT[:33] + [188, 192], r"34 fields, not 33 \(the first unmatched: its field 33\)"),
+    (LAYOUT[:33] + [200], "its size is 200 bytes there, 192 here"),
     (None, "does not report its DecodeCall's layout"),
 ], ids=["offset", "first-of-two", "fewer", "more", "size", "no-export"])
 def test_a_library_whose_decode_call_differs_is_refused_naming_the_field(layout, named):

@@ -10,7 +10,17 @@ import torch
 
 import mla_decode.schedule as sched
 from mla_decode.cuda.plan import MAX_PIECES, balanced_parts
-from mla_decode.schedule import SEQUENCE_COST, TILE_ROWS, Schedule, make_schedule, part_first, schedule_items
+from mla_decode.schedule import (
+    PIECE_COST,
+    SEQUENCE_COST,
+    TILE_ROWS,
+    Schedule,
+    fill_schedule,
+    make_schedule,
+    part_first,
+    schedule_items,
+    sequence_tiles,
+)
 
 CAPACITY = 1 << 16
 
@@ -210,7 +220,73 @@ def test_a_decode_merged_from_its_pieces_is_the_whole_decode(kind, parts):
     assert merge_error(s) < 1e-12
 
 
+def fill_misfits(flat: torch.Tensor, tiles: torch.Tensor, parts: int, payload: int) -> list[str]:
+    """What breaks the fill cut's promises in `flat` (fill_schedule's layout): a part over its payload, part_first
+    not in order or not closing at the listed pieces, or a piece j >= 1 of a sequence not the first item of the part
+    after piece j - 1's."""
+    items, starts = flat[:-(parts + 1)].view(-1, 4), flat[-(parts + 1):].tolist()
+    listed = int((items[:, 0] >= 0).sum())
+    wrong = []
+    if starts[0] != 0 or starts[-1] != listed or starts != sorted(starts):
+        wrong.append(f"part_first {starts}")
+    part_of = {k: p for p in range(parts) for k in range(starts[p], starts[p + 1])}
+    for p in range(parts):
+        load = sum(int(items[k, 2] - items[k, 1]) + PIECE_COST for k in range(starts[p], starts[p + 1]))
+        if load > payload:
+            wrong.append(f"part {p}: {load} units, payload {payload}")
+    for k in range(listed):
+        if items[k, 3] >> 16 and (starts[part_of.get(k, -1)] != k or part_of.get(k) != part_of.get(k - 1, -2) + 1):
+            wrong.append(f"item {k}: piece {int(items[k, 3] >> 16)} not first in the next part")
+    return wrong
+
+
+def fill_payload(tiles: torch.Tensor, parts: int, min_share: int) -> int:
+    return max(-(-(int(tiles.sum()) + PIECE_COST * tiles.shape[0]) // parts), min_share) + PIECE_COST
+
+
+@pytest.mark.parametrize("min_share", [1, 16])
+@pytest.mark.parametrize("batch,kind,parts", CASES)
+def test_the_fill_cut_reads_every_tile_once_within_each_part(batch, kind, parts, min_share):
+    lengths = spread(batch, kind, seed=batch + parts)
+    flat = fill_schedule(lengths, parts, CAPACITY, min_share=min_share)
+    assert flat.shape == ((parts + batch) * 4 + parts + 1,) and flat.dtype == torch.int32
+    tiles = sequence_tiles(lengths, CAPACITY)
+    items = flat[:-(parts + 1)].view(-1, 4)
+    assert all(bool((count == 1).all()) for count in item_coverage(items, tiles))
+    assert int((items[:, 0] >= 0).sum()) <= parts + batch - 1
+    assert fill_misfits(flat, tiles, parts, fill_payload(tiles, parts, min_share)) == []
+
+
+@pytest.mark.parametrize("batch,kv,parts,pieces", [(128, 4096, 132, 128), (128, 4096, 264, 256), (32, 3008, 264, 256)])
+def test_the_fill_cut_keeps_equal_sequences_whole_where_they_fit(batch, kv, parts, pieces):
+    """Equal sequences: none cut where the batch fits the parts (128 on 132), else each cut once or as the share
+    falls; the line cut makes a piece more of most (128 x 4k on 264 parts: 3 pieces, the last of 1 tile)."""
+    lengths = torch.full((batch,), kv, dtype=torch.int32)
+    items = fill_schedule(lengths, parts, CAPACITY)[:-(parts + 1)].view(-1, 4)
+    assert int((items[:, 0] >= 0).sum()) == pieces
+
+
 # Negative controls: each check above fails on a planted bug.
+
+
+@pytest.mark.parametrize("fault", ["payload", "order", "scattered"])
+def test_a_wrong_fill_cut_fails_its_checks(fault, monkeypatch):
+    lengths = spread(32, "one-long", 1)
+    tiles = sequence_tiles(lengths, CAPACITY)
+    payload = fill_payload(tiles, 132, 1)
+    if fault == "payload":  # parts filled one unit past their payload
+        monkeypatch.setattr(sched, "PIECE_COST", PIECE_COST - 1)
+    flat = fill_schedule(lengths, 132, CAPACITY)
+    starts = flat[-133:]
+    if fault == "order":
+        starts[5], starts[6] = starts[6].clone(), starts[5].clone()
+    elif fault == "scattered":  # a later piece moved into the part of its predecessor
+        k = next(k for k in range(1, 132) if flat[4 * k + 3] >> 16 == 2)
+        starts[int(torch.searchsorted(starts, k, right=True)) - 1] += 1
+    assert fill_misfits(flat, tiles, 132, payload) != []
+
+
+# Negative controls of the line cut: each check above fails on a planted bug.
 
 
 def test_a_dropped_tile_fails_coverage(monkeypatch):
@@ -256,3 +332,9 @@ def test_a_piece_merged_with_the_wrong_weight_fails():
     s = make_schedule(spread(16, "one-long", 3), 33, CAPACITY)
     assert merge_error(s, weight=lambda m, l, m_all: torch.where(torch.isfinite(m), 1.0, 0.0)) > 1e-3
     assert merge_error(s, weight=lambda m, l, m_all: torch.where(torch.isfinite(m), torch.exp(m_all - m), 0.0)) > 1e-3
+
+
+def test_the_cuda_plan_knows_the_schedule_module_cuts():
+    """The cuda package keeps its own copy of the cuts it takes (it imports nothing of mla_decode at run time)."""
+    from mla_decode.cuda import plan as cuda_plan
+    assert cuda_plan.CUTS == sched.CUTS and cuda_plan.SCHEDULES == sched.SCHEDULES and cuda_plan.CUT in sched.CUTS

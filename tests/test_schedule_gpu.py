@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mla_decode
-from mla_decode.schedule import make_schedule, part_first, schedule_items
+from mla_decode.schedule import CUTS, fill_schedule, make_schedule, part_first, schedule_items
 from testkit.balanced import balanced_plan, plan_truth
 from testkit.paged import errors, make_paged_case, ragged_twin
 
@@ -35,35 +35,47 @@ def backend_plan(backend: str, case, precision: str = "fast", **options):
     return balanced_plan(backend, case, precision, **options)
 
 
+@pytest.mark.parametrize("cut", CUTS)
 @pytest.mark.parametrize("min_share", [1, 7])
 @pytest.mark.parametrize("spread", sorted(SPREADS))
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_share):
+def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_share, cut):
     lens = SPREADS[spread]
     case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
-    plan = backend_plan("cuda", case, min_share=min_share)
+    plan = backend_plan("cuda", case, min_share=min_share, cut=cut)
     made = plan.schedule(case.cache_seqlens)
     capacity = case.block_table.shape[1] * page_size
-    s = make_schedule(case.cache_seqlens.cpu(), plan.impl.parts, capacity, min_share=min_share)
-    want = torch.cat([schedule_items(s, plan.impl.max_items).flatten(), part_first(s)])
+    lengths, parts, max_items = case.cache_seqlens.cpu(), plan.impl.parts, plan.impl.max_items
+    if cut == "fill":
+        want = fill_schedule(lengths, parts, capacity, min_share=min_share, max_items=max_items)
+    else:
+        s = make_schedule(lengths, parts, capacity, min_share=min_share)
+        want = torch.cat([schedule_items(s, max_items).flatten(), part_first(s)])
     assert torch.equal(made.items.cpu(), want)
     kv, _, indptr = ragged_twin(case)  # the ragged plan cuts the same pieces from kv_indptr
     ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="cuda",
-                                    backend_options={"schedule": "balanced", "min_share": min_share})
+                                    backend_options={"schedule": "balanced", "min_share": min_share, "cut": cut})
     assert ragged.impl.parts == plan.impl.parts
     assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
 
 
+# The cut's options beside the plan's defaults: the fill cut, and a least share that cuts fewer, larger pieces
+CUT_OPTIONS = {"default": {}, "fill": {"cut": "fill"}, "least-share": {"min_share": 9}}
+
+
+@pytest.mark.parametrize("options", sorted(CUT_OPTIONS))
 @pytest.mark.parametrize("num_heads,q_len", [(16, 1), (32, 2), (128, 1), (64, 2)])
 @pytest.mark.parametrize("kernel", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast")], ids="-".join)
 @pytest.mark.parametrize("spread", sorted(SPREADS))
-def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len):
+def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len, options):
     kv_format, precision = kernel
     if precision == "precise" and (num_heads, q_len) != (16, 1):
         pytest.skip("one shape of the precise kernel: its units are 16 rows, like the first")
+    if options != "default" and (kernel != ("fp8", "fast") or q_len != 1) and options != "fill":
+        pytest.skip("a least share: the 16- and 64-row FP8 fast kernels (the cut is the kernels' input alone)")
     case = make_paged_case(kv_format, 64 if spread != "edges" else 16, SPREADS[spread], seed=len(spread),
                            device="cuda", q_len=q_len, num_heads=num_heads)
-    plan = backend_plan("cuda", case, precision)
+    plan = backend_plan("cuda", case, precision, **CUT_OPTIONS[options])
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     out, lse = plan.run(*case.args(), out=out)
     (ref_out, ref_lse), (out_bound, lse_bound) = plan_truth(case, plan, precision)

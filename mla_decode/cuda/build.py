@@ -31,7 +31,8 @@ class DecodeCall(ctypes.Structure):
                                                      "page_size", "max_pages", "num_heads", "q_len", "causal")]
                 + [("qk_scale", ctypes.c_float), ("unit_rows", ctypes.c_int), ("page_mul", ctypes.c_uint),
                    ("page_shift", ctypes.c_int), ("guess_rows", ctypes.c_int), ("items", ctypes.c_void_p)]
-                + [(name, ctypes.c_int) for name in ("schedule", "parts", "max_items", "min_share")])
+                + [(name, ctypes.c_int) for name in ("schedule", "parts", "max_items", "min_share",
+                                                     "cut")])
 
 
 class DecodeCallMismatch(RuntimeError):

@@ -10,6 +10,8 @@ import torch
 
 from .build import DecodeCall, library
 from .plan import (
+    CUT,
+    CUTS,
     MAX_UNITS,
     MIN_SHARE,
     QUERY_ROWS,
@@ -136,19 +138,22 @@ class CudaDecode:
     """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("fixed", the default:
     num_splits equal splits a unit; or "balanced": the work-balanced schedule of schedule.cuh, made on the GPU from
     the lengths, persistent CTAs over its parts and a combine kernel after them; opt-in while it loses uniform
-    batches: docs/2026-12-06-persistent-h100.md; min_share, its least share in KV tiles), and a
+    batches: docs/2026-12-06-persistent-h100.md; min_share, its least share in KV tiles; cut, how it cuts: "line"
+    or "fill", mla_decode.schedule.CUTS), and a
     DecodeCall with the plan's fields set. The workspace (the pieces' partials, part_o (pieces, unit_rows, 512) bf16
     and part_lse (pieces, unit_rows) fp32, the fixed splits' per-unit counters (units,) int32 and the balanced
     schedule (schedule_words,) int32) is made once per (thread, stream) that runs the plan. run() sets the inputs'
     fields and makes one ctypes call: no host read; no allocation after a stream's first run."""
 
     def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = "fixed",
-                 min_share: int = MIN_SHARE):
+                 min_share: int = MIN_SHARE, cut: str = CUT):
         if schedule not in SCHEDULES:
             raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
         if not isinstance(min_share, int) or min_share < 1:
             raise ValueError(f"backend_options: min_share {min_share!r}: expected an int >= 1 (the balanced "
                              "schedule's least share, in KV tiles)")
+        if cut not in CUTS:
+            raise ValueError(f"backend_options: cut {cut!r}: expected one of {CUTS}")
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
         facts = device_facts(device, precise)
@@ -181,8 +186,9 @@ class CudaDecode:
                                q_len=problem.q_len, causal=int(problem.causal and problem.q_len > 1),
                                qk_scale=problem.qk_scale, unit_rows=rows, page_mul=page_mul, page_shift=page_shift,
                                guess_rows=guess_rows, schedule=SCHEDULE_IN_CALL if balanced else 0,
-                               parts=self.parts, max_items=self.max_items, min_share=min_share)
-        self.min_share = min_share
+                               parts=self.parts, max_items=self.max_items, min_share=min_share,
+                               cut=CUTS.index(cut))
+        self.min_share, self.cut = min_share, cut
         self.units, self.rows = units, rows
         self._workspaces: dict[tuple[int, int], Workspace] = {}
         self._lock = threading.Lock()

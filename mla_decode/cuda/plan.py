@@ -32,6 +32,9 @@ MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule
 # The balanced schedule's least share, in its cost units (KV tiles, and one a sequence): a piece of fewer tiles costs
 # more in its restart (Q, the pipeline's first tiles, a partial and its merge) than a part fewer on it saves
 MIN_SHARE = 1
+# The balanced schedule's cuts (DecodeCall's cut; mla_decode.schedule.CUTS): "line", equal shares anywhere, or
+# "fill", parts filled in turn, a sequence whole where it fits; and the plan's default
+CUTS, CUT = ("line", "fill"), "line"
 
 
 class DeviceFacts(NamedTuple):

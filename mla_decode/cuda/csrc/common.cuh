@@ -34,6 +34,7 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // layer of a step). Then part_o (max_items * groups, unit_rows, 512) and part_lse (max_items * groups, unit_rows),
 // with groups = q_len * num_heads / unit_rows; sync is unused (combine_kernel merges after the grid).
 enum Schedule : int { FIXED_SPLITS = 0, SCHEDULE_IN_CALL = 1, SCHEDULE_GIVEN = 2 };
+enum Cut : int { LINE_CUT = 0, FILL_CUT = 1 };  // schedule.cuh: schedule_kernel and fill_schedule_kernel
 struct DecodeCall {
   const __nv_bfloat16* q;
   const uint8_t* kv;
@@ -55,6 +56,7 @@ struct DecodeCall {
   int4* items;
   int schedule, parts, max_items;
   int min_share;  // the balanced schedule's least share in cost units: a short batch is cut into fewer, larger pieces
+  int cut;        // the balanced schedule's cut: LINE_CUT, equal shares anywhere; FILL_CUT, parts filled in turn
 };
 
 // A CTA's H query rows: grid row `unit` = b * groups + group holds rows H group .. H group + H - 1 of sequence b's

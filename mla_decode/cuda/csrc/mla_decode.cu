@@ -221,7 +221,7 @@ static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
-constexpr int DECODE_CALL_FIELDS = 32;
+constexpr int DECODE_CALL_FIELDS = 33;
 extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
   const size_t layout[DECODE_CALL_FIELDS + 1] = {
@@ -235,7 +235,8 @@ extern "C" void mla_decode_call_layout(int* offsets) {
       offsetof(DecodeCall, causal), offsetof(DecodeCall, qk_scale), offsetof(DecodeCall, unit_rows),
       offsetof(DecodeCall, page_mul), offsetof(DecodeCall, page_shift), offsetof(DecodeCall, guess_rows),
       offsetof(DecodeCall, items), offsetof(DecodeCall, schedule), offsetof(DecodeCall, parts),
-      offsetof(DecodeCall, max_items), offsetof(DecodeCall, min_share), sizeof(DecodeCall)};
+      offsetof(DecodeCall, max_items), offsetof(DecodeCall, min_share), offsetof(DecodeCall, cut),
+      sizeof(DecodeCall)};
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
@@ -252,7 +253,8 @@ static bool page_divisor_exact(const DecodeCall& c) {
 static bool schedule_ok(const DecodeCall& c) {
   if (c.schedule == mla::FIXED_SPLITS) return true;
   return (c.schedule == mla::SCHEDULE_IN_CALL || c.schedule == mla::SCHEDULE_GIVEN) && c.items && c.parts >= 1 &&
-         c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1 && c.min_share >= 1;
+         c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1 && c.min_share >= 1 &&
+         (c.cut == mla::LINE_CUT || c.cut == mla::FILL_CUT);
 }
 
 // The balanced grid's merge (merge.cuh's combine_kernel) on c.stream, in units of the call's rows.
@@ -270,13 +272,22 @@ static cudaError_t launch_combine(const DecodeCall& c) {
   return cudaGetLastError();
 }
 
+// The balanced schedule's kernel of the call's cut (schedule.cuh) on c.stream.
+static cudaError_t launch_schedule_kernel(const DecodeCall& c) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
+  if (c.cut == mla::FILL_CUT)
+    mla::fill_schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, stream>>>(c);
+  else
+    mla::schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, stream>>>(c);
+  return cudaGetLastError();
+}
+
 // Launches the schedule kernel alone on c->stream: c->items from c->seqs (schedule.cuh), for calls with
 // SCHEDULE_GIVEN. Returns a cudaError_t.
 extern "C" int mla_schedule(const DecodeCall* c) {
   if (c->schedule == mla::FIXED_SPLITS || !schedule_ok(*c) || c->batch < 1)
     return static_cast<int>(cudaErrorInvalidValue);
-  mla::schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, static_cast<cudaStream_t>(c->stream)>>>(*c);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(launch_schedule_kernel(*c));
 }
 
 // Launches the split kernel (which merges fixed splits itself) on c->stream, after the schedule kernel where the call
@@ -303,8 +314,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
     cudaDeviceGetAttribute(&max_window[dev], cudaDevAttrMaxAccessPolicyWindowSize, dev);
   }
   if (c->schedule == mla::SCHEDULE_IN_CALL) {
-    mla::schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, static_cast<cudaStream_t>(c->stream)>>>(*c);
-    const cudaError_t e = cudaGetLastError();
+    const cudaError_t e = launch_schedule_kernel(*c);
     if (e != cudaSuccess) return static_cast<int>(e);
   }
   cudaError_t e;

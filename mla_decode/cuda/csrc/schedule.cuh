@@ -12,6 +12,8 @@
 namespace mla {
 
 constexpr int SEQUENCE_COST = 1;         // schedule.py's SEQUENCE_COST: a sequence's fixed work, in tiles
+constexpr int PIECE_COST = SEQUENCE_COST;  // schedule.py's PIECE_COST: the fill cut's fixed cost of each piece
+constexpr int FILL_ROUND = 4096;         // the fill cut: sequences whose tiles a round stages for the walk
 constexpr int SCHEDULE_THREADS = 1024;   // one CTA: a sequence a thread, in rounds of this many
 
 // Sequence b's tiles: 0 where its length or range is invalid (the split kernels make its rows NaN, reading nothing).
@@ -94,6 +96,62 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const Dec
   // the parts past the line's end (share rounds up) take no piece, and part_first[parts] closes the last
   for (int p = static_cast<int>((total + share - 1) / share) + threadIdx.x; p <= c.parts; p += blockDim.x)
     starts[p] = item;
+}
+
+// The fill cut (schedule.py's fill_schedule, its reference): parts filled in turn with payload = max(ceil(total /
+// parts), min_share) + PIECE_COST units, a sequence whole where it fits, else cut where more than PIECE_COST is left,
+// every piece charged PIECE_COST; the last part takes what is left. The walk is serial (where a part ends depends on
+// every part before it): one thread walks each round's FILL_ROUND sequences, whose tiles the CTA stages in shared
+// memory, and patches each sequence's pieces with their count once it has them all. The same items and part_first
+// as schedule_kernel's, so the decode and combine kernels read either.
+__global__ void __launch_bounds__(SCHEDULE_THREADS, 1) fill_schedule_kernel(const DecodeCall c) {
+  __shared__ long long scratch_cost[32];
+  __shared__ int tiles[FILL_ROUND];
+  __shared__ int listed;
+  long long total = 0, round_total;
+  for (int b0 = 0; b0 < c.batch; b0 += blockDim.x) {
+    const int b = b0 + threadIdx.x;
+    exclusive_scan<long long>(b < c.batch ? sequence_tiles(c, b) + PIECE_COST : 0, scratch_cost, &round_total);
+    total += round_total;
+  }
+  const long long payload = max((total + c.parts - 1) / c.parts, static_cast<long long>(c.min_share)) + PIECE_COST;
+  int* const starts = const_cast<int*>(part_first(c));
+  int part = 0, item = 0;                        // thread 0's walk: the part being filled, the next item
+  long long room = c.parts > 1 ? payload : -1;  // what the part has left; -1: the last part, which takes the rest
+  for (int b0 = 0; b0 < c.batch; b0 += FILL_ROUND) {
+    __syncthreads();  // the last round's walk is done with `tiles`
+    for (int i = threadIdx.x; i < FILL_ROUND && b0 + i < c.batch; i += blockDim.x) tiles[i] = sequence_tiles(c, b0 + i);
+    __syncthreads();
+    if (threadIdx.x != 0) continue;
+    for (int b = b0; b < min(b0 + FILL_ROUND, c.batch); ++b) {
+      int left = tiles[b - b0], lo = 0;
+      const int first = item;
+      while (true) {
+        if (room < 0 || room >= left + PIECE_COST) {  // the rest fits
+          c.items[item++] = make_int4(b, lo, lo + left, 0);
+          if (room >= 0) room -= left + PIECE_COST;
+          break;
+        }
+        if (room > PIECE_COST) {  // the part takes what fits
+          const int take = static_cast<int>(room - PIECE_COST);
+          c.items[item++] = make_int4(b, lo, lo + take, 0);
+          lo += take;
+          left -= take;
+        }
+        starts[++part] = item;  // the next part
+        room = part < c.parts - 1 ? payload : -1;
+      }
+      const int count = item - first;
+      for (int j = 0; j < count; ++j) c.items[first + j].w = j << 16 | count;
+    }
+  }
+  if (threadIdx.x == 0) {
+    starts[0] = 0;
+    for (int p = part + 1; p <= c.parts; ++p) starts[p] = item;  // the parts past the walk's end take none
+    listed = item;
+  }
+  __syncthreads();
+  for (int k = listed + threadIdx.x; k < c.max_items; k += blockDim.x) c.items[k] = make_int4(-1, 0, 0, 0);
 }
 
 }  // namespace mla
