@@ -5,10 +5,14 @@ library whose combine kernel returns at once (wrong outputs: timing only). --seq
 with the schedule's SEQUENCE_COST set to N (the kernels' cut only: the CPU reference keeps its own). --kernels adds
 each kernel's own time in the balanced call with its schedule given (torch.profiler, device time a call).
 --variants "cut=fill;min_share=8;cut=fill,min_share=8" also times the balanced run (schedule given) of plans with
-those backend options (cut, min_share: ints where they parse), with their pieces.
+those backend options (cut, min_share: ints where they parse), with their pieces. --count SMS runs on the CPU
+alone: for each row and option set, the pieces of the CPU references' cut (mla_decode.schedule) on a GPU of SMS SMs
+(two CTAs an SM in units of 16 and 32 rows, one in units of 64; units of 64 rows where the heads come in 64s, else 16,
+as the plan picks them on the probe's rows): pieces, the most a sequence has, the largest part's load (tiles plus
+PIECE_COST a piece) and the parts used.
 
     python3 bench/schedule_probe.py [--rows 128x4096-h16-q1,8x32768-h16-q1-range] [--no-merge] [--sequence-cost 4]
-                                    [--kernels] [--variants "cut=fill;min_share=8"]
+                                    [--kernels] [--variants "cut=fill;min_share=8"] [--count 132]
 """
 
 import argparse
@@ -33,6 +37,8 @@ def lengths(batch: int, kv: int, spread: str) -> list[int]:
         return [int(x) for x in (torch.randn(batch, generator=gen) * kv / 2 + kv).clamp(1, 4 * kv)]
     if spread == "one-long":
         return [kv] + [1024] * (batch - 1)
+    if spread != "uniform":
+        raise ValueError(f"spread {spread!r}: expected uniform, normal, one-long or range")
     return [kv] * batch
 
 
@@ -70,7 +76,7 @@ def probe(row: str, kernels: bool, variants: list[dict]) -> None:
     parts = row.split("-")
     batch, kv = (int(x) for x in parts[0].split("x"))
     heads, q_len = int(parts[1][1:]), int(parts[2][1:])
-    spread = parts[3] if len(parts) > 3 else "uniform"
+    spread = "-".join(parts[3:]) or "uniform"  # "one-long" holds a dash
     case = make_paged_case("fp8", 64, lengths(batch, kv, spread), seed=1, device="cuda", q_len=q_len,
                            num_heads=heads)
 
@@ -107,6 +113,33 @@ def probe(row: str, kernels: bool, variants: list[dict]) -> None:
               f"{int((other_live[:, 3] & 0xFFFF).max())}, given {t:.1f} us", flush=True)
 
 
+def count(row: str, sms: int, variants: list[dict]) -> None:
+    """The CPU references' cut of `row` for the plan's defaults and each option set (--count)."""
+    from mla_decode.cuda.plan import CUT, MIN_SHARE, balanced_parts
+    from mla_decode.schedule import PIECE_COST, fill_schedule, make_schedule, part_first, schedule_items
+    parts_of_row = row.split("-")
+    batch, kv = (int(x) for x in parts_of_row[0].split("x"))
+    heads, q_len = int(parts_of_row[1][1:]), int(parts_of_row[2][1:])
+    lens = torch.tensor(lengths(batch, kv, "-".join(parts_of_row[3:]) or "uniform"))
+    rows = 64 if heads % 64 == 0 else 16
+    parts = balanced_parts(sms, 1 if rows == 64 else 2, q_len * heads // rows)
+    cells = []
+    for options in [{}, *variants]:
+        cut, least = options.get("cut", CUT), options.get("min_share", MIN_SHARE)
+        if cut == "fill":
+            flat = fill_schedule(lens, parts, int(lens.max()), min_share=least)
+            items, starts = flat[:-(parts + 1)].view(-1, 4), flat[-(parts + 1):]
+        else:
+            s = make_schedule(lens, parts, int(lens.max()), min_share=least)
+            items, starts = schedule_items(s, parts + batch), part_first(s)
+        live = items[items[:, 0] >= 0]
+        loads = [int((live[a:b, 2] - live[a:b, 1]).sum()) + PIECE_COST * (b - a)
+                 for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
+        cells.append(f"{options or 'default'}: {live.shape[0]} / {int((live[:, 3] & 0xFFFF).max())} / {max(loads)} / "
+                     f"{sum(1 for load in loads if load)}")
+    print(f"{row} (parts {parts}; pieces / most a sequence / largest load / parts used): " + " | ".join(cells))
+
+
 def variant(text: str) -> dict:
     """'cut=fill,min_share=8' -> {'cut': 'fill', 'min_share': 8}."""
     pairs = (pair.split("=", 1) for pair in text.split(","))
@@ -122,7 +155,13 @@ def main() -> int:
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--variants", default="", help="backend options to time besides the defaults: "
                                                   "'key=value,key=value;...'")
+    p.add_argument("--count", type=int, metavar="SMS", help="count the CPU references' pieces only")
     args = p.parse_args()
+    variants = [variant(v) for v in args.variants.split(";") if v]
+    if args.count:
+        for row in args.rows.split(","):
+            count(row, args.count, variants)
+        return 0
     patches = []  # (file, text, replacement)
     if args.no_merge:
         marker = "  const int* const starts = part_first(c);"
@@ -142,7 +181,7 @@ def main() -> int:
             (tmp / name).write_text(source.replace(text, replacement))
         B.CSRC = tmp
     for row in args.rows.split(","):
-        probe(row, args.kernels, [variant(v) for v in args.variants.split(";") if v])
+        probe(row, args.kernels, variants)
     return 0
 
 
