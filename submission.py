@@ -2113,9 +2113,10 @@ if triton is not None:
 
     @triton.jit
     def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, part_first_ptr, batch, parts, max_items,
-                            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                            min_share, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         """One program: the pieces of the work-balanced schedule of the lengths (seq_ptr: cache_seqlens, or kv_indptr
-        where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, exactly as schedule.py's
+        where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, each at least min_share units,
+        exactly as schedule.py's
         schedule_items lists them: items (max_items, 4) int32 rows {b, first tile, end tile, index << 16 | count},
         then {-1, 0, 0, 0}; first (batch,) int32, the item of each sequence's first piece (the combine's); and
         part_first (parts + 1,) int32, schedule.py's part_first (the split kernel's programs walk their part's items).
@@ -2127,7 +2128,7 @@ if triton is not None:
             in_batch = b0 + r < batch
             tiles = _sequence_tiles(seq_ptr, b0 + r, in_batch, max_pages, PAGE_SIZE, BLOCK_N)
             total += tl.sum(tl.where(in_batch, tiles + _SEQUENCE_COST, 0), 0)
-        share = tl.maximum((total + parts - 1) // parts, 1)
+        share = tl.maximum((total + parts - 1) // parts, min_share)
         line = tl.full([], 0, tl.int64)  # where this block's first sequence starts on the line
         item = tl.full([], 0, tl.int32)  # its first piece
         for b0 in range(0, batch, BLOCK_B):
@@ -2636,9 +2637,13 @@ class TritonDecode:
     `target` and `plan`: as triton_key takes them (a balanced plan uses the plan's all but its num_splits)."""
 
     def __init__(self, problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None,
-                 schedule: str = "fixed"):
+                 schedule: str = "fixed", min_share: int = 1):
         if schedule not in SCHEDULES:
             raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
+        if not isinstance(min_share, int) or min_share < 1:
+            raise ValueError(f"backend_options: min_share {min_share!r}: expected an int >= 1 (the balanced "
+                             "schedule's least share, in the plan's tiles)")
+        self.min_share = min_share
         self.key = key = triton_key(problem, target, plan)
         self.qk_scale = problem.qk_scale
         target, plan = key.target, key.plan
@@ -2717,10 +2722,11 @@ class TritonDecode:
         if self.schedule_run is not None:
             address = schedule.data_ptr()
             self.schedule_run(seqs.data_ptr(), max_pages, address, address + 4 * items_at, address + 4 * parts_at,
-                              self.key.batch, self.parts, self.max_items, *self.schedule_consts)
+                              self.key.batch, self.parts, self.max_items, self.min_share, *self.schedule_consts)
             return
         made = mla_schedule_kernel[(1, 1, 1)](seqs, max_pages, schedule, schedule[items_at:], schedule[parts_at:],
-                                              self.key.batch, self.parts, self.max_items, **self.schedule_meta)
+                                              self.key.batch, self.parts, self.max_items, self.min_share,
+                                              **self.schedule_meta)
         if made is not None:  # compiled (not interpreted): its launcher, with its grid bound once
             self.schedule_run = made[(1, 1, 1)]
 
@@ -2877,7 +2883,7 @@ BACKEND_REGISTRY = (
     Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode,
             ("unit_rows", "schedule", "min_share", "cut")),
     Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
-            TritonDecode, ("target", "plan", "schedule")),
+            TritonDecode, ("target", "plan", "schedule", "min_share")),
     Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),
 )
 BACKENDS = tuple(backend.name for backend in BACKEND_REGISTRY)

@@ -81,7 +81,7 @@ BACKEND_REGISTRY = (
     Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode,
             ("unit_rows", "schedule", "min_share", "cut")),
     Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
-            TritonDecode, ("target", "plan", "schedule")),
+            TritonDecode, ("target", "plan", "schedule", "min_share")),
     Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),
 )
 BACKENDS = tuple(backend.name for backend in BACKEND_REGISTRY)

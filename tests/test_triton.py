@@ -209,10 +209,10 @@ def interpreter_target(sms: int) -> mla_decode.triton.TritonTarget:
 
 
 def reference_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int,
-                       max_items: int) -> torch.Tensor:
+                       max_items: int, min_share: int = 1) -> torch.Tensor:
     """What make_schedule returns, by the CPU reference: schedule_items' rows, flat, each sequence's first item, then
     part_first."""
-    s = make_schedule(lengths, parts, capacity, tile_rows)
+    s = make_schedule(lengths, parts, capacity, tile_rows, min_share)
     b = torch.arange(lengths.shape[0])
     counts = s.last_part(b) - s.first_part(b) + 1
     first = torch.cumsum(counts, 0) - counts
@@ -220,15 +220,16 @@ def reference_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_ro
 
 
 @needs_interpreter
-@pytest.mark.parametrize("sms,block_n", [(1, 64), (3, 64), (132, 64), (66, 32)])
+@pytest.mark.parametrize("sms,block_n,min_share", [(1, 64, 1), (3, 64, 1), (132, 64, 1), (66, 32, 1), (132, 64, 9)])
 @pytest.mark.parametrize("layout", ["paged", "ragged"])
 @pytest.mark.parametrize("spread", sorted(SCHEDULE_SPREADS) + ["invalid"])
-def test_the_schedule_kernel_lists_the_reference_pieces(spread, layout, sms, block_n):
+def test_the_schedule_kernel_lists_the_reference_pieces(spread, layout, sms, block_n, min_share):
     """make_schedule (mla_schedule_kernel, one program) lists exactly schedule_items' pieces of the CPU reference, in
     tiles of the plan's block_n rows, each sequence's first item and part_first, for 2 to 264 parts, batches within
-    one block of the kernel and past it (1500), one sequence cut into every part. Invalid lengths (negative, past
-    the table; ragged: a range that ends before it starts, or starts below 0) cost their fixed unit alone; a ragged
-    range past the cache is judged without it, as the cuda schedule judges it."""
+    one block of the kernel and past it (1500), one sequence cut into every part, and with a least share (parts past
+    the line's end). Invalid lengths (negative, past the table; ragged: a range that ends before it starts, or starts
+    below 0) cost their fixed unit alone; a ragged range past the cache is judged without it, as the cuda schedule
+    judges it."""
     if spread == "invalid":
         lens, indptr = [-5, 0, 10**6, 64, 200], [-3, 10, 5, 300, 400, 401]
     else:
@@ -238,7 +239,8 @@ def test_the_schedule_kernel_lists_the_reference_pieces(spread, layout, sms, blo
     max_pages = max(max(lens), 1) // page + 1 if spread != "invalid" else 40  # 640 rows: 10**6 is past them
     problem = mla_decode.api.make_problem(len(lens), torch.float8_e4m3fn, "cpu", layout=layout, page_size=page,
                                           max_pages=max_pages, max_seqlen=max(max(lens), 1))
-    decode = mla_decode.triton.TritonDecode(problem, interpreter_target(sms), (1, block_n, 4, 3), "balanced")
+    decode = mla_decode.triton.TritonDecode(problem, interpreter_target(sms), (1, block_n, 4, 3), "balanced",
+                                            min_share)
     assert decode.parts == 2 * sms and decode.max_items == decode.parts + len(lens)
     if layout == "paged":
         seqs, lengths, capacity = torch.tensor(lens, dtype=torch.int32), torch.tensor(lens), max_pages * page
@@ -248,7 +250,7 @@ def test_the_schedule_kernel_lists_the_reference_pieces(spread, layout, sms, blo
         lengths = torch.where((starts >= 0) & (ends >= starts), ends - starts, -1)  # invalid: no tile
         capacity = 2 ** 40
     made = decode.make_schedule(seqs)
-    want = reference_schedule(lengths, decode.parts, capacity, block_n, decode.max_items)
+    want = reference_schedule(lengths, decode.parts, capacity, block_n, decode.max_items, min_share)
     assert made.dtype == torch.int32 and torch.equal(made, want)
 
 
@@ -281,22 +283,23 @@ def assert_meets_truth(case, out, lse, truth=None) -> None:
     assert out_error < OUT_BOUND and lse_error < LSE_BOUND, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
-# (spread, KV format, page size, SMs of the target): 264 parts (pieces of a tile or none) and 4 or 6 (pieces of many
-# tiles; with pages of two tiles, pieces that start inside a page, whose chunked walk must keep each tile in one page)
-BALANCED_CASES = [("edges", "fp8", 16, 132), ("one-long", "fp8", 64, 132), ("lognormal", "fp8", 128, 2),
-                  ("edges", "fp8", 1, 3), ("one-long", "mxfp4", 128, 2), ("lognormal", "mxfp4", 16, 132),
-                  ("edges", "mxfp4", 64, 3), ("edges", "bf16", 64, 132), ("one-long", "bf16", 1, 3),
-                  ("lognormal", "bf16", 128, 2)]
+# (spread, KV format, page size, SMs of the target, least share): 264 parts (pieces of a tile or none) and 4 or 6
+# (pieces of many tiles; with pages of two tiles, pieces that start inside a page, whose chunked walk must keep each
+# tile in one page); a least share of 7 tiles leaves most of 264 parts without a piece
+BALANCED_CASES = [("edges", "fp8", 16, 132, 1), ("one-long", "fp8", 64, 132, 1), ("lognormal", "fp8", 128, 2, 1),
+                  ("edges", "fp8", 1, 3, 1), ("one-long", "mxfp4", 128, 2, 1), ("lognormal", "mxfp4", 16, 132, 1),
+                  ("edges", "mxfp4", 64, 3, 1), ("edges", "bf16", 64, 132, 1), ("one-long", "bf16", 1, 3, 1),
+                  ("lognormal", "bf16", 128, 2, 1), ("one-long", "fp8", 16, 132, 7)]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("spread,kv_format,page_size,sms", BALANCED_CASES)
-def test_balanced_decodes_meet_the_truth(spread, kv_format, page_size, sms):
+@pytest.mark.parametrize("spread,kv_format,page_size,sms,min_share", BALANCED_CASES)
+def test_balanced_decodes_meet_the_truth(spread, kv_format, page_size, sms, min_share):
     """The balanced schedule's pieces over shuffled pages with every unowned slot poisoned (a piece that read past its
     tiles or another's gives NaN or misses the truth): the float64 truth within the library's CPU bounds, and the
     fixed splits' output within them."""
     case = make_paged_case(kv_format, page_size, SPREADS[spread], seed=page_size + len(spread))
-    decode = balanced_plan(case, interpreter_target(sms))
+    decode = balanced_plan(case, interpreter_target(sms), min_share=min_share)
     assert decode.impl.balanced and decode.impl.parts == 2 * sms
     out = torch.full((*case.q.shape[:3], 512), float("nan"), dtype=torch.bfloat16)  # poisoned
     out, lse = decode.run(*case.args(), out=out)

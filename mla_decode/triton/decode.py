@@ -40,9 +40,13 @@ class TritonDecode:
     `target` and `plan`: as triton_key takes them (a balanced plan uses the plan's all but its num_splits)."""
 
     def __init__(self, problem: Problem, target: TritonTarget | None = None, plan: TritonPlan | tuple | None = None,
-                 schedule: str = "fixed"):
+                 schedule: str = "fixed", min_share: int = 1):
         if schedule not in SCHEDULES:
             raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
+        if not isinstance(min_share, int) or min_share < 1:
+            raise ValueError(f"backend_options: min_share {min_share!r}: expected an int >= 1 (the balanced "
+                             "schedule's least share, in the plan's tiles)")
+        self.min_share = min_share
         self.key = key = triton_key(problem, target, plan)
         self.qk_scale = problem.qk_scale
         target, plan = key.target, key.plan
@@ -121,10 +125,11 @@ class TritonDecode:
         if self.schedule_run is not None:
             address = schedule.data_ptr()
             self.schedule_run(seqs.data_ptr(), max_pages, address, address + 4 * items_at, address + 4 * parts_at,
-                              self.key.batch, self.parts, self.max_items, *self.schedule_consts)
+                              self.key.batch, self.parts, self.max_items, self.min_share, *self.schedule_consts)
             return
         made = mla_schedule_kernel[(1, 1, 1)](seqs, max_pages, schedule, schedule[items_at:], schedule[parts_at:],
-                                              self.key.batch, self.parts, self.max_items, **self.schedule_meta)
+                                              self.key.batch, self.parts, self.max_items, self.min_share,
+                                              **self.schedule_meta)
         if made is not None:  # compiled (not interpreted): its launcher, with its grid bound once
             self.schedule_run = made[(1, 1, 1)]
 

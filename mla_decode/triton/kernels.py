@@ -271,9 +271,10 @@ if triton is not None:
 
     @triton.jit
     def mla_schedule_kernel(seq_ptr, max_pages, items_ptr, first_ptr, part_first_ptr, batch, parts, max_items,
-                            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                            min_share, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         """One program: the pieces of the work-balanced schedule of the lengths (seq_ptr: cache_seqlens, or kv_indptr
-        where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, exactly as schedule.py's
+        where PAGE_SIZE is 0) cut into `parts` shares of tiles of BLOCK_N rows, each at least min_share units,
+        exactly as schedule.py's
         schedule_items lists them: items (max_items, 4) int32 rows {b, first tile, end tile, index << 16 | count},
         then {-1, 0, 0, 0}; first (batch,) int32, the item of each sequence's first piece (the combine's); and
         part_first (parts + 1,) int32, schedule.py's part_first (the split kernel's programs walk their part's items).
@@ -285,7 +286,7 @@ if triton is not None:
             in_batch = b0 + r < batch
             tiles = _sequence_tiles(seq_ptr, b0 + r, in_batch, max_pages, PAGE_SIZE, BLOCK_N)
             total += tl.sum(tl.where(in_batch, tiles + _SEQUENCE_COST, 0), 0)
-        share = tl.maximum((total + parts - 1) // parts, 1)
+        share = tl.maximum((total + parts - 1) // parts, min_share)
         line = tl.full([], 0, tl.int64)  # where this block's first sequence starts on the line
         item = tl.full([], 0, tl.int32)  # its first piece
         for b0 in range(0, batch, BLOCK_B):
