@@ -150,7 +150,7 @@ def test_backend_options_another_backend_does_not_take_are_refused(backend):
     """backend_options are one backend's (the triton backend's plan): a backend that takes none, or not these, says so
     rather than dropping them."""
     problem = mla_decode.api.make_problem(2, torch.float8_e4m3fn, "cpu", layout="paged", page_size=16, max_pages=4)
-    takes = "\\['target', 'plan', 'schedule'\\]" if backend == "triton" else "none"
+    takes = "\\['target', 'plan', 'schedule', 'min_share'\\]" if backend == "triton" else "none"
     with pytest.raises(ValueError, match=f"backend_options: the {backend} backend takes {takes}, not \\['variant'\\]"):
         mla_decode.DecodePlan(problem, backend, backend_options={"variant": "persistent"})
 
