@@ -1214,25 +1214,21 @@ def part_first(schedule: Schedule) -> torch.Tensor:
 
 def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS, min_share: int = 1,
                   max_items: int | None = None) -> torch.Tensor:
-    """The fill cut of a batch of `lengths` (batch,) into `parts` parts, as the cuda schedule kernel makes it when
-    its plan's cut is "fill": each part holds `payload` = max(ceil(total / parts), min_share) + PIECE_COST units, total
-    being the tiles plus PIECE_COST a sequence. Parts are filled in turn: a sequence (its rest) goes whole into the
-    part where its tiles and PIECE_COST fit; else, where more than PIECE_COST is left, the part takes what fits and
-    the rest goes on in the next part; else the next part starts it. So a sequence is cut only where the share ends
-    inside it, its pieces lie in consecutive parts (piece j in the part of piece 0, plus j), a piece of a cut sequence
-    holds more than nothing but its last, and a batch of equal sequences that divides into the parts is not cut at
-    all, where the line cuts every one. The last part takes whatever is left (the walk never leaves any: each part
-    but the last takes at least ceil(total / parts) units net of its own cut).
+    """The fill cut of a batch of `lengths` (batch,) into `parts` parts, as the cuda schedule kernel makes it when its
+    plan's cut is "fill": each part holds `payload` = make_schedule's share (max(ceil(total / parts), min_share), total
+    being the line's length) + PIECE_COST units. Parts are filled in turn: a sequence (its rest) goes whole into the
+    part where its tiles and PIECE_COST fit; else, where more than PIECE_COST is left, the part takes what fits and the
+    rest goes on in the next part; else the next part starts it. So a sequence is cut only where the share ends inside
+    it, its pieces lie in consecutive parts (piece j in the part of piece 0, plus j), a piece of a cut sequence holds
+    more than nothing but its last, and a batch of equal sequences that divides into the parts is not cut at all, where
+    the line cuts every one. The last part takes whatever is left (the walk never leaves any: each part but the last
+    takes at least ceil(total / parts) units net of its own cut).
     Returns (max_items * 4 + parts + 1,) int32 (max_items: parts + batch by default): the pieces in order as
     schedule_items lists them, padding {-1, 0, 0, 0}, then part_first (parts + 1,)."""
-    if parts < 1:
-        raise ValueError(f"parts: expected >= 1, got {parts}")
-    if min_share < 1:
-        raise ValueError(f"min_share: expected >= 1, got {min_share}")
-    tiles = sequence_tiles(lengths.long(), capacity, tile_rows).tolist()
+    line = make_schedule(lengths, parts, capacity, tile_rows, min_share)  # the share, as both cuts' kernels take it
+    tiles = line.tiles.tolist()
     max_items = parts + len(tiles) if max_items is None else max_items
-    total = sum(tiles) + PIECE_COST * len(tiles)
-    payload = max(-(-total // parts), min_share) + PIECE_COST
+    payload = line.share + PIECE_COST
     items: list[list[int]] = []
     starts = [0]  # starts[p]: part p's first item
     room = payload if parts > 1 else None  # None: the last part, which takes the rest

@@ -72,13 +72,23 @@ def kernel_times(fn, iters: int = 20) -> str:
     return ", ".join(f"{name} {t:.1f}" for name, t in sorted(times.items(), key=lambda kv: -kv[1]))
 
 
+def parse_row(row: str) -> tuple[int, int, int, list[int]]:
+    """'32x65536-h16-q1-one-long' -> (batch, heads, q_len, the lengths)."""
+    fields = row.split("-")
+    batch, kv = (int(x) for x in fields[0].split("x"))
+    spread = "-".join(fields[3:]) or "uniform"  # "one-long" holds a dash
+    return batch, int(fields[1][1:]), int(fields[2][1:]), lengths(batch, kv, spread)
+
+
+def live_items(items: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A schedule's listed pieces, (pieces, 4), and the most pieces one sequence has."""
+    live = items.view(-1, 4)[items.view(-1, 4)[:, 0] >= 0]
+    return live, int((live[:, 3] & 0xFFFF).max())
+
+
 def probe(row: str, kernels: bool, variants: list[dict]) -> None:
-    parts = row.split("-")
-    batch, kv = (int(x) for x in parts[0].split("x"))
-    heads, q_len = int(parts[1][1:]), int(parts[2][1:])
-    spread = "-".join(parts[3:]) or "uniform"  # "one-long" holds a dash
-    case = make_paged_case("fp8", 64, lengths(batch, kv, spread), seed=1, device="cuda", q_len=q_len,
-                           num_heads=heads)
+    batch, heads, q_len, lens = parse_row(row)
+    case = make_paged_case("fp8", 64, lens, seed=1, device="cuda", q_len=q_len, num_heads=heads)
 
     def plan(schedule: str, **options):
         return mla_decode.plan(batch, 64, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=heads,
@@ -87,9 +97,7 @@ def probe(row: str, kernels: bool, variants: list[dict]) -> None:
 
     fixed, balanced = plan("fixed"), plan("balanced")
     step = balanced.schedule(case.cache_seqlens)
-    items = step.items[:balanced.impl.max_items * 4].view(-1, 4).cpu()
-    live = items[items[:, 0] >= 0]
-    counts = live[:, 3] & 0xFFFF
+    live, most = live_items(step.items[:balanced.impl.max_items * 4].cpu())
     out = torch.empty((batch, q_len, heads, 512), dtype=torch.bfloat16, device="cuda")
     lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device="cuda")
     t_fixed = timed(lambda: fixed.run(*case.args(), out=out, lse=lse))
@@ -98,7 +106,7 @@ def probe(row: str, kernels: bool, variants: list[dict]) -> None:
     t_sched = timed(lambda: balanced.schedule(case.cache_seqlens))
     print(f"{row}: rows {balanced.impl.rows} fixed rows {fixed.impl.rows} splits {fixed.impl.num_splits} | parts "
           f"{balanced.impl.parts} pieces {live.shape[0]} (max {balanced.impl.max_items}) largest "
-          f"{int((live[:, 2] - live[:, 1]).max())} tiles, most a sequence {int(counts.max())} | fixed {t_fixed:.1f} "
+          f"{int((live[:, 2] - live[:, 1]).max())} tiles, most a sequence {most} | fixed {t_fixed:.1f} "
           f"balanced {t_call:.1f} given {t_given:.1f} schedule alone {t_sched:.1f} us", flush=True)
     if kernels:
         print(f"  kernels, schedule given (us a call): "
@@ -106,21 +114,18 @@ def probe(row: str, kernels: bool, variants: list[dict]) -> None:
     for options in variants:
         other = plan("balanced", **options)
         other_step = other.schedule(case.cache_seqlens)
-        other_items = other_step.items[:other.impl.max_items * 4].view(-1, 4).cpu()
-        other_live = other_items[other_items[:, 0] >= 0]
+        other_live, other_most = live_items(other_step.items[:other.impl.max_items * 4].cpu())
         t = timed(lambda p=other, s=other_step: p.run(*case.args(), out=out, lse=lse, schedule=s))
-        print(f"  {options}: pieces {other_live.shape[0]}, most a sequence "
-              f"{int((other_live[:, 3] & 0xFFFF).max())}, given {t:.1f} us", flush=True)
+        print(f"  {options}: pieces {other_live.shape[0]}, most a sequence {other_most}, given {t:.1f} us",
+              flush=True)
 
 
 def count(row: str, sms: int, variants: list[dict]) -> None:
     """The CPU references' cut of `row` for the plan's defaults and each option set (--count)."""
     from mla_decode.cuda.plan import CUT, MIN_SHARE, balanced_parts
     from mla_decode.schedule import PIECE_COST, fill_schedule, make_schedule, part_first, schedule_items
-    parts_of_row = row.split("-")
-    batch, kv = (int(x) for x in parts_of_row[0].split("x"))
-    heads, q_len = int(parts_of_row[1][1:]), int(parts_of_row[2][1:])
-    lens = torch.tensor(lengths(batch, kv, "-".join(parts_of_row[3:]) or "uniform"))
+    batch, heads, q_len, lens = parse_row(row)
+    lens = torch.tensor(lens)
     rows = 64 if heads % 64 == 0 else 16
     parts = balanced_parts(sms, 1 if rows == 64 else 2, q_len * heads // rows)
     cells = []
@@ -132,10 +137,10 @@ def count(row: str, sms: int, variants: list[dict]) -> None:
         else:
             s = make_schedule(lens, parts, int(lens.max()), min_share=least)
             items, starts = schedule_items(s, parts + batch), part_first(s)
-        live = items[items[:, 0] >= 0]
+        live, most = live_items(items)
         loads = [int((live[a:b, 2] - live[a:b, 1]).sum()) + PIECE_COST * (b - a)
                  for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
-        cells.append(f"{options or 'default'}: {live.shape[0]} / {int((live[:, 3] & 0xFFFF).max())} / {max(loads)} / "
+        cells.append(f"{options or 'default'}: {live.shape[0]} / {most} / {max(loads)} / "
                      f"{sum(1 for load in loads if load)}")
     print(f"{row} (parts {parts}; pieces / most a sequence / largest load / parts used): " + " | ".join(cells))
 

@@ -71,7 +71,7 @@ def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len, optio
     kv_format, precision = kernel
     if precision == "precise" and (num_heads, q_len) != (16, 1):
         pytest.skip("one shape of the precise kernel: its units are 16 rows, like the first")
-    if options != "default" and (kernel != ("fp8", "fast") or q_len != 1) and options != "fill":
+    if options == "least-share" and (kernel != ("fp8", "fast") or q_len != 1):
         pytest.skip("a least share: the 16- and 64-row FP8 fast kernels (the cut is the kernels' input alone)")
     case = make_paged_case(kv_format, 64 if spread != "edges" else 16, SPREADS[spread], seed=len(spread),
                            device="cuda", q_len=q_len, num_heads=num_heads)

@@ -188,7 +188,6 @@ class CudaDecode:
                                guess_rows=guess_rows, schedule=SCHEDULE_IN_CALL if balanced else 0,
                                parts=self.parts, max_items=self.max_items, min_share=min_share,
                                cut=CUTS.index(cut))
-        self.min_share, self.cut = min_share, cut
         self.units, self.rows = units, rows
         self._workspaces: dict[tuple[int, int], Workspace] = {}
         self._lock = threading.Lock()

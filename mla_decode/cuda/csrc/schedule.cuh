@@ -59,16 +59,23 @@ __device__ __forceinline__ T exclusive_scan(T v, T* scratch, T* total) {
   return before;
 }
 
+// Both cuts' share: the line's length (every sequence's tiles and SEQUENCE_COST) over the parts, rounded up, and at
+// least min_share. Every thread of the CTA calls it and gets it.
+__device__ __forceinline__ long long cut_share(const DecodeCall& c, long long* scratch) {
+  long long total = 0, round_total;
+  for (int b0 = 0; b0 < c.batch; b0 += blockDim.x) {
+    const int b = b0 + threadIdx.x;
+    exclusive_scan<long long>(b < c.batch ? sequence_tiles(c, b) + SEQUENCE_COST : 0, scratch, &round_total);
+    total += round_total;
+  }
+  return max((total + c.parts - 1) / c.parts, static_cast<long long>(c.min_share));
+}
+
 __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const DecodeCall c) {
   __shared__ long long scratch_cost[32];
   __shared__ int scratch_items[32];
-  long long total = 0, round_total;
-  for (int b0 = 0; b0 < c.batch; b0 += blockDim.x) {  // the line's length
-    const int b = b0 + threadIdx.x;
-    exclusive_scan<long long>(b < c.batch ? sequence_tiles(c, b) + SEQUENCE_COST : 0, scratch_cost, &round_total);
-    total += round_total;
-  }
-  const long long share = max((total + c.parts - 1) / c.parts, static_cast<long long>(c.min_share));
+  long long round_total;
+  const long long share = cut_share(c, scratch_cost);
   int* const starts = const_cast<int*>(part_first(c));
   long long line = 0;  // where this round's first sequence starts
   int item = 0;        // its first piece
@@ -93,8 +100,9 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const Dec
     item += round_items;
   }
   for (int k = item + threadIdx.x; k < c.max_items; k += blockDim.x) c.items[k] = make_int4(-1, 0, 0, 0);
-  // the parts past the line's end (share rounds up) take no piece, and part_first[parts] closes the last
-  for (int p = static_cast<int>((total + share - 1) / share) + threadIdx.x; p <= c.parts; p += blockDim.x)
+  // the parts past the line's end (`line`, the total by now; share rounds up) take no piece, and part_first[parts]
+  // closes the last
+  for (int p = static_cast<int>((line + share - 1) / share) + threadIdx.x; p <= c.parts; p += blockDim.x)
     starts[p] = item;
 }
 
@@ -108,13 +116,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) fill_schedule_kernel(cons
   __shared__ long long scratch_cost[32];
   __shared__ int tiles[FILL_ROUND];
   __shared__ int listed;
-  long long total = 0, round_total;
-  for (int b0 = 0; b0 < c.batch; b0 += blockDim.x) {
-    const int b = b0 + threadIdx.x;
-    exclusive_scan<long long>(b < c.batch ? sequence_tiles(c, b) + PIECE_COST : 0, scratch_cost, &round_total);
-    total += round_total;
-  }
-  const long long payload = max((total + c.parts - 1) / c.parts, static_cast<long long>(c.min_share)) + PIECE_COST;
+  const long long payload = cut_share(c, scratch_cost) + PIECE_COST;
   int* const starts = const_cast<int*>(part_first(c));
   int part = 0, item = 0;                        // thread 0's walk: the part being filled, the next item
   long long room = c.parts > 1 ? payload : -1;  // what the part has left; -1: the last part, which takes the rest
