@@ -306,11 +306,12 @@ def as_returned(result: tuple) -> tuple:
 
 
 def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | None = None,
-          unit_rows: int | None = None, schedule: str | None = None):
+          unit_rows: int | None = None, schedule: str | None = None, **schedule_options):
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
     plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
     (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda, triton), the backend
-    option, "fixed" splits (the default) or "balanced" (its step schedule made outside the timing)."""
+    option, "fixed" splits (the default) or "balanced" (its step schedule made outside the timing); schedule_options,
+    the balanced schedule's other backend options (cut, min_share)."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -323,7 +324,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
                 raise Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
             options = {"unit_rows": unit_rows}
         if schedule is not None:
-            options = {**(options or {}), "schedule": schedule}
+            options = {**(options or {}), "schedule": schedule, **schedule_options}
         try:
             if block_h is not None:
                 portable = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
@@ -452,6 +453,11 @@ METHODS = (
            "(wgmma64)", _ours("cuda", "fp8", unit_rows=64)),
     Method("cuda-fp8-balanced", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("cuda", "fp8", schedule="balanced")),
+    Method("cuda-fp8-balanced-fill", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
+           "schedule with the fill cut (backend option cut)", _ours("cuda", "fp8", schedule="balanced", cut="fill")),
+    Method("cuda-fp8-balanced-least16", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
+           "schedule with a least share of 16 tiles (backend option min_share)",
+           _ours("cuda", "fp8", schedule="balanced", min_share=16)),
     Method("cuda-mxfp4-balanced", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("cuda", "mxfp4", schedule="balanced")),
     Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "

@@ -122,12 +122,12 @@ def test_the_load_refuses_a_library_whose_decode_call_differs_and_remembers(fres
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
 def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capability):
     """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 and (the FP8 cache)
-    64 in the wgmma build, and whole units of one token (num_heads a multiple of them); otherwise
+    64 in the wgmma build, and at least one head (a token's last unit is masked past its heads); otherwise
     cudaErrorInvalidValue (1)."""
     lib = B.library(capability)
     widest = lib.mla_max_unit_rows()
-    refused = [(0, 16, 0), (8, 16, 0), (24, 48, 0), (48, 96, 0), (widest * 2, 256, 0), (32, 48, 0), (16, 40, 0),
-               (64, 96, 0), (64, 128, 1)]  # the last: MXFP4 in 64-row units
+    refused = [(0, 16, 0), (8, 16, 0), (24, 48, 0), (48, 96, 0), (widest * 2, 256, 0), (16, 0, 0), (16, -8, 0),
+               (64, 128, 1)]  # the last: MXFP4 in 64-row units
     if widest < 64:
         refused.append((64, 128, 0))
     for rows, num_heads, kv_format in refused:

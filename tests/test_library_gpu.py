@@ -15,6 +15,7 @@ from testkit.paged import (
     BAD_CONTENTS,
     LSE_BOUND,
     OUT_BOUND,
+    V_DIM,
     errors,
     make_paged_case,
     owned_rows,
@@ -134,14 +135,12 @@ SERVING_LENS = [0, 1, 3, 77, 1000, 4097]
 @pytest.mark.parametrize("kernel", GPU_KERNELS, ids="-".join)
 def test_gpu_serving_shapes(kernel, q_len, num_heads):
     """MTP (q_len 2 and 4, causal; lengths 0, 1 and 3 leave tokens that see nothing), 32 or 128 heads (the Hopper cuda
-    kernel: units of 32 rows) and 8 (triton: its last group of 16 rows part masked), paged (64) and ragged (the same
+    kernel: units of 32 rows) and 8 (the last unit or group of 16 rows part masked), paged (64) and ragged (the same
     kernel over the owned rows laid out consecutively: bit for bit the paged result), against the float64 truth with
     the bounds of q_len 1; a planted bug fails them: the tokens not causal, or a 10% softmax scale error."""
     backend, kv_format, precision = kernel
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
-        if num_heads % 16:
-            pytest.skip("the cuda kernel takes whole units of 16 query rows (test_other_head_counts checks its reason)")
     case = make_paged_case(kv_format, 64, SERVING_LENS, seed=q_len * num_heads, q_len=q_len, num_heads=num_heads,
                            device="cuda")
     settings = dict(backend=backend, precision=precision, max_seqlen=max(SERVING_LENS))
@@ -171,6 +170,59 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
         bad_out, bad_lse = mla_decode.mla_decode_with_kvcache(*case.args(), **bug, **settings)
         bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
         assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bug, bad_out_error, bad_lse_error)
+
+
+MASKED_HEADS = [(1, 1), (1, 8), (2, 8), (1, 24), (1, 40), (2, 72)]  # (q_len, num_heads), not multiples of 16
+
+
+def _poisoned(shape: tuple, dtype: torch.dtype, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN buffer of `shape` followed by `tail` NaN elements: (the buffer, the whole)."""
+    n = math.prod(shape)
+    whole = torch.full((n + tail,), float("nan"), dtype=dtype, device="cuda")
+    return whole[:n].view(shape), whole
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
+@pytest.mark.parametrize("q_len,num_heads", MASKED_HEADS)
+@pytest.mark.parametrize("kernel", [kernel for kernel in GPU_KERNELS if kernel[0] == "cuda"], ids="-".join)
+def test_gpu_cuda_masks_the_heads_past_the_last(kernel, q_len, num_heads, schedule):
+    """Head counts that are not a multiple of the 16-row unit (1, 8, 24, 40, 72): a token's last unit reads zero
+    queries past its heads and stores none of those rows. out and lse, NaN-poisoned buffers with a NaN tail past
+    their ends, are within the bounds of the float64 truth (a masked row stored lands on the next token's heads) and
+    leave the tail NaN (the last token's masked rows would land there), through fixed splits (their merge) and the
+    balanced schedule (its combine). Planted: a 10% softmax scale error fails the bound; the same call over the
+    padded heads (q with zero heads appended) stores finite rows in their place, which the checks would see."""
+    _, kv_format, precision = kernel
+    pytest.importorskip("mla_decode.cuda")
+    case = make_paged_case(kv_format, 64, SERVING_LENS, seed=3 * q_len + num_heads, q_len=q_len, num_heads=num_heads,
+                           device="cuda")
+    batch, tail = len(SERVING_LENS), 16 * V_DIM
+
+    def run(q, heads, **bug):
+        decode = mla_decode.plan(batch, 64, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=heads,
+                                 q_len=q_len, causal=case.causal, backend="cuda", precision=precision,
+                                 max_seqlen=max(SERVING_LENS), backend_options={"schedule": schedule},
+                                 kv_scale_dtype=torch.uint8 if case.kv_scale is None else case.kv_scale.dtype, **bug)
+        out, out_whole = _poisoned((batch, q_len, heads, V_DIM), torch.bfloat16, tail)
+        lse, lse_whole = _poisoned((batch, heads, q_len), torch.float32, 16)
+        decode.run(q, case.kv_cache, case.block_table, case.cache_seqlens, case.kv_scale, out=out, lse=lse)
+        return out, lse, out_whole[out.numel():], lse_whole[lse.numel():]
+
+    out, lse, out_tail, lse_tail = run(case.q, num_heads)
+    assert out_tail.isnan().all() and lse_tail.isnan().all(), "a masked row was stored past the buffers' ends"
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", precision))
+    out_bound, lse_bound = gpu_bounds(kernel)
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    bad_out, bad_lse, _, _ = run(case.q, num_heads, softmax_scale=1.1 / math.sqrt(576))
+    bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
+    assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bad_out_error, bad_lse_error)
+    slots = -(-num_heads // 16) * 16  # the padded heads stored: the rows the tail check would see
+    padded = torch.cat([case.q, case.q.new_zeros((batch, q_len, slots - num_heads, case.q.shape[-1]))], dim=2)
+    padded_out, _, _, _ = run(padded, slots)
+    assert not padded_out[:, :, num_heads:].isnan().any()
 
 
 @pytest.mark.gpu

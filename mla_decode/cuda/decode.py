@@ -14,7 +14,6 @@ from .plan import (
     CUTS,
     MAX_UNITS,
     MIN_SHARE,
-    QUERY_ROWS,
     SCHEDULES,
     DeviceFacts,
     LaunchKey,
@@ -73,11 +72,9 @@ def launch_splits(key: LaunchKey) -> int:
 
 
 def cuda_unusable_reason(problem: "Problem") -> str | None:
-    """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): a multiple of 16 heads, the
-    FP8 cache (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build, in at most MAX_UNITS units of the
-    plan's rows; else why not."""
-    if problem.num_heads % QUERY_ROWS:
-        return f"cuda backend: serves multiples of {QUERY_ROWS} heads, not {problem.num_heads}"
+    """None when the cuda backend serves `problem` (an mla_decode.contract.Problem): any head count, the FP8 cache
+    (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build, in at most MAX_UNITS units of the plan's rows;
+    else why not."""
     if problem.kv_format not in KV_FORMATS:
         return f"cuda backend: reads the FP8 and MXFP4 caches, not {problem.kv_format}"
     if problem.kv_format == "fp8" and problem.kv_dtype != torch.float8_e4m3fn:
@@ -89,8 +86,8 @@ def cuda_unusable_reason(problem: "Problem") -> str | None:
     rows = plan_unit_rows(problem, device_facts(problem.device, precise))  # known once the library is
     units = query_units(problem, rows)
     if units > MAX_UNITS:
-        return (f"cuda backend: batch x q_len x heads / {rows} = {units} units of query rows, more than the grid's "
-                f"{MAX_UNITS}")
+        return (f"cuda backend: batch x q_len x ceil(heads / {rows}) = {units} units of query rows, more than the "
+                f"grid's {MAX_UNITS}")
     return None
 
 

@@ -10,7 +10,8 @@ import torch
 if TYPE_CHECKING:  # the package imports nothing of mla_decode at run time
     from ..contract import Problem
 
-QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token: heads come in multiples of it
+QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token; a token's last unit is masked
+# past its heads where they are not a multiple of it
 WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multiples of 32 (unit_rows)
 WIDEST_QUERY_ROWS = 64  # the Hopper 64-row kernel's units (the FP8 cache; one CTA of two warpgroups per SM)
 # plan_unit_rows: the tiles a 32-row CTA walks at least, and where the 16-row plan splits too (a merge either way)
@@ -23,7 +24,7 @@ BLOCK_N = 64  # KV rows per tile (BN in the source)
 # hide the lookups, until the unit's merge of that many partials costs more)
 SPLIT_MIN_TILES, GATHERED_KEEP_SPLITS = 4, 8
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
-MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x heads / unit_rows)
+MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x ceil(heads / unit_rows))
 # How a plan cuts the work (DecodeCall's schedule): "fixed", num_splits equal splits of every unit sized by the plan's
 # longest sequence (cuda_plan), or "balanced", the work-balanced schedule (schedule.cuh, made on the GPU from the
 # lengths each call or once a step)
@@ -97,16 +98,16 @@ def split_rows(length: int, splits: int) -> int:
 
 
 def query_units(problem: "Problem", rows: int) -> int:
-    """The CTAs a problem's query rows take per split in units of `rows`: batch x q_len x num_heads / rows (the
-    grid's y)."""
-    return problem.batch * problem.q_len * problem.num_heads // rows
+    """The CTAs a problem's query rows take per split in units of `rows`: batch x q_len x ceil(num_heads / rows) (the
+    grid's y; common.cuh's unit_groups: a token's last unit is masked past its heads)."""
+    return problem.batch * problem.q_len * -(-problem.num_heads // rows)
 
 
 def served_unit_rows(problem: "Problem", max_unit_rows: int) -> list[int]:
     """The query rows a unit (a CTA) of `problem` can take: 16; in the fast mode, with a library whose kernels take
     units up to `max_unit_rows` (the Hopper wgmma one's), also 32 where the heads come in 32s and 64 where they come
     in 64s with the FP8 cache (the 64-row kernel has no MXFP4 path: two dequantized tiles beside the 4 stages would
-    not fit). A unit stays in one token."""
+    not fit). A unit stays in one token; other head counts take 16-row units, the last of a token masked."""
     if problem.precision != "fast" or problem.num_heads % WIDE_QUERY_ROWS:
         return [QUERY_ROWS]
     wide = [WIDE_QUERY_ROWS] if max_unit_rows >= WIDE_QUERY_ROWS else []

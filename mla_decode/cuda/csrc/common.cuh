@@ -16,14 +16,15 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // ctypes Structure of the same fields in the same order (the build checks it against mla_decode_call_layout at load),
 // a plan sets its own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it
 // by value.
-// q (batch, q_len, num_heads, 576) bf16, num_heads a multiple of unit_rows, the query rows of a CTA (16, or 32 and,
-// FP8 only, 64 in the wgmma build: the plan picks them, the launcher the kernel instance); kv: kv_format 0, the FP8
+// q (batch, q_len, num_heads, 576) bf16, num_heads >= 1 in units of unit_rows query rows a CTA (16, or 32 and, FP8
+// only, 64 in the wgmma build: the plan picks them, the launcher the kernel instance; a token's last unit is masked
+// past num_heads); kv: kv_format 0, the FP8
 // cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32; 1, the MXFP4 codes (total_kv rows of 288) with
 // kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride.
 // The rows of sequence b: page_size 0 (ragged), seqs is kv_indptr (batch + 1,) and they are kv_indptr[b] ..
 // kv_indptr[b+1] - 1; otherwise seqs is cache_seqlens (batch,) and position n is row block_table[b * max_pages + n /
 // page_size] * page_size + n % page_size. out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len)
-// fp32, natural log, or null; with units = batch * q_len * num_heads / unit_rows (QueryRows), part_o (units *
+// fp32, natural log, or null; with units = batch * unit_groups (QueryRows), part_o (units *
 // num_splits, unit_rows, 512) bf16, part_lse (units * num_splits, unit_rows) fp32 and sync (units,) uint32: the
 // splits' partials and barrier (unused with one split); causal (q_len > 1): token t sees the first length - (q_len -
 // 1 - t) positions; stream: the cudaStream_t to launch on; qk_scale = sm_scale * log2(e). Paged: page_mul and
@@ -32,7 +33,7 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // (max_items,) int4 and part_first cut the batch into `parts` shares: SCHEDULE_IN_CALL, mla_decode makes them from
 // seqs before the split kernel; SCHEDULE_GIVEN, mla_schedule made them earlier in the stream (one schedule for every
 // layer of a step). Then part_o (max_items * groups, unit_rows, 512) and part_lse (max_items * groups, unit_rows),
-// with groups = q_len * num_heads / unit_rows; sync is unused (combine_kernel merges after the grid).
+// with groups = unit_groups; sync is unused (combine_kernel merges after the grid).
 enum Schedule : int { FIXED_SPLITS = 0, SCHEDULE_IN_CALL = 1, SCHEDULE_GIVEN = 2 };
 enum Cut : int { LINE_CUT = 0, FILL_CUT = 1 };  // schedule.cuh: schedule_kernel and fill_schedule_kernel
 struct DecodeCall {
@@ -59,20 +60,31 @@ struct DecodeCall {
   int cut;        // the balanced schedule's cut: LINE_CUT, equal shares anywhere; FILL_CUT, parts filled in turn
 };
 
-// A CTA's H query rows: grid row `unit` = b * groups + group holds rows H group .. H group + H - 1 of sequence b's
-// q_len x num_heads (token-major, as q and out lie), all of token t (num_heads is a multiple of H: one causal limit).
-// The unit indexes q, out, the partials and the barrier as the sequence did with H heads; row e's LSE is at lse0 + e *
-// lse_stride.
+// A token's heads in units of H query rows: num_heads rounded up to a multiple of H (the unit's rows past the last
+// head are masked), and the units of a sequence, its q_len tokens' (the grid's groups).
+__host__ __device__ __forceinline__ int head_slots(const DecodeCall& c, int H) {
+  return (c.num_heads + H - 1) / H * H;
+}
+__host__ __device__ __forceinline__ int unit_groups(const DecodeCall& c, int H) {
+  return c.q_len * head_slots(c, H) / H;
+}
+
+// A CTA's H query rows: grid row `unit` = b * groups + group holds heads h0 .. h0 + H - 1 of token t of sequence b,
+// all of one token (one causal limit). Rows 0 .. live - 1 are heads (q and out rows row0 + e, token-major as they
+// lie); rows from live on (heads past num_heads) read a zero query and are never stored to out or lse. The unit
+// indexes the partials and the barrier; row e's LSE is at lse0 + e * lse_stride.
 struct QueryRows {
-  int b, unit, t;
-  size_t lse0;
+  int b, unit, t, live;
+  size_t row0, lse0;
   int lse_stride;
 };
 
 template <int H>
 __device__ __forceinline__ QueryRows query_rows(const DecodeCall& c, int unit) {
-  const int groups = c.q_len * c.num_heads / H, b = unit / groups, r0 = (unit % groups) * H, t = r0 / c.num_heads;
-  return {b, unit, t, (static_cast<size_t>(b) * c.num_heads + r0 % c.num_heads) * c.q_len + t, c.q_len};
+  const int slots = head_slots(c, H), groups = c.q_len * slots / H, b = unit / groups, r0 = (unit % groups) * H;
+  const int t = r0 / slots, h0 = r0 % slots;
+  return {b, unit, t, min(H, c.num_heads - h0), (static_cast<size_t>(b) * c.q_len + t) * c.num_heads + h0,
+          (static_cast<size_t>(b) * c.num_heads + h0) * c.q_len + t, c.q_len};
 }
 
 constexpr float LN2 = 0.6931471805599453f;  // the kernels' log-sum-exp is base 2, the caller's natural
@@ -173,7 +185,7 @@ __device__ __forceinline__ const int* part_first(const DecodeCall& c) {
 template <int H>
 __device__ __forceinline__ Piece item_piece(const DecodeCall& c, int k) {
   const int4 item = c.items[k];  // {b, first tile, end tile, index << 16 | count}
-  const int groups = c.q_len * c.num_heads / H;
+  const int groups = unit_groups(c, H);
   Piece p;
   p.rows = query_rows<H>(c, item.x * groups + blockIdx.y);
   p.index = item.w >> 16;

@@ -145,7 +145,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
     configured |= 1u << dev;
   }
   cudaLaunchConfig_t cfg = {};
-  const int groups = a.q_len * a.num_heads / H, units = a.batch * groups;
+  const int groups = mla::unit_groups(a, H), units = a.batch * groups;
   if constexpr (BAL) cfg.gridDim = dim3(a.parts, groups);
   else cfg.gridDim = dim3(a.num_splits, wide && a.num_splits == 1 ? wide_ctas(units, sms) : units);
   cfg.blockDim = dim3(threads);
@@ -259,7 +259,7 @@ static bool schedule_ok(const DecodeCall& c) {
 
 // The balanced grid's merge (merge.cuh's combine_kernel) on c.stream, in units of the call's rows.
 static cudaError_t launch_combine(const DecodeCall& c) {
-  const int groups = c.q_len * c.num_heads / c.unit_rows;
+  const int groups = mla::unit_groups(c, c.unit_rows);
   const dim3 grid(c.parts, groups, c.unit_rows / mla::COMBINE_WARPS), block(mla::COMBINE_WARPS * 32);
   const cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
   switch (c.unit_rows) {
@@ -298,9 +298,9 @@ extern "C" int mla_decode(const DecodeCall* c) {
   int dev = 0;
   cudaGetDevice(&dev);
   const int num_splits = c->num_splits, kv_format = c->kv_format;
-  const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8) where the build takes them; whole units of one token
+  const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8) where the build takes them; units of one token
   const bool rows_ok = (rows == 16 || rows == 32 || rows == 64) && rows <= mla::MAX_UNIT_ROWS &&
-                       !(rows == 64 && kv_format != 0) && c->num_heads > 0 && c->num_heads % rows == 0 &&
+                       !(rows == 64 && kv_format != 0) && c->num_heads > 0 &&
                        c->q_len > 0;
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table &&
@@ -319,7 +319,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
   }
   cudaError_t e;
 #if MLA_WGMMA
-  const int groups = c->q_len * c->num_heads / rows;
+  const int groups = mla::unit_groups(*c, rows);
   // CTAs of the grid: with more than the SMs, two share an SM (fewer stages each)
   const int ctas = c->schedule == mla::FIXED_SPLITS ? c->batch * groups * num_splits : c->parts * groups;
   if (rows == mla::WIDE_ROWS)

@@ -95,10 +95,11 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // A operand of every k16 step. Within each 16-dim chunk, lane t4 takes dims 4*t4 + {0,1} as the k-pair t4*2 and
   // 4*t4 + {2,3} as the k-pair t4*2 + 8: the products run over that permutation of the dims, the same for K (whose
   // ldmatrix fragments come out in exactly this order).
+  // Rows from rows.live on (masked heads) are zeros.
   for (int c = tid; c < H * D / 2; c += NTHREADS) {
     const int h = c / (D / 2), j = c % (D / 2);
-    const float2 v =
-        __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(call.q + static_cast<size_t>(unit) * H * D)[c]);
+    const float2 v = h < rows.live ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(
+                                         call.q + rows.row0 * D)[c]) : make_float2(0.f, 0.f);
     *reinterpret_cast<__half2*>(qs + h * QROW + 2 * j) = __floats2half2_rn(v.x * call.qk_scale, v.y * call.qk_scale);
   }
   __syncthreads();
@@ -248,9 +249,9 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
     float4 v1 = make_float4(ev[2] * inv1, od[2] * inv1, ev[3] * inv1, od[3] * inv1);
     if (direct) {
       if (!ok) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
-      __nv_bfloat16* o = call.out + static_cast<size_t>(unit) * H * DV + col;
-      store_bf16x4(o + g * DV, v0);
-      store_bf16x4(o + (g + 8) * DV, v1);
+      __nv_bfloat16* o = call.out + rows.row0 * DV + col;
+      if (g < rows.live) store_bf16x4(o + g * DV, v0);
+      if (g + 8 < rows.live) store_bf16x4(o + (g + 8) * DV, v1);
     } else {
       __nv_bfloat16* o = call.part_o + part * H * DV + col;
       store_bf16x4(o + g * DV, v0);
@@ -263,8 +264,8 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
       call.part_lse[part * H + g] = ok ? lse0 : NAN;
       call.part_lse[part * H + g + 8] = ok ? lse1 : NAN;
     } else if (call.lse) {
-      call.lse[rows.lse0 + g * rows.lse_stride] = ok ? lse0 * LN2 : NAN;
-      call.lse[rows.lse0 + (g + 8) * rows.lse_stride] = ok ? lse1 * LN2 : NAN;
+      if (g < rows.live) call.lse[rows.lse0 + g * rows.lse_stride] = ok ? lse0 * LN2 : NAN;
+      if (g + 8 < rows.live) call.lse[rows.lse0 + (g + 8) * rows.lse_stride] = ok ? lse1 * LN2 : NAN;
     }
   }
   if (!BALANCED && !direct) merge_splits<H>(call, base, rows, piece.index, valid);

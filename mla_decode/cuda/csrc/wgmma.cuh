@@ -244,7 +244,7 @@ __device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRow
                                           int h, float lse2, bool ok) {
   if (pieces > 1)
     call.part_lse[part * H + h] = ok ? lse2 : NAN;
-  else if (call.lse)
+  else if (call.lse && h < rows.live)
     call.lse[rows.lse0 + h * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
 }
 
@@ -404,13 +404,15 @@ struct QueryQuant {
   static constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
   using Regs = __nv_bfloat162[H / NW][QPAIRS];
 
-  static __device__ __forceinline__ void load(Regs& qv, const DecodeCall& call, int unit, int warp, int lane) {
+  // Rows from rows.live on (masked heads) are zeros.
+  static __device__ __forceinline__ void load(Regs& qv, const DecodeCall& call, const QueryRows& rows, int warp,
+                                              int lane) {
 #pragma unroll
     for (int j = 0; j < H / NW; ++j) {
-      const __nv_bfloat162* src =
-          reinterpret_cast<const __nv_bfloat162*>(call.q + (static_cast<size_t>(unit) * H + warp + j * NW) * D);
+      const int h = warp + j * NW;
+      const __nv_bfloat162* src = reinterpret_cast<const __nv_bfloat162*>(call.q + (rows.row0 + h) * D);
 #pragma unroll
-      for (int i = 0; i < QPAIRS; ++i) qv[j][i] = src[lane + 32 * i];
+      for (int i = 0; i < QPAIRS; ++i) qv[j][i] = h < rows.live ? src[lane + 32 * i] : __nv_bfloat162{};
     }
   }
   static __device__ __forceinline__ void store(const Regs& qv, const DecodeCall& call, float kv_scale, uint8_t* qs,
@@ -494,7 +496,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   };
   using Query = QueryQuant<H, NWARPS>;
   typename Query::Regs qv;
-  Query::load(qv, call, unit, warp, lane);
+  Query::load(qv, call, rows, warp, lane);
   // One cp.async group per tile (empty past the last); entry: TILE_PAGES' table entry of tile i.
   auto load_group = [&](int i, int entry) {
     if (i < ntiles) load_tile(i, entry);
@@ -703,11 +705,12 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   __syncthreads();
   // TUNE: staged
   const int col = 4 * tid;
+  const int stored = direct ? rows.live : H;  // a partial keeps every row (its slot is the unit's)
 #pragma unroll 4
-  for (int h = 0; h < H; ++h) {
+  for (int h = 0; h < stored; ++h) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
     if (direct && !ok) v = make_float4(NAN, NAN, NAN, NAN);
-    __nv_bfloat16* dst = direct ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + piece.part * H * DV;
+    __nv_bfloat16* dst = direct ? call.out + rows.row0 * DV : call.part_o + piece.part * H * DV;
     store_bf16x4(dst + h * DV + col, v);
   }
   // TUNE: partial

@@ -120,7 +120,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   auto paged_rows = [&](int k) { return PagedRows{rows_smem, items.bad + k}; };
   const uint32_t bars = smem_u32(items.bars);  // stage s's mbarrier at bars + 8 s
   const int split = blockIdx.x;  // fixed splits
-  const int units = call.batch * (call.q_len * call.num_heads / H);
+  const int units = call.batch * unit_groups(call, H);
   int first_item = 0, total_items;  // the CTA's items: the balanced part's pieces from item first_item, or units
   if constexpr (BAL) {
     first_item = __ldg(part_first(call) + blockIdx.x);
@@ -223,7 +223,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
     };
     using Query = QueryQuant<H, WIDE_WARPS>;
     typename Query::Regs qv;
-    Query::load(qv, call, piece_at(0).rows.unit, cwarp, lane);
+    Query::load(qv, call, piece_at(0).rows, cwarp, lane);
     __syncthreads();  // the items
     WideRange r0{}, r1{};
     const int k0 = later(-1, q, r0), k1 = later(k0 - 1, q + 1, r1);  // the items of positions q and q + 1
@@ -264,13 +264,13 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       const int unit = piece.rows.unit, end = items.end[k], pieces = piece.count;
       const WideRange range = items.range[k];
       if (k > 0 && q < end) {  // the unit's Q, once every warp is done with the last one's (the output's barrier)
-        Query::load(qv, call, unit, cwarp, lane);
+        Query::load(qv, call, piece.rows, cwarp, lane);
         Query::store(qv, call, kv_scale, qs, qscale, cwarp, lane);
       }
       if (k + 1 < nitems) {  // the next unit's Q into L2 while this one runs
-        const size_t next_unit = piece_at(k + 1).rows.unit;
-        const char* next_q = reinterpret_cast<const char*>(call.q + next_unit * H * D);
-        for (int line = tid; line < H * D * 2 / 128; line += WIDE_THREADS)
+        const QueryRows next = piece_at(k + 1).rows;
+        const char* next_q = reinterpret_cast<const char*>(call.q + next.row0 * D);
+        for (int line = tid; line < next.live * D * 2 / 128; line += WIDE_THREADS)
           asm volatile("prefetch.global.L2 [%0];" ::"l"(next_q + line * 128));
       }
       float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max and this thread's share of the sum
@@ -433,10 +433,12 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       }
       // The output (or partial) from the accumulators: a store writes 2 dims of a head, a warp's 4 whole 32-byte
       // sectors (the stages stay free for the next unit's pairs).
-      __nv_bfloat16* dst = pieces == 1 ? call.out + static_cast<size_t>(unit) * H * DV : call.part_o + part * H * DV;
+      __nv_bfloat16* dst = pieces == 1 ? call.out + rows.row0 * DV : call.part_o + part * H * DV;
       const bool poison = pieces == 1 && !ok;
+      const int stored = pieces == 1 ? rows.live : H;  // a partial keeps every row (its slot is the unit's)
 #pragma unroll
       for (int e = 0; e < NE; ++e) {
+        if (heads[e] >= stored) continue;
         const int a = (e & 1) + (e >> 1) * 4;
         const float l = sum[heads[e]] + sum[H + heads[e]];
         const float scale = poison ? NAN : l > 0.f ? __fdividef(kv_scale, l) : 0.f;  // no rows: zeros
