@@ -460,6 +460,11 @@ METHODS = (
            _ours("cuda", "fp8", schedule="balanced", min_share=16)),
     Method("cuda-mxfp4-balanced", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("cuda", "mxfp4", schedule="balanced")),
+    Method("cuda-bf16", "ours", "bf16", "mla_decode plan, backend cuda, BF16 cache (wgmma, bf16 operands)",
+           _ours("cuda", "bf16")),
+    Method("cuda-bf16-balanced", "ours", "bf16", "mla_decode plan, backend cuda, BF16 cache, the work-balanced "
+           "schedule (backend option schedule)", _ours("cuda", "bf16", schedule="balanced")),
+    Method("triton-bf16", "ours", "bf16", "mla_decode plan, backend triton, BF16 cache", _ours("triton", "bf16")),
     Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("triton", "fp8", schedule="balanced")),
     Method("flashmla-bf16", "peer", "bf16", f"FlashMLA ({FLASHMLA_SOURCE}) fwd_kvcache_mla, BF16 cache",

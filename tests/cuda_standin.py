@@ -20,6 +20,7 @@ def standin_library(path: str = "libstandin.so", layout: list[int] | None = None
     defaults = dict(mla_decode_call_layout=mla_decode_call_layout, mla_decode_call_fields=lambda: len(layout) - 1,
                     mla_decode=lambda address: 0, mla_schedule=lambda address: 0,
                     mla_limit_shared_memory=lambda limit: 0, mla_limit_wide_ctas=lambda ctas: None,
-                    mla_supports_mxfp4=lambda: 0, mla_max_unit_rows=lambda: 16,
+                    mla_supports_mxfp4=lambda: 0, mla_supports_bf16=lambda: 0, mla_bf16_ctas_per_sm=lambda: 0,
+                    mla_max_unit_rows=lambda: 16,
                     mla_unit_ctas_per_sm=lambda unit_rows: 1)
     return SimpleNamespace(path=path, **(defaults | exports))

@@ -56,7 +56,8 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     lib = B.library(capability)
     assert lib.mla_decode.restype is not None
     assert lib.mla_unit_ctas_per_sm(16) == ctas_per_sm  # which kernel the library holds
-    assert lib.mla_supports_mxfp4() == (capability == B.WGMMA_CAPABILITY)
+    assert lib.mla_supports_mxfp4() == lib.mla_supports_bf16() == (capability == B.WGMMA_CAPABILITY)
+    assert lib.mla_bf16_ctas_per_sm() == (1 if capability == B.WGMMA_CAPABILITY else 0)
     assert lib.mla_max_unit_rows() == (64 if capability == B.WGMMA_CAPABILITY else 16)
     # the cooperative launch needs every CTA resident: the 64-row kernel's CTA takes an SM
     assert [lib.mla_unit_ctas_per_sm(rows) for rows in (16, 32, 64)] == (
@@ -122,14 +123,14 @@ def test_the_load_refuses_a_library_whose_decode_call_differs_and_remembers(fres
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
 def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capability):
     """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 and (the FP8 cache)
-    64 in the wgmma build, and at least one head (a token's last unit is masked past its heads); otherwise
-    cudaErrorInvalidValue (1)."""
+    64 in the wgmma build, at least one head (a token's last unit is masked past its heads), and a cache format the
+    build reads (BF16: the wgmma build); otherwise cudaErrorInvalidValue (1)."""
     lib = B.library(capability)
     widest = lib.mla_max_unit_rows()
     refused = [(0, 16, 0), (8, 16, 0), (24, 48, 0), (48, 96, 0), (widest * 2, 256, 0), (16, 0, 0), (16, -8, 0),
-               (64, 128, 1)]  # the last: MXFP4 in 64-row units
+               (64, 128, 1), (64, 128, 2), (16, 16, 3)]  # MXFP4 and BF16 in 64-row units; no format 3
     if widest < 64:
-        refused.append((64, 128, 0))
+        refused += [(64, 128, 0), (16, 16, 2)]  # the mma.sync build: no 64-row units, no BF16
     for rows, num_heads, kv_format in refused:
         call = B.DecodeCall(batch=1, num_splits=1, num_heads=num_heads, q_len=1, unit_rows=rows, kv_format=kv_format)
         assert lib.mla_decode(ctypes.addressof(call)) == 1, (rows, num_heads, kv_format)
@@ -165,6 +166,7 @@ def test_hopper_falls_back_to_the_mma_sync_kernel_with_a_warning(fresh_build, ed
     with caplog.at_level("WARNING", logger="mla_decode"):
         lib = B.library((9, 0))
     assert lib.mla_unit_ctas_per_sm(16) == 1 and not lib.mla_supports_mxfp4() and lib.mla_max_unit_rows() == 16
+    assert not lib.mla_supports_bf16()
     assert "the Hopper (wgmma) kernel did not build" in caplog.text and "no sm_90a here" in caplog.text
     assert [p.name.split("_")[2] for p in fresh_build.glob("*.so")] == ["sm90"]
 
@@ -366,14 +368,17 @@ def test_the_unit_rows_follow_the_gpu_s_facts(fake_nvidia_gpu):
 def test_device_facts_are_the_gpu_s_and_its_library_s(fake_nvidia_gpu, monkeypatch):
     """decode.device_facts reads the SM count and the library of the problem's mode (built by then): what the plan
     and launch_splits are given."""
-    libraries = {False: standin_library("fast", mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 2),
+    libraries = {False: standin_library("fast", mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 2,
+                                        mla_bf16_ctas_per_sm=lambda: 1),
                  True: standin_library("precise")}
     monkeypatch.setattr(D, "capability", lambda device: (9, 0))
     monkeypatch.setattr(D, "library", lambda capability, precise=False: libraries[precise])
     for precise, lib in libraries.items():
-        assert D.device_facts(fake_nvidia_gpu, precise) == (132, lib.mla_unit_ctas_per_sm, lib.mla_max_unit_rows())
+        assert D.device_facts(fake_nvidia_gpu, precise) == (132, lib.mla_unit_ctas_per_sm, lib.mla_max_unit_rows(),
+                                                           lib.mla_bf16_ctas_per_sm())
     key = P.LaunchKey(fake_nvidia_gpu, 32, 8192, "fp8", False)  # 8 splits with 2 CTAs an SM, 4 with 1
     assert D.launch_splits(key) == P.cuda_plan(32, 8192, 132, 2) == 8
+    assert D.launch_splits(key._replace(kv_format="bf16")) == P.cuda_plan(32, 8192, 132, 1) == 4  # one BF16 CTA
     assert D.launch_splits(key._replace(precise=True)) == P.cuda_plan(32, 8192, 132, 1) == 4
 
 

@@ -26,7 +26,7 @@ from testkit.paged import (
 needs_nvidia = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                   reason="needs an NVIDIA GPU")
 # (backend, format, precision) of every GPU kernel the library runs on NVIDIA
-GPU_KERNELS = [("cuda", "fp8", "fast"), ("cuda", "fp8", "precise"), ("cuda", "mxfp4", "fast"),
+GPU_KERNELS = [("cuda", "fp8", "fast"), ("cuda", "fp8", "precise"), ("cuda", "mxfp4", "fast"), ("cuda", "bf16", "fast"),
                ("triton", "fp8", "fast"), ("triton", "fp8", "precise"), ("triton", "mxfp4", "fast"),
                ("triton", "bf16", "fast")]
 GPU_LENS = [0, 1, 77, 1000, 8191, 64, 3]
@@ -39,7 +39,7 @@ GPU_LENS = [0, 1, 77, 1000, 8191, 64, 3]
 GPU_BOUNDS = {("cuda", "fp8", "fast"): (4e-2, 2e-2), ("cuda", "mxfp4", "fast"): (4e-2, 1e-2),
               ("cuda", "fp8", "precise"): (OUT_BOUND, 5e-3), ("triton", "fp8", "fast"): (OUT_BOUND, 2e-2),
               ("triton", "mxfp4", "fast"): (OUT_BOUND, 5e-3), ("triton", "fp8", "precise"): (OUT_BOUND, LSE_BOUND),
-              ("triton", "bf16", "fast"): (OUT_BOUND, LSE_BOUND)}
+              ("triton", "bf16", "fast"): (OUT_BOUND, LSE_BOUND), ("cuda", "bf16", "fast"): (OUT_BOUND, LSE_BOUND)}
 
 
 def _triton_takes_hopper(kv_format: str, precision: str) -> bool:
@@ -64,7 +64,7 @@ def _hopper_takes_32_rows(precision: str) -> bool:
 
 
 def _gpu_queries(case, backend, precision):
-    if precision == "fast" and (backend == "cuda" or case.kv_format == "fp8" or (
+    if precision == "fast" and case.kv_format != "bf16" and (backend == "cuda" or case.kv_format == "fp8" or (
             backend == "triton" and case.kv_format == "mxfp4" and _triton_takes_hopper("mxfp4", "fast"))):
         values, scale = round_q_per_head(case.q)  # the FP8 score products' Q, e4m3 per head
         return values.double() / scale.double()

@@ -65,7 +65,8 @@ CUT_OPTIONS = {"default": {}, "fill": {"cut": "fill"}, "least-share": {"min_shar
 
 @pytest.mark.parametrize("options", sorted(CUT_OPTIONS))
 @pytest.mark.parametrize("num_heads,q_len", [(16, 1), (32, 2), (128, 1), (64, 2)])
-@pytest.mark.parametrize("kernel", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast")], ids="-".join)
+@pytest.mark.parametrize("kernel", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast"), ("bf16", "fast")],
+                         ids="-".join)
 @pytest.mark.parametrize("spread", sorted(SPREADS))
 def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len, options):
     kv_format, precision = kernel

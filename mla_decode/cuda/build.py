@@ -137,7 +137,8 @@ def _load(path: str):
     lib.mla_limit_shared_memory.argtypes = [ctypes.c_int]
     lib.mla_limit_wide_ctas.restype = None
     lib.mla_limit_wide_ctas.argtypes = [ctypes.c_int]  # CTAs of the 64-row kernel's one-split grid, for tests
-    for name in ("mla_supports_mxfp4", "mla_max_unit_rows", "mla_decode_call_fields"):
+    for name in ("mla_supports_mxfp4", "mla_supports_bf16", "mla_bf16_ctas_per_sm", "mla_max_unit_rows",
+                 "mla_decode_call_fields"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     lib.mla_unit_ctas_per_sm.restype = ctypes.c_int

@@ -23,13 +23,15 @@ from .plan import (
     plan_unit_rows,
     query_units,
     split_rows,
+    unit_ctas_per_sm,
 )
 
 if TYPE_CHECKING:  # the package imports nothing of mla_decode at run time
     from ..contract import Problem
 
 V_HEAD_DIM = 512  # value width (DV in the source)
-KV_FORMATS = ("fp8", "mxfp4")  # the caches these kernels read
+KV_FORMATS = ("fp8", "mxfp4", "bf16")  # the caches these kernels read, in the order of DecodeCall's kv_format
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}  # the caches' dtypes where they have one
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
 
 
@@ -39,22 +41,23 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 
 def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool = False) -> str | None:
-    """None when the cuda backend reads `kv_format` ("fp8" or "mxfp4") on `device` in the fast or the precise mode
-    (an NVIDIA GPU of capability >= 8.0 whose kernel library builds with the machine's nvcc, once per machine; MXFP4
-    only with the Hopper kernel, so not in the precise mode), else why not."""
+    """None when the cuda backend reads `kv_format` ("fp8", "mxfp4" or "bf16") on `device` in the fast or the precise
+    mode (an NVIDIA GPU of capability >= 8.0 whose kernel library builds with the machine's nvcc, once per machine;
+    MXFP4 and BF16 only with the Hopper kernel, so not in the precise mode), else why not."""
     if device.type != "cuda" or torch.version.hip is not None:
         return f"cuda backend: needs an NVIDIA GPU; device is {device}"
     if capability(device) < MIN_CAPABILITY:
         return f"cuda backend: needs compute capability >= 8.0, this GPU has {capability(device)}"
-    if kv_format == "mxfp4" and precise:
-        return "cuda backend: the precise mode reads the FP8 cache only (its mma.sync kernel has no MXFP4 path)"
+    if kv_format in ("mxfp4", "bf16") and precise:
+        return (f"cuda backend: the precise mode reads the FP8 cache only (its mma.sync kernel has no "
+                f"{kv_format.upper()} path)")
     try:
         lib = library(capability(device), precise)
     except RuntimeError as e:
         return str(e)
-    if kv_format == "mxfp4" and not lib.mla_supports_mxfp4():
-        return (f"cuda backend: reads MXFP4 only with its Hopper (sm_90a) kernel; this GPU has capability "
-                f"{capability(device)}")
+    if (kv_format == "mxfp4" and not lib.mla_supports_mxfp4()) or (kv_format == "bf16" and not lib.mla_supports_bf16()):
+        return (f"cuda backend: reads {kv_format.upper()} only with its Hopper (sm_90a) kernel; this GPU has "
+                f"capability {capability(device)}")
     return None
 
 
@@ -63,7 +66,7 @@ def device_facts(device: torch.device, precise: bool) -> DeviceFacts:
     the backend serves the device)."""
     lib = library(capability(device), precise)
     return DeviceFacts(torch.cuda.get_device_properties(device).multi_processor_count, lib.mla_unit_ctas_per_sm,
-                       lib.mla_max_unit_rows())
+                       lib.mla_max_unit_rows(), lib.mla_bf16_ctas_per_sm())
 
 
 def launch_splits(key: LaunchKey) -> int:
@@ -76,9 +79,10 @@ def cuda_unusable_reason(problem: "Problem") -> str | None:
     (MXFP4 on Hopper, fast mode), on an NVIDIA GPU whose kernels build, in at most MAX_UNITS units of the plan's rows;
     else why not."""
     if problem.kv_format not in KV_FORMATS:
-        return f"cuda backend: reads the FP8 and MXFP4 caches, not {problem.kv_format}"
-    if problem.kv_format == "fp8" and problem.kv_dtype != torch.float8_e4m3fn:
-        return f"cuda backend: reads float8_e4m3fn caches, not {problem.kv_dtype}"
+        return f"cuda backend: reads the FP8, MXFP4 and BF16 caches, not {problem.kv_format}"
+    want = KV_DTYPES.get(problem.kv_format)
+    if want is not None and problem.kv_dtype != want:
+        return f"cuda backend: reads {want} {problem.kv_format} caches, not {problem.kv_dtype}"
     precise = problem.precision == "precise"
     reason = unusable_reason(problem.device, problem.kv_format, precise)
     if reason is not None:
@@ -166,7 +170,8 @@ class CudaDecode:
                                                   else torch.cuda.current_device())
         groups = units // batch
         if balanced:
-            self.num_splits, self.parts = 1, balanced_parts(facts.sms, facts.ctas_per_sm(rows), groups)
+            ctas = unit_ctas_per_sm(facts, rows, problem.kv_format)
+            self.num_splits, self.parts = 1, balanced_parts(facts.sms, ctas, groups)
             self.max_items = self.parts + batch
             self.pieces = self.max_items * groups
             self.schedule_shape = (schedule_words(self.parts, self.max_items),)
@@ -178,7 +183,7 @@ class CudaDecode:
         # The split the kernel's first table reads guess at (guess_entries): a sequence of the plan's length.
         guess_rows = split_rows(min(problem.max_seqlen, problem.max_pages * problem.page_size), self.num_splits)
         # the plan's own fields; each workspace's call is a copy of it pointing into that workspace
-        self.call = DecodeCall(batch=batch, num_splits=self.num_splits, kv_format=int(problem.kv_format == "mxfp4"),
+        self.call = DecodeCall(batch=batch, num_splits=self.num_splits, kv_format=KV_FORMATS.index(problem.kv_format),
                                page_size=problem.page_size, max_pages=problem.max_pages, num_heads=problem.num_heads,
                                q_len=problem.q_len, causal=int(problem.causal and problem.q_len > 1),
                                qk_scale=problem.qk_scale, unit_rows=rows, page_mul=page_mul, page_shift=page_shift,
@@ -243,8 +248,10 @@ class CudaDecode:
         call = work.call
         call.q, call.kv, call.seqs, call.block_table = q_ptr, kv_ptr, seqs_ptr, table_ptr
         call.out, call.lse = out.data_ptr(), 0 if lse is None else lse.data_ptr()
-        if call.kv_format:
+        if self.key.kv_format == "mxfp4":
             call.kv_block_scales, call.scale_stride = scale.data_ptr(), scale.stride(0)
+        elif scale is None:  # bf16: no scale, never read
+            call.kv_scale = 0
         else:
             call.kv_scale = scale.data_ptr()
         call.total_kv = kv.shape[0]

@@ -44,6 +44,12 @@ class DeviceFacts(NamedTuple):
     sms: int  # the GPU's streaming multiprocessors
     ctas_per_sm: Callable[[int], int]  # CTAs of a unit's kernel resident per SM, by its rows (mla_unit_ctas_per_sm)
     max_unit_rows: int  # the widest unit the library's kernels take (mla_max_unit_rows)
+    bf16_ctas_per_sm: int = 1  # the BF16 kernel's, whatever its rows (mla_bf16_ctas_per_sm)
+
+
+def unit_ctas_per_sm(facts: DeviceFacts, rows: int, kv_format: str) -> int:
+    """CTAs of the kernel of `rows`-row units over a `kv_format` cache resident per SM."""
+    return facts.bf16_ctas_per_sm if kv_format == "bf16" else facts.ctas_per_sm(rows)
 
 
 class LaunchKey(NamedTuple):
@@ -78,7 +84,7 @@ def plan_splits(key: LaunchKey, facts: DeviceFacts) -> int:
     units' kernel: the cooperative launch fails unless every CTA is resident)."""
     gathered = (key.kv_format == "fp8" and not key.precise and key.unit_rows == QUERY_ROWS
                 and 0 < key.page_size < BLOCK_N)
-    return cuda_plan(key.units, key.seq_len, facts.sms, facts.ctas_per_sm(key.unit_rows),
+    return cuda_plan(key.units, key.seq_len, facts.sms, unit_ctas_per_sm(facts, key.unit_rows, key.kv_format),
                      GATHERED_KEEP_SPLITS if gathered else 1)
 
 

@@ -18,9 +18,9 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // by value.
 // q (batch, q_len, num_heads, 576) bf16, num_heads >= 1 in units of unit_rows query rows a CTA (16, or 32 and, FP8
 // only, 64 in the wgmma build: the plan picks them, the launcher the kernel instance; a token's last unit is masked
-// past num_heads); kv: kv_format 0, the FP8
-// cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32; 1, the MXFP4 codes (total_kv rows of 288) with
-// kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride.
+// past num_heads); kv: kv_format KV_FP8, the FP8 cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32;
+// KV_MXFP4, the MXFP4 codes (total_kv rows of 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride;
+// KV_BF16 (the wgmma build), the BF16 cache (total_kv rows of 576 bf16), no scale.
 // The rows of sequence b: page_size 0 (ragged), seqs is kv_indptr (batch + 1,) and they are kv_indptr[b] ..
 // kv_indptr[b+1] - 1; otherwise seqs is cache_seqlens (batch,) and position n is row block_table[b * max_pages + n /
 // page_size] * page_size + n % page_size. out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len)
@@ -34,6 +34,7 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // seqs before the split kernel; SCHEDULE_GIVEN, mla_schedule made them earlier in the stream (one schedule for every
 // layer of a step). Then part_o (max_items * groups, unit_rows, 512) and part_lse (max_items * groups, unit_rows),
 // with groups = unit_groups; sync is unused (combine_kernel merges after the grid).
+enum KvFormat : int { KV_FP8 = 0, KV_MXFP4 = 1, KV_BF16 = 2 };  // DecodeCall's kv_format
 enum Schedule : int { FIXED_SPLITS = 0, SCHEDULE_IN_CALL = 1, SCHEDULE_GIVEN = 2 };
 enum Cut : int { LINE_CUT = 0, FILL_CUT = 1 };  // schedule.cuh: schedule_kernel and fill_schedule_kernel
 struct DecodeCall {

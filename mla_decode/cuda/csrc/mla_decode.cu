@@ -41,6 +41,13 @@ extern "C" int mla_unit_ctas_per_sm(int unit_rows) {
 extern "C" int mla_unit_ctas_per_sm(int) { return mla::CTAS_PER_SM; }
 #endif
 extern "C" int mla_supports_mxfp4() { return mla::SUPPORTS_MXFP4 ? 1 : 0; }
+extern "C" int mla_supports_bf16() { return mla::SUPPORTS_BF16 ? 1 : 0; }
+// The BF16 kernel's CTAs per SM (its two 72 KB stages leave room for one): the plan's split count and shares.
+#if MLA_WGMMA
+extern "C" int mla_bf16_ctas_per_sm() { return 1; }
+#else
+extern "C" int mla_bf16_ctas_per_sm() { return 0; }
+#endif
 extern "C" int mla_max_unit_rows() { return mla::MAX_UNIT_ROWS; }
 
 // A limit below the GPU's shared memory per block, for tests: the mma.sync kernel then runs with the stages that
@@ -54,7 +61,7 @@ static int smem_limit_for_tests = 0;
 // sm_80 (163 KB), 2 on sm_86, sm_89 and sm_120 (99 KB).
 static int mma_sync_stages(int smem_per_block) {
   const int limit = smem_limit_for_tests ? min(smem_limit_for_tests, smem_per_block) : smem_per_block;
-  return limit >= mla::smem_bytes<4, false>() ? 4 : limit >= mla::smem_bytes<3, false>() ? 3 : 2;
+  return limit >= mla::smem_bytes<4, mla::KV_FP8>() ? 4 : limit >= mla::smem_bytes<3, mla::KV_FP8>() ? 3 : 2;
 }
 extern "C" int mla_limit_shared_memory(int bytes) {
   smem_limit_for_tests = bytes;
@@ -119,24 +126,25 @@ static int wide_ctas(int units, int) { return units; }
 // 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
 // the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
 // BAL: the balanced schedule's grid (parts, groups), launched plainly: no CTA waits for another.
-template <int STAGES, bool MX, int LAYOUT, int H, bool BAL>
+template <int STAGES, int KV, int LAYOUT, int H, bool BAL>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
   constexpr bool PAGED = LAYOUT != mla::RAGGED;
 #if MLA_WGMMA
-  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && !MX), "64-row units: FP8, 4 stages");
+  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && KV == mla::KV_FP8),
+                "64-row units: FP8, 4 stages");
   constexpr bool wide = H == mla::WIDE_ROWS;
   const auto kernel = [] {
     if constexpr (wide) return mla::split_kernel64<PAGED, BAL>;
-    else return mla::split_kernel<STAGES, MX, LAYOUT, H, BAL>;
+    else return mla::split_kernel<STAGES, KV, LAYOUT, H, BAL>;
   }();
-  constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, MX, H>();
+  constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, KV, H>();
   constexpr int threads = wide ? mla::WIDE_THREADS : mla::NTHREADS;
 #else
   constexpr bool wide = false;
   constexpr int threads = mla::NTHREADS;
   static_assert(H == mla::H, "the mma.sync kernel's units are 16 rows");
-  const auto kernel = mla::split_kernel<STAGES, MX, PAGED, BAL>;
-  constexpr int smem = mla::smem_bytes<STAGES, MX>();
+  const auto kernel = mla::split_kernel<STAGES, KV, PAGED, BAL>;
+  constexpr int smem = mla::smem_bytes<STAGES, KV>();
 #endif
   static thread_local unsigned configured = 0;  // devices whose dynamic shared-memory limit was raised
   if (!(configured & (1u << dev))) {
@@ -154,7 +162,8 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
   cudaLaunchAttribute attrs[2];
   int n = 0;
   if (max_window > 0) {
-    const size_t kv_bytes = static_cast<size_t>(a.total_kv) * (MX ? mla::D / 2 : mla::D);
+    constexpr int row_bytes = KV == mla::KV_MXFP4 ? mla::D / 2 : KV == mla::KV_BF16 ? 2 * mla::D : mla::D;
+    const size_t kv_bytes = static_cast<size_t>(a.total_kv) * row_bytes;
     attrs[n].id = cudaLaunchAttributeAccessPolicyWindow;
     cudaAccessPolicyWindow& window = attrs[n++].val.accessPolicyWindow;
     window.base_ptr = const_cast<uint8_t*>(a.kv);
@@ -181,30 +190,30 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
 
 // The instance of a configuration for the call's layout (common.cuh's Layout: the wgmma kernel's FP8 pages of a
 // multiple of BN rows read their tiles' table entries per thread) and rows per unit.
-template <int STAGES, bool MX, int H, bool BAL>
+template <int STAGES, int KV, int H, bool BAL>
 static cudaError_t launch_rows(int dev, const DecodeCall& a, int max_window, int sms) {
   using namespace mla;
-  if (!a.page_size) return launch_split<STAGES, MX, RAGGED, H, BAL>(dev, a, max_window, sms);
+  if (!a.page_size) return launch_split<STAGES, KV, RAGGED, H, BAL>(dev, a, max_window, sms);
 #if MLA_WGMMA
-  if constexpr (!MX) {
-    if (a.page_size % BN == 0) return launch_split<STAGES, MX, TILE_PAGES, H, BAL>(dev, a, max_window, sms);
+  if constexpr (KV != KV_MXFP4) {
+    if (a.page_size % BN == 0) return launch_split<STAGES, KV, TILE_PAGES, H, BAL>(dev, a, max_window, sms);
   }
 #endif
-  return launch_split<STAGES, MX, ROW_PAGES, H, BAL>(dev, a, max_window, sms);
+  return launch_split<STAGES, KV, ROW_PAGES, H, BAL>(dev, a, max_window, sms);
 }
 
-template <int STAGES, bool MX, int H>
+template <int STAGES, int KV, int H>
 static cudaError_t launch_schedule(int dev, const DecodeCall& a, int max_window, int sms) {
-  return a.schedule == mla::FIXED_SPLITS ? launch_rows<STAGES, MX, H, false>(dev, a, max_window, sms)
-                                         : launch_rows<STAGES, MX, H, true>(dev, a, max_window, sms);
+  return a.schedule == mla::FIXED_SPLITS ? launch_rows<STAGES, KV, H, false>(dev, a, max_window, sms)
+                                         : launch_rows<STAGES, KV, H, true>(dev, a, max_window, sms);
 }
 
-template <int STAGES, bool MX>
+template <int STAGES, int KV>
 static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window, int sms) {
 #if MLA_WGMMA
-  if (a.unit_rows == 32) return launch_schedule<STAGES, MX, 32>(dev, a, max_window, sms);
+  if (a.unit_rows == 32) return launch_schedule<STAGES, KV, 32>(dev, a, max_window, sms);
 #endif
-  return launch_schedule<STAGES, MX, 16>(dev, a, max_window, sms);
+  return launch_schedule<STAGES, KV, 16>(dev, a, max_window, sms);
 }
 
 #if MLA_WGMMA
@@ -300,13 +309,14 @@ extern "C" int mla_decode(const DecodeCall* c) {
   const int num_splits = c->num_splits, kv_format = c->kv_format;
   const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8) where the build takes them; units of one token
   const bool rows_ok = (rows == 16 || rows == 32 || rows == 64) && rows <= mla::MAX_UNIT_ROWS &&
-                       !(rows == 64 && kv_format != 0) && c->num_heads > 0 &&
+                       !(rows == 64 && kv_format != mla::KV_FP8) && c->num_heads > 0 &&
                        c->q_len > 0;
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table &&
                                                page_divisor_exact(*c) && c->guess_rows >= 0);
-  if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || !schedule_ok(*c) ||
-      (kv_format == 1 && !mla::SUPPORTS_MXFP4))
+  const bool format_ok = kv_format == mla::KV_FP8 || (kv_format == mla::KV_MXFP4 && mla::SUPPORTS_MXFP4) ||
+                         (kv_format == mla::KV_BF16 && mla::SUPPORTS_BF16);
+  if (dev >= 32 || !splits_ok || !pages_ok || !rows_ok || !schedule_ok(*c) || !format_ok)
     return static_cast<int>(cudaErrorInvalidValue);
   if (sms[dev] == 0) {
     cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
@@ -324,17 +334,19 @@ extern "C" int mla_decode(const DecodeCall* c) {
   const int ctas = c->schedule == mla::FIXED_SPLITS ? c->batch * groups * num_splits : c->parts * groups;
   if (rows == mla::WIDE_ROWS)
     e = launch_wide(dev, *c, max_window[dev], sms[dev]);
-  else if (kv_format == 1)
-    e = launch_layout<mla::MX_STAGES, true>(dev, *c, max_window[dev], sms[dev]);
+  else if (kv_format == mla::KV_MXFP4)
+    e = launch_layout<mla::MX_STAGES, mla::KV_MXFP4>(dev, *c, max_window[dev], sms[dev]);
+  else if (kv_format == mla::KV_BF16)
+    e = launch_layout<mla::BF_STAGES, mla::KV_BF16>(dev, *c, max_window[dev], sms[dev]);
   else if (ctas > sms[dev])
-    e = launch_layout<mla::STAGES_SHARED, false>(dev, *c, max_window[dev], sms[dev]);
+    e = launch_layout<mla::STAGES_SHARED, mla::KV_FP8>(dev, *c, max_window[dev], sms[dev]);
   else
-    e = launch_layout<mla::STAGES_ALONE, false>(dev, *c, max_window[dev], sms[dev]);
+    e = launch_layout<mla::STAGES_ALONE, mla::KV_FP8>(dev, *c, max_window[dev], sms[dev]);
 #else
   switch (mma_sync_stages(smem_per_block[dev])) {
-    case 4: e = launch_layout<4, false>(dev, *c, max_window[dev], sms[dev]); break;
-    case 3: e = launch_layout<3, false>(dev, *c, max_window[dev], sms[dev]); break;
-    default: e = launch_layout<2, false>(dev, *c, max_window[dev], sms[dev]);
+    case 4: e = launch_layout<4, mla::KV_FP8>(dev, *c, max_window[dev], sms[dev]); break;
+    case 3: e = launch_layout<3, mla::KV_FP8>(dev, *c, max_window[dev], sms[dev]); break;
+    default: e = launch_layout<2, mla::KV_FP8>(dev, *c, max_window[dev], sms[dev]);
   }
 #endif
   if (e == cudaSuccess && c->schedule != mla::FIXED_SPLITS) e = launch_combine(*c);

@@ -13,6 +13,7 @@ constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
 constexpr int CTAS_PER_SM = 1;
 constexpr bool SUPPORTS_MXFP4 = false;
+constexpr bool SUPPORTS_BF16 = false;
 constexpr int MAX_UNIT_ROWS = H;
 constexpr int TOKW = BN / NWARPS;      // score columns (tile rows) per warp: one m16n8 tile
 constexpr int VCOLS = DV / NWARPS;     // output columns per warp
@@ -24,7 +25,7 @@ constexpr int SMEM_Q = H * QROW * 2;
 constexpr int SMEM_P = H * PROW * 2;
 constexpr int SMEM_RED = NWARPS * H * 4;
 constexpr int SMEM_PAGED = (ROW_SLOTS * BN + 4) * 4;  // PagedRows: the next tiles' rows and the bad-page flag
-template <int STAGES, bool MX>
+template <int STAGES, int KV>
 constexpr int smem_bytes() { return STAGES * BN * KROW + SMEM_Q + SMEM_P + SMEM_RED + SMEM_PAGED; }
 
 __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -271,9 +272,9 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   if (!BALANCED && !direct) merge_splits<H>(call, base, rows, piece.index, valid);
 }
 
-// MX: not supported here (the launcher never instantiates it). BALANCED: the balanced schedule's grid (parts,
+// KV: KV_FP8 (the launcher instantiates no other). BALANCED: the balanced schedule's grid (parts,
 // groups), each CTA walking its part's pieces (for_each_piece); else fixed splits.
-template <int STAGES, bool MX, bool PAGED, bool BALANCED>
+template <int STAGES, int KV, bool PAGED, bool BALANCED>
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const DecodeCall call) {
   extern __shared__ __align__(128) uint8_t smem[];

@@ -1,4 +1,5 @@
-// The Hopper (sm_90a) split kernel: warpgroup MMAs on FP8 operands, the FP8 or the MXFP4 cache.
+// The Hopper (sm_90a) split kernel: warpgroup MMAs on FP8 operands (the FP8 or the MXFP4 cache) or on BF16 ones (the
+// BF16 cache).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -32,21 +33,33 @@ constexpr int TILE = BN * D;
 // MXFP4 (MX = true): the stages hold a tile's E2M1 codes as they lie in memory ([64 rows][288 bytes]); each tile
 // is dequantized once into one FP8 tile (e5m2, exact) at offset 0, which the products read as above.
 constexpr bool SUPPORTS_MXFP4 = true;
+constexpr bool SUPPORTS_BF16 = true;
 constexpr int MAX_UNIT_ROWS = 64;      // units of 16 or 32 query rows (split_kernel's H), or 64 (wgmma64.cuh, FP8)
 constexpr int MX_ROW = D / 2;          // bytes of codes per row, two values per byte, low nibble first
 constexpr int MX_STAGE = BN * MX_ROW;
 constexpr int MX_BLOCKS = D / 32;      // E8M0 scales per row
 constexpr int SMEM_PAGED = (ROW_SLOTS * BN + 4) * 4;  // PagedRows: the next tiles' rows and the bad-page flag
+// BF16 (KV_BF16): a tile is nine 8 KB blocks of [64 rows][128 bytes] (64 dims each, the rope's the ninth), every one
+// in the 128-byte swizzle; two stages of 72 KB, one CTA an SM. Q and P are bf16 in the FP8 layouts' 16-byte chunks.
+constexpr int BF_ROW = 2 * D;          // bytes per BF16 row
+constexpr int BF_TILE = BN * BF_ROW;
+constexpr int BF_STAGES = 2;
+__host__ __device__ constexpr int operand_bytes(int kv) { return kv == KV_BF16 ? 2 : 1; }  // Q and P elements
 // Shared memory: the stages (MX: the dequantized tile, then the stages of codes), then for H query rows Q (H x 576
-// e4m3), P (64 x H e4m3), the reductions (H x NWARPS fp32), Q's scales (H fp32) and the paged rows.
-template <int STAGES, bool MX>
-__host__ __device__ constexpr int stage_bytes() { return MX ? TILE + STAGES * MX_STAGE : STAGES * TILE; }
-template <int STAGES, bool MX, int H>
-constexpr int smem_bytes() { return stage_bytes<STAGES, MX>() + H * D + H * BN + NWARPS * H * 4 + H * 4 + SMEM_PAGED; }
+// e4m3, or bf16), P (64 x H e4m3, or bf16), the reductions (H x NWARPS fp32), Q's scales (H fp32) and the paged rows.
+template <int STAGES, int KV>
+__host__ __device__ constexpr int stage_bytes() {
+  return KV == KV_MXFP4 ? TILE + STAGES * MX_STAGE : STAGES * (KV == KV_BF16 ? BF_TILE : TILE);
+}
+template <int STAGES, int KV, int H>
+constexpr int smem_bytes() {
+  return stage_bytes<STAGES, KV>() + (H * D + H * BN) * operand_bytes(KV) + NWARPS * H * 4 + H * 4 + SMEM_PAGED;
+}
 // Two CTAs a SM (228 KB, 1 KB of it reserved per CTA) for the instances that share SMs, at 32 rows (16 take less):
 // FP8 2 x (95,888 + 1,024) bytes, MXFP4 2 x (114,320 + 1,024).
-static_assert(2 * (smem_bytes<STAGES_SHARED, false, 32>() + 1024) <= 228 * 1024, "2 FP8 CTAs of 32 rows a SM");
-static_assert(2 * (smem_bytes<MX_STAGES, true, 32>() + 1024) <= 228 * 1024, "2 MXFP4 CTAs of 32 rows a SM");
+static_assert(2 * (smem_bytes<STAGES_SHARED, KV_FP8, 32>() + 1024) <= 228 * 1024, "2 FP8 CTAs of 32 rows a SM");
+static_assert(2 * (smem_bytes<MX_STAGES, KV_MXFP4, 32>() + 1024) <= 228 * 1024, "2 MXFP4 CTAs of 32 rows a SM");
+static_assert(smem_bytes<BF_STAGES, KV_BF16, 32>() <= 227 * 1024, "a BF16 CTA of 32 rows");
 constexpr float P_BIAS = 8.f;          // P is stored as 2^8 * p (p <= 1): e4m3 keeps its normal range for small p
 
 // Byte offset of the 16-byte unit `ch` (dims 16*ch..16*ch+15) of row r in a tile.
@@ -125,6 +138,33 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t d
   static_assert(N == 16 || N == 32 || N == 64, "m64n16k32, m64n32k32 or m64n64k32");
   if constexpr (A_E5M2) { MLA_WGMMA_RS("e5m2"); } else { MLA_WGMMA_RS("e4m3"); }
 #undef MLA_WGMMA_RS
+}
+// The BF16 products: D (64 x N, fp32) (+)= A (64 x 16 bf16, shared, K-major) * B (16 x N bf16, shared, K-major), and
+// D += A (registers) * B (shared).
+template <int N>
+__device__ __forceinline__ void wgmma_ss_bf16(float* d, uint64_t da, uint64_t db, int accumulate) {
+  static_assert(N == 16 || N == 32, "m64n16k16 or m64n32k16");
+  if constexpr (N == 16)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " MLA_REGS8 ", %8, %9, p, 1, 1, 0, 0;\n}\n"
+                 : MLA_ACC8(0) : "l"(da), "l"(db), "r"(accumulate));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " MLA_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : MLA_ACC8(0), MLA_ACC8(8) : "l"(da), "l"(db), "r"(accumulate));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_rs_bf16(float* d, const uint32_t* a, uint64_t db) {
+  static_assert(N == 16 || N == 32, "m64n16k16 or m64n32k16");
+  if constexpr (N == 16)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " MLA_REGS8
+                 ", {%8,%9,%10,%11}, %12, 1, 1, 1, 0;\n"
+                 : MLA_ACC8(0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " MLA_REGS16
+                 ", {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
+                 : MLA_ACC8(0), MLA_ACC8(8) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 #undef MLA_ACC8
 #undef MLA_REGS8
@@ -219,6 +259,20 @@ __device__ __forceinline__ void issue_scores(float* s, uint32_t kt, uint64_t qde
 template <int N, bool A_E5M2>
 __device__ __forceinline__ void score_tile(float* s, uint32_t kt, uint64_t qdesc) {
   issue_scores<N, A_E5M2>(s, kt, qdesc);
+  wg_wait<0>();
+  fence_acc<N / 2>(s);
+}
+
+// score_tile over the BF16 cache: S^T (64 tile rows x N query rows) = K (the BF16 tile at kt: nine 128-byte-swizzled
+// blocks) Q^T (qdesc: [chunk][N][8] bf16), 36 k16 steps, returning with the products done.
+template <int N>
+__device__ __forceinline__ void score_tile_bf16(float* s, uint32_t kt, uint64_t qdesc) {
+  wg_fence();
+  const uint64_t k128 = desc(kt, 16, 1024, 1);
+#pragma unroll
+  for (int st = 0; st < D / 16; ++st)
+    wgmma_ss_bf16<N>(s, k128 + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4), qdesc + ((2 * st * N * 16) >> 4), st);
+  wg_commit();
   wg_wait<0>();
   fence_acc<N / 2>(s);
 }
@@ -395,11 +449,32 @@ struct CopyPlan {
   }
 };
 
+// A BF16 tile's copies by NT threads, 16 bytes each (72 a row): copy c = tid + NT it is unit u = c % 72 (dims 8u ..
+// 8u + 7) of row c / 72, at block u / 8 of the tile in the 128-byte swizzle, so a warp reads 512 consecutive bytes of
+// consecutive rows. consecutive: the tile's rows follow cache row `first` (-1: a page outside the cache, nothing
+// read), else each is looked up in paged_rows; rows past hi are zero-filled, never read.
+template <int NT>
+__device__ __forceinline__ void bf16_tile(const DecodeCall& call, const PagedRows& paged_rows, bool consecutive,
+                                          int first, uint32_t dst, int i, int lo, int hi, int tid) {
+  constexpr int UNITS = BF_ROW / 16, COPIES = BN * UNITS / NT;
+  static_assert(BN * UNITS % NT == 0, "whole rounds");
+  const int rows = consecutive && first >= 0 ? hi - (lo + i * BN) : 0;
+#pragma unroll 4
+  for (int it = 0; it < COPIES; ++it) {
+    const int c = tid + NT * it, r = c / UNITS, u = c - r * UNITS;
+    const int row = consecutive ? (r < rows ? first + r : -1) : paged_rows.at(i, r);
+    const uint32_t off = (u >> 3) * SW128_BLOCK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+    CopyPlan<NT, false>::copy_or_zero(dst + off, call.kv + static_cast<size_t>(max(row, 0)) * BF_ROW + u * 16,
+                                      row >= 0);
+  }
+}
+
 // Q -> e4m3 with one scale per head (its amax maps to 448), in the [chunk][head][16] layout of the score product's B
 // operand (QCHUNK = H * 16 bytes a chunk); the head's scale, sm_scale * log2(e) and the KV scale multiply the
-// scores. NW warps, warp w quantizing heads w, w + NW, ...; load() is issued before the first tiles' copies so that
-// Q's loads do not queue behind them, store() after.
-template <int H, int NW>
+// scores. BF: Q as it is, bf16 in the same chunks (8 dims each), sm_scale * log2(e) its scale. NW warps, warp w
+// quantizing heads w, w + NW, ...; load() is issued before the first tiles' copies so that Q's loads do not queue
+// behind them, store() after.
+template <int H, int NW, bool BF = false>
 struct QueryQuant {
   static constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
   using Regs = __nv_bfloat162[H / NW][QPAIRS];
@@ -420,6 +495,15 @@ struct QueryQuant {
 #pragma unroll
     for (int j = 0; j < H / NW; ++j) {
       const int h = warp + j * NW;
+      if constexpr (BF) {
+#pragma unroll
+        for (int i = 0; i < QPAIRS; ++i) {
+          const int d = 2 * (lane + 32 * i);
+          *reinterpret_cast<__nv_bfloat162*>(qs + (d >> 3) * (H * 16) + h * 16 + (d & 7) * 2) = qv[j][i];
+        }
+        if (lane == 0) qscale[h] = call.qk_scale;
+        continue;
+      }
       float2 v[QPAIRS];
       float amax = 0.f;
 #pragma unroll
@@ -443,17 +527,19 @@ struct QueryQuant {
 
 // One piece of a unit's positions, in split_kernel's CTA: the output (one piece) or its partial (merged by the
 // fixed splits' barrier here, by combine_kernel after a balanced grid).
-template <int STAGES, bool MX, int LAYOUT, int H, bool BALANCED>
+template <int STAGES, int KV, int LAYOUT, int H, bool BALANCED>
 __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece& piece, uint8_t* smem) {
   static_assert(H == 16 || H == 32, "16 or 32 query rows a CTA");
-  static_assert(!(MX && LAYOUT == TILE_PAGES), "MXFP4 reads its block scales per row: ROW_PAGES");
+  constexpr bool MX = KV == KV_MXFP4, BF = KV == KV_BF16;
+  constexpr int OB = operand_bytes(KV), KTILE = BF ? BF_TILE : TILE;  // Q and P element bytes; a stage's tile
+  static_assert(!(KV == KV_MXFP4 && LAYOUT == TILE_PAGES), "MXFP4 reads its block scales per row: ROW_PAGES");
   constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][H heads][16 bytes]
   constexpr int NE = H / 4;       // heads a thread (score columns; value product columns)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   uint8_t* ks = MX ? smem + TILE : smem;  // the stages (MX: after the dequantized tile)
-  uint8_t* qs = smem + stage_bytes<STAGES, MX>();
-  uint8_t* ps = qs + H * D;
-  float* red = reinterpret_cast<float*>(ps + H * BN);
+  uint8_t* qs = smem + stage_bytes<STAGES, KV>();
+  uint8_t* ps = qs + H * D * OB;
+  float* red = reinterpret_cast<float*>(ps + H * BN * OB);
   float* qscale = red + NWARPS * H;
   const PagedRows paged_rows{reinterpret_cast<int*>(qscale + H), reinterpret_cast<int*>(qscale + H) + ROW_SLOTS * BN};
 
@@ -464,7 +550,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   if constexpr (paged) guess = guess_entries<STAGES>(call, b, piece.lo, row_pages ? tid : 0);
   const SplitRange range = piece_range<BALANCED>(call, piece, rows.t);
   // Read with the length, not behind the first copies: Q's scale waits for it, a round trip after the L2 flush.
-  const float kv_scale = MX ? 1.f : *call.kv_scale;
+  const float kv_scale = MX || BF ? 1.f : *call.kv_scale;
   const unsigned base = BALANCED ? 0u : arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
@@ -491,10 +577,12 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   const CopyPlan<NTHREADS, MX> copy(tid);
   const uint32_t ks_addr = smem_u32(ks);
   auto load_tile = [&](int i, int entry) {
-    copy.tile(call, paged_rows, consecutive, consecutive ? first_row(i, entry) : -1,
-              ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi);
+    const int first = consecutive ? first_row(i, entry) : -1;
+    if constexpr (BF) bf16_tile<NTHREADS>(call, paged_rows, consecutive, first, ks_addr + (i % STAGES) * BF_TILE, i,
+                                          lo, hi, tid);
+    else copy.tile(call, paged_rows, consecutive, first, ks_addr + (i % STAGES) * (MX ? MX_STAGE : TILE), i, lo, hi);
   };
-  using Query = QueryQuant<H, NWARPS>;
+  using Query = QueryQuant<H, NWARPS, BF>;
   typename Query::Regs qv;
   Query::load(qv, call, rows, warp, lane);
   // One cp.async group per tile (empty past the last); entry: TILE_PAGES' table entry of tile i.
@@ -534,11 +622,15 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   thread_heads(heads, t4);
   const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
   const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
-  // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start.
-  const int k0 = p_position(warp * 16 + g), k1 = p_position(warp * 16 + g + 8);
-  uint8_t* const p0dst = ps + (k0 >> 4) * QCHUNK + (k0 & 15);
-  uint8_t* const p1dst = ps + (k1 >> 4) * QCHUNK + (k1 & 15);
+  // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start. BF: P in
+  // chunks of 8 tile rows, in their order; V^T's fragments straight from ldmatrix.trans (matrix j = lane / 8 of a
+  // k16 step: tile rows 8 (j / 2) .., the warp's dims 16 warp + 8 (j % 2) ..).
+  const int k0 = BF ? warp * 16 + g : p_position(warp * 16 + g), k1 = BF ? k0 + 8 : p_position(warp * 16 + g + 8);
+  uint8_t* const p0dst = BF ? ps + (k0 >> 3) * QCHUNK + (k0 & 7) * 2 : ps + (k0 >> 4) * QCHUNK + (k0 & 15);
+  uint8_t* const p1dst = BF ? ps + (k1 >> 3) * QCHUNK + (k1 & 7) * 2 : ps + (k1 >> 4) * QCHUNK + (k1 & 15);
   const uint32_t voff[2] = {lane * 128u + ((warp ^ (lane & 7)) << 4), lane * 128u + (((4 + warp) ^ (lane & 7)) << 4)};
+  const uint32_t bf_voff =
+      ((lane & 7) + ((lane >> 4) << 3)) * 128u + (((2 * warp + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
   float qsc[NE];
 #pragma unroll
   for (int e = 0; e < NE; ++e) qsc[e] = qscale[heads[e]];
@@ -546,7 +638,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   float m[NE], l[NE];
 #pragma unroll
   for (int e = 0; e < NE; ++e) m[e] = -INFINITY, l[e] = 0.f;
-  float acc[8][H / 2];  // O^T: [64-dim block][accumulator]: dims 64*mb + 16*warp + 2g (+1 for rows g + 8)
+  float acc[8][H / 2];  // O^T: [64-dim block][accumulator]: dims 64*mb + 16*warp + 2g (+1 for rows g + 8; BF: g, g + 8)
 #pragma unroll
   for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
@@ -560,7 +652,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
     load_group(i + STAGES - 1, ahead);
     if constexpr (LAYOUT == TILE_PAGES) ahead = page_entry(i + STAGES);  // used by the next iteration's copies
     const int next_entry = row_pages ? paged_rows.fetch(call, b, lo, hi, i + STAGES, tid) : 0;  // put after the products
-    uint32_t kt = ks_addr + (i % STAGES) * TILE;
+    uint32_t kt = ks_addr + (i % STAGES) * KTILE;
     if constexpr (MX) {  // codes + scales -> the e5m2 tile at offset 0 (free: every warp is done with tile i - 1)
       uint32_t scales[MX_JOBS];
 #pragma unroll
@@ -583,7 +675,8 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 
     // S^T (64 rows x H heads) = K (64 x 576) Q^T
     float s[H / 2];
-    score_tile<H, MX>(s, kt, qdesc);
+    if constexpr (BF) score_tile_bf16<H>(s, kt, qdesc);
+    else score_tile<H, MX>(s, kt, qdesc);
     // TUNE: scored
 
     // Online softmax over the tile, log2 domain; rows past hi are masked.
@@ -610,8 +703,13 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
       const int a = (e & 1) + (e >> 1) * 4;
       const float p0 = ex2(s[a] - (base - P_BIAS)), p1 = ex2(s[a + 2] - (base - P_BIAS));
       l[e] = l[e] * alpha[e] + (p0 + p1);  // this thread's share; summed across the CTA at the end
-      p0dst[heads[e] * 16] = to_e4m3(p0);
-      p1dst[heads[e] * 16] = to_e4m3(p1);
+      if constexpr (BF) {
+        *reinterpret_cast<__nv_bfloat16*>(p0dst + heads[e] * 16) = __float2bfloat16_rn(p0);
+        *reinterpret_cast<__nv_bfloat16*>(p1dst + heads[e] * 16) = __float2bfloat16_rn(p1);
+      } else {
+        p0dst[heads[e] * 16] = to_e4m3(p0);
+        p1dst[heads[e] * 16] = to_e4m3(p1);
+      }
       moved |= alpha[e] != 1.f;
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -633,24 +731,29 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
     // O^T (512 dims x H heads) += V^T (512 x 64) P^T: A from registers (v_fragment). The fragments of MB m-blocks at a
     // time: all 8 at 16 rows; 4 at 32 rows, each group committed and the one before waited for, so that two groups' (32
     // registers) at most are live beside the 128 accumulators.
-    constexpr int MB = H == 16 ? 8 : 4;
+    // BF: k16 steps (tile rows 16 kk ..), m-block mb's dims in the tile's block mb.
+    constexpr int MB = H == 16 ? 8 : 4, KSTEP = BF ? 16 : 32;
 #pragma unroll
-    for (int kk = 0; kk < BN / 32; ++kk) {
+    for (int kk = 0; kk < BN / KSTEP; ++kk) {
 #pragma unroll
       for (int mb0 = 0; mb0 < 8; mb0 += MB) {
         uint32_t a[MB][4];
 #pragma unroll
         for (int j = 0; j < MB; ++j) {
           const int mb = mb0 + j;
-          v_fragment(a[j], kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
+          if constexpr (BF) ldsm_x4_trans(a[j], kt + mb * SW128_BLOCK + kk * 16 * 128 + bf_voff);
+          else v_fragment(a[j], kt + (mb >> 1) * SW128_BLOCK + kk * 32 * 128 + voff[mb & 1]);
         }
 #pragma unroll
         for (int j = 0; j < MB; ++j) fence_acc<H / 2>(acc[mb0 + j]);
         wg_fence();
         const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
 #pragma unroll
-        for (int j = 0; j < MB; ++j) wgmma_rs<H, MX>(acc[mb0 + j], a[j], db);
-        if (MB < 8 && !(kk == BN / 32 - 1 && mb0 + MB == 8)) {  // the last group's wait is the one below
+        for (int j = 0; j < MB; ++j) {
+          if constexpr (BF) wgmma_rs_bf16<H>(acc[mb0 + j], a[j], db);
+          else wgmma_rs<H, MX>(acc[mb0 + j], a[j], db);
+        }
+        if (MB < 8 && !(kk == BN / KSTEP - 1 && mb0 + MB == 8)) {  // the last group's wait is the one below
           wg_commit();
           wg_wait<1>();
         }
@@ -690,16 +793,22 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // the 32 stores took ~1500 cycles per CTA (16 rows). Rows padded by 4 floats: the fragments' float2 writes take 2
   // wavefronts. 32 rows take 66 KB: more than a tile, within the 2 stages (or the MXFP4 tiles) before Q.
   constexpr int OUT_ROW = DV + 4;
-  static_assert(H * OUT_ROW * 4 <= stage_bytes<STAGES, MX>(), "the staged output fits the stages' bytes");
+  static_assert(H * OUT_ROW * 4 <= stage_bytes<STAGES, KV>(), "the staged output fits the stages' bytes");
   float* staged = reinterpret_cast<float*>(smem);
+  // Accumulator rows g and g + 8 of the warp's 16: dims 2g and 2g + 1 (the FP8 fragments' order), BF: g and g + 8.
 #pragma unroll
   for (int mb = 0; mb < 8; ++mb) {
-    const int dim = 64 * mb + 16 * warp + 2 * g;
+    const int dim = 64 * mb + 16 * warp + (BF ? g : 2 * g);
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
       const int a = (e & 1) + (e >> 1) * 4;
-      *reinterpret_cast<float2*>(staged + heads[e] * OUT_ROW + dim) =
-          make_float2(acc[mb][a] * scale[e], acc[mb][a + 2] * scale[e]);
+      float* row = staged + heads[e] * OUT_ROW + dim;
+      if constexpr (BF) {
+        row[0] = acc[mb][a] * scale[e];
+        row[8] = acc[mb][a + 2] * scale[e];
+      } else {
+        *reinterpret_cast<float2*>(row) = make_float2(acc[mb][a] * scale[e], acc[mb][a + 2] * scale[e]);
+      }
     }
   }
   __syncthreads();
@@ -720,15 +829,15 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 
 // H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products. BALANCED: the grid is
 // the balanced schedule's (parts, groups), each CTA walking its part's pieces (for_each_piece); else fixed splits.
-template <int STAGES, bool MX, int LAYOUT, int H, bool BALANCED>
+template <int STAGES, int KV, int LAYOUT, int H, bool BALANCED>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const DecodeCall call) {
   extern __shared__ __align__(1024) uint8_t smem[];
   // TUNE: entry
   if constexpr (BALANCED)
-    for_each_piece<H>(call, [&](const Piece& piece) { decode_piece<STAGES, MX, LAYOUT, H, true>(call, piece, smem); });
+    for_each_piece<H>(call, [&](const Piece& piece) { decode_piece<STAGES, KV, LAYOUT, H, true>(call, piece, smem); });
   else
-    decode_piece<STAGES, MX, LAYOUT, H, false>(call, split_piece_of<H>(call), smem);
+    decode_piece<STAGES, KV, LAYOUT, H, false>(call, split_piece_of<H>(call), smem);
 }
 
 }  // namespace mla
