@@ -453,8 +453,8 @@ METHODS = (
            "(wgmma64)", _ours("cuda", "fp8", unit_rows=64)),
     Method("cuda-fp8-balanced", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("cuda", "fp8", schedule="balanced")),
-    Method("cuda-fp8-balanced-fill", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
-           "schedule with the fill cut (backend option cut)", _ours("cuda", "fp8", schedule="balanced", cut="fill")),
+    Method("cuda-fp8-balanced-line", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
+           "schedule with the line cut (backend option cut)", _ours("cuda", "fp8", schedule="balanced", cut="line")),
     Method("cuda-fp8-balanced-least16", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
            "schedule with a least share of 16 tiles (backend option min_share)",
            _ours("cuda", "fp8", schedule="balanced", min_share=16)),

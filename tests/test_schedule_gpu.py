@@ -59,8 +59,9 @@ def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_s
     assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
 
 
-# The cut's options beside the plan's defaults: the fill cut, and a least share that cuts fewer, larger pieces
-CUT_OPTIONS = {"default": {}, "fill": {"cut": "fill"}, "least-share": {"min_share": 9}}
+# The cut's options beside the plan's defaults (the fill cut): the line cut, and a least share that cuts fewer,
+# larger pieces
+CUT_OPTIONS = {"default": {}, "line": {"cut": "line"}, "least-share": {"min_share": 9}}
 
 
 @pytest.mark.parametrize("options", sorted(CUT_OPTIONS))

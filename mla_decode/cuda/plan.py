@@ -35,7 +35,7 @@ MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule
 MIN_SHARE = 1
 # The balanced schedule's cuts (DecodeCall's cut; mla_decode.schedule.CUTS): "line", equal shares anywhere, or
 # "fill", parts filled in turn, a sequence whole where it fits; and the plan's default
-CUTS, CUT = ("line", "fill"), "line"
+CUTS, CUT = ("line", "fill"), "fill"
 
 
 class DeviceFacts(NamedTuple):
