@@ -2624,7 +2624,8 @@ class TritonWorkspace(NamedTuple):
 
 class TritonDecode:
     """The triton backend's plan for a problem: its launch key, how it cuts the work (schedule: "fixed", the default,
-    the plan's num_splits equal splits of every sequence; or "balanced", opt-in until measured on a GPU, the
+    the plan's num_splits equal splits of every sequence; or "balanced", opt-in (1.6x the cuda backend's geomean on
+    the H100's uneven grid, BENCHMARKS.md), the
     work-balanced schedule of mla_decode/schedule.py, made on the device from the lengths by mla_schedule_kernel),
     the partials' workspace, grids,
     meta-arguments and, after the first run on a GPU, the compiled kernels' launchers, called with addresses
@@ -3223,7 +3224,7 @@ def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype,
     (FP8 score products where the backend has them) or "precise" (fp16 or wider). backend: "auto" or one of
     mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan). backend_options: passed to the backend's plan
     (the triton backend's {"plan": TritonPlan}, the cuda backend's {"unit_rows": 16, 32 or 64}; both take
-    {"schedule": "fixed" (default) or "balanced"})."""
+    {"schedule": "fixed" or "balanced"}: the cuda backend's default is "balanced", the triton backend's "fixed")."""
     problem = make_problem(batch_size, kv_dtype, device, layout="paged", page_size=page_size, max_pages=max_pages,
                            num_heads=num_heads, q_len=q_len, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
                            causal=causal, precision=precision, return_lse=return_lse, scale_dtype=kv_scale_dtype)
@@ -3543,8 +3544,10 @@ def _new_dispatch(q, kv, scale, kv_indptr, config, kv_format: str) -> _Dispatch:
     options = None
     if chosen == "aiter":  # the config's uniform-length promise, and the variant of AITER_VARIANTS or the override
         options = {"variant": aiter_variant(batch, kv_seq_len, _env("MLA_AITER_VARIANT")), "kv_seq_len": kv_seq_len}
-    elif chosen in ("cuda", "triton") and kv_seq_len is not None and batch * kv_seq_len == kv.shape[0]:
-        options = {"schedule": "fixed"}  # every length is kv_seq_len (the longest): equal splits are balanced
+    elif chosen == "cuda" or (chosen == "triton" and kv_seq_len is not None and batch * kv_seq_len == kv.shape[0]):
+        # the leaderboard's batches are uniform (every length kv_seq_len: equal splits are balanced); the cuda
+        # backend's face keeps the fixed splits it was tuned with whatever the lengths
+        options = {"schedule": "fixed"}
     decode = DecodePlan(problem, chosen, backend_options=options)
     check = decode.backend == "torch" or _env("MLA_VALIDATE") == "1"
     return _Dispatch(decode.backend, kv_format, check, decode)

@@ -288,6 +288,12 @@ def _paged(data: tuple, kv_format: str, page: int, seed: int = 0, shuffled: bool
     return Paged(q.view(batch, 1, *q.shape[1:]), cache, scale, table.to(kv.device), lens.to(torch.int32).to(kv.device))
 
 
+def _fixed_splits(backend: str) -> dict | None:
+    """The backend options of the leaderboard's uniform batches, as its adapter chooses them (mla_decode.leaderboard):
+    the fixed splits, for the backends that cut a schedule."""
+    return {"schedule": "fixed"} if backend in ("cuda", "triton") else None
+
+
 def _ours_paged(backend: str, kv_format: str, page: int, precision: str = "fast"):
     """The library's paged call on the input's cache re-laid in shuffled pages (_paged), through a plan made once
     outside the timing (mla_decode.plan; max_seqlen the shape's length): the timed call is the plan's run, which
@@ -298,7 +304,8 @@ def _ours_paged(backend: str, kv_format: str, page: int, precision: str = "fast"
         try:
             decode = mla_decode.plan(shape.batch, page, paged.block_table.shape[1], paged.kv_cache.dtype, ctx.device,
                                      backend=backend, precision=precision, max_seqlen=shape.kv,
-                                     kv_scale_dtype=torch.uint8 if paged.kv_scale is None else paged.kv_scale.dtype)
+                                     kv_scale_dtype=torch.uint8 if paged.kv_scale is None else paged.kv_scale.dtype,
+                                     backend_options=_fixed_splits(backend))
         except RuntimeError as e:
             raise Unavailable(str(e)) from e
         check = _check_attention(data, expected, kv_format)
@@ -322,7 +329,7 @@ def _ours_ragged(backend: str, kv_format: str):
         kv, scale = data[1][kv_format]
         try:
             decode = mla_decode.plan_ragged(shape.batch, kv.dtype, ctx.device, shape.kv, backend=backend,
-                                            kv_scale_dtype=scale.dtype)
+                                            kv_scale_dtype=scale.dtype, backend_options=_fixed_splits(backend))
         except RuntimeError as e:
             raise Unavailable(str(e)) from e
         check = _check_attention(data, expected, kv_format)

@@ -310,8 +310,8 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
     plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
     (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda, triton), the backend
-    option, "fixed" splits (the default) or "balanced" (its step schedule made outside the timing); schedule_options,
-    the balanced schedule's other backend options (cut, min_share)."""
+    option, "fixed" splits (cuda: what the methods not named balanced take) or "balanced" (its step schedule made
+    outside the timing); schedule_options, the balanced schedule's other backend options (cut, min_share)."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -323,8 +323,10 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
             if shape.heads % unit_rows:
                 raise Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
             options = {"unit_rows": unit_rows}
-        if schedule is not None:
-            options = {**(options or {}), "schedule": schedule, **schedule_options}
+        # the methods not named balanced time the cuda backend's fixed splits, whatever the plan's default
+        chosen = schedule if schedule is not None or backend != "cuda" else "fixed"
+        if chosen is not None:
+            options = {**(options or {}), "schedule": chosen, **schedule_options}
         try:
             if block_h is not None:
                 portable = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
@@ -433,7 +435,8 @@ def _memwalk(ctx: ServingContext, case: Case) -> Prepared:
 
 
 METHODS = (
-    Method("cuda-fp8", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache (wgmma)", _ours("cuda", "fp8")),
+    Method("cuda-fp8", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache (wgmma), fixed splits",
+           _ours("cuda", "fp8")),
     Method("cuda-fp8-precise", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, precise (mma.sync)",
            _ours("cuda", "fp8", "precise")),
     Method("cuda-mxfp4", "ours", "mxfp4", "mla_decode plan, backend cuda, MXFP4 cache", _ours("cuda", "mxfp4")),

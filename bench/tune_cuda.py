@@ -147,7 +147,7 @@ class Variant:
         self.activate_checked()
         decode = mla_decode.plan(batch, paged.kv_cache.shape[1], paged.block_table.shape[1], paged.kv_cache.dtype,
                                  paged.q.device, backend="cuda", precision=precision, max_seqlen=kv_len,
-                                 kv_scale_dtype=paged.kv_scale.dtype)
+                                 kv_scale_dtype=paged.kv_scale.dtype, backend_options={"schedule": "fixed"})
         self.paged_plan = decode
         return lambda: decode.run(paged.q, paged.kv_cache, paged.block_table, paged.cache_seqlens, paged.kv_scale)
 

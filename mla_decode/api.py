@@ -297,7 +297,7 @@ def plan(batch_size: int, page_size: int, max_pages: int, kv_dtype: torch.dtype,
     (FP8 score products where the backend has them) or "precise" (fp16 or wider). backend: "auto" or one of
     mla_decode.BACKENDS (a RuntimeError where it cannot serve the plan). backend_options: passed to the backend's plan
     (the triton backend's {"plan": TritonPlan}, the cuda backend's {"unit_rows": 16, 32 or 64}; both take
-    {"schedule": "fixed" (default) or "balanced"})."""
+    {"schedule": "fixed" or "balanced"}: the cuda backend's default is "balanced", the triton backend's "fixed")."""
     problem = make_problem(batch_size, kv_dtype, device, layout="paged", page_size=page_size, max_pages=max_pages,
                            num_heads=num_heads, q_len=q_len, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
                            causal=causal, precision=precision, return_lse=return_lse, scale_dtype=kv_scale_dtype)

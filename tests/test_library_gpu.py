@@ -116,7 +116,8 @@ def test_gpu_cuda_sequences_longer_than_the_plan(kernel, page_size):
     case = make_paged_case(kv_format, page_size, GPU_LENS, seed=page_size + 1, device="cuda")
     decode = mla_decode.plan(len(GPU_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
                              backend="cuda", precision=precision, max_seqlen=1000,
-                             kv_scale_dtype=torch.uint8 if case.kv_scale is None else case.kv_scale.dtype)
+                             kv_scale_dtype=torch.uint8 if case.kv_scale is None else case.kv_scale.dtype,
+                             backend_options={"schedule": "fixed"})
     splits = decode.impl.num_splits  # with one split every split starts at 0, where a guess cannot miss
     assert splits > 1 and decode.impl.call.guess_rows != plan.split_rows(max(GPU_LENS), splits)
     out, lse = decode.run(*case.args())
@@ -330,7 +331,8 @@ def test_gpu_many_sequences_one_split(kernel, causal):
                            device="cuda")
     decode = mla_decode.plan(len(lens), 64, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=128,
                              q_len=2, causal=causal, backend=backend, precision=precision, max_seqlen=max(lens),
-                             kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
+                             kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype,
+                             backend_options={"schedule": "fixed"})
     splits = decode.impl.num_splits if backend == "cuda" else decode.impl.key.plan.num_splits
     assert splits == 1
     out, lse = decode.run(*case.args())
@@ -357,7 +359,8 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     lens = [0, 1, 3001]
     case = make_paged_case(kv_format, 16, lens, seed=splits, num_heads=32, device="cuda")
     decode = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=32,
-                             backend="cuda", max_seqlen=max(lens), backend_options={"unit_rows": 32},
+                             backend="cuda", max_seqlen=max(lens),
+                             backend_options={"unit_rows": 32, "schedule": "fixed"},
                              kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
     assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (splits, 32)
     out, lse = decode.run(*case.args())
@@ -367,7 +370,8 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
     if splits > 32:  # 6 units of 16 rows x 64 splits: more CTAs than a cooperative launch holds at once
         return
     narrow = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda", num_heads=32,
-                             backend="cuda", max_seqlen=max(lens), backend_options={"unit_rows": 16},
+                             backend="cuda", max_seqlen=max(lens),
+                             backend_options={"unit_rows": 16, "schedule": "fixed"},
                              kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype)
     assert (narrow.impl.num_splits, narrow.impl.call.unit_rows) == (splits, 16)
     narrow_out, narrow_lse = narrow.run(*case.args())
@@ -380,7 +384,8 @@ def _cuda_plan_in_units_of(rows: int, case, max_seqlen: int, ragged: bool = Fals
     whatever plan_unit_rows would pick; settings override the case's causal and the default softmax scale."""
     batch, q_len, num_heads = case.q.shape[:3]
     shared = dict(num_heads=num_heads, q_len=q_len, causal=case.causal, backend="cuda", max_seqlen=max_seqlen,
-                  backend_options={"unit_rows": rows}, kv_scale_dtype=case.kv_scale.dtype) | settings
+                  backend_options={"unit_rows": rows, "schedule": "fixed"},
+                  kv_scale_dtype=case.kv_scale.dtype) | settings
     if ragged:
         return mla_decode.plan_ragged(batch, case.kv_cache.dtype, "cuda", **shared)
     return mla_decode.plan(batch, case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda", **shared)

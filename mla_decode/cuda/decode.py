@@ -14,6 +14,7 @@ from .plan import (
     CUTS,
     MAX_UNITS,
     MIN_SHARE,
+    SCHEDULE,
     SCHEDULES,
     DeviceFacts,
     LaunchKey,
@@ -136,17 +137,17 @@ class Workspace(NamedTuple):
 
 
 class CudaDecode:
-    """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("fixed", the default:
-    num_splits equal splits a unit; or "balanced": the work-balanced schedule of schedule.cuh, made on the GPU from
-    the lengths, persistent CTAs over its parts and a combine kernel after them; opt-in while it loses uniform
-    batches: BENCHMARKS.md; min_share, its least share in KV tiles; cut, how it cuts: "fill" (the default) or
+    """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("balanced", the
+    default (plan.SCHEDULE): the work-balanced schedule of schedule.cuh, made on the GPU from the lengths, persistent
+    CTAs over its parts and a combine kernel after them; or "fixed": num_splits equal splits a unit, faster on a
+    uniform batch: BENCHMARKS.md; min_share, its least share in KV tiles; cut, how it cuts: "fill" (the default) or
     "line", mla_decode.schedule.CUTS), and a DecodeCall with the plan's fields set. The workspace (the pieces'
     partials, part_o (pieces, unit_rows, 512) bf16 and part_lse (pieces, unit_rows) fp32, the fixed splits' per-unit
     counters (units,) int32 and the balanced schedule (schedule_words,) int32) is made once per (thread, stream) that
     runs the plan. run() sets the inputs' fields and makes one ctypes call: no host read; no allocation after a
     stream's first run."""
 
-    def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = "fixed",
+    def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = SCHEDULE,
                  min_share: int = MIN_SHARE, cut: str = CUT):
         if schedule not in SCHEDULES:
             raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")

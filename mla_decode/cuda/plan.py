@@ -29,6 +29,9 @@ MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len 
 # longest sequence (cuda_plan), or "balanced", the work-balanced schedule (schedule.cuh, made on the GPU from the
 # lengths each call or once a step)
 SCHEDULES = ("fixed", "balanced")
+# The plan's default: a serving batch is uneven, where the balanced schedule wins 1.1-4.3x over the fixed splits; it
+# loses a uniform batch by 2-26% (BENCHMARKS.md's uneven grid), where a caller may pass "fixed"
+SCHEDULE = "balanced"
 MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule cuts
 # The balanced schedule's least share, in its cost units (KV tiles, and one a sequence): a piece of fewer tiles costs
 # more in its restart (Q, the pipeline's first tiles, a partial and its merge) than a part fewer on it saves

@@ -31,7 +31,8 @@ class TritonWorkspace(NamedTuple):
 
 class TritonDecode:
     """The triton backend's plan for a problem: its launch key, how it cuts the work (schedule: "fixed", the default,
-    the plan's num_splits equal splits of every sequence; or "balanced", opt-in until measured on a GPU, the
+    the plan's num_splits equal splits of every sequence; or "balanced", opt-in (1.6x the cuda backend's geomean on
+    the H100's uneven grid, BENCHMARKS.md), the
     work-balanced schedule of mla_decode/schedule.py, made on the device from the lengths by mla_schedule_kernel),
     the partials' workspace, grids,
     meta-arguments and, after the first run on a GPU, the compiled kernels' launchers, called with addresses
