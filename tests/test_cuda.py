@@ -535,13 +535,15 @@ def test_precise_mode_takes_the_mma_sync_kernel_and_refuses_mxfp4(fake_nvidia_gp
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-@pytest.mark.parametrize("rows,kv_seq_len,options", [(1024, 256, {"schedule": "fixed"}), (1000, 256, None),
-                                                      (1024, None, None)], ids=["uniform", "short", "no-promise"])
-def test_the_adapter_asks_for_fixed_splits_only_on_the_configs_uniform_promise(monkeypatch, rows, kv_seq_len,
-                                                                               options, backend):
-    """custom_kernel's cuda or triton plan cuts fixed splits where the config promises every length (kv_seq_len,
-    the longest, with batch x kv_seq_len rows in all: the schedule of equal splits is balanced, and needs no schedule
-    kernel); else it takes the library's default, whatever that is."""
+@pytest.mark.parametrize("rows,kv_seq_len,uniform", [(1024, 256, True), (1000, 256, False), (1024, None, False)],
+                         ids=["uniform", "short", "no-promise"])
+def test_the_adapter_asks_for_fixed_splits_where_the_leaderboard_was_tuned(monkeypatch, rows, kv_seq_len, uniform,
+                                                                           backend):
+    """custom_kernel's cuda plan cuts fixed splits whatever the lengths (the leaderboard face keeps what it was
+    tuned with; the library's cuda default is balanced); its triton plan where the config promises every length
+    (kv_seq_len, the longest, with batch x kv_seq_len rows in all: equal splits are balanced and need no schedule
+    kernel), else the library's default, whatever that is."""
+    options = {"schedule": "fixed"} if backend == "cuda" or uniform else None
     import mla_decode.leaderboard as L
 
     seen = []
