@@ -417,6 +417,33 @@ def leaderboard_problem(device: torch.device, kv_format: str = "fp8", precision:
     return S.make_problem(1, kv_dtype, device, layout="ragged", max_seqlen=1, precision=precision, return_lse=False)
 
 
+def test_the_bf16_cache_is_served_by_the_hopper_kernel_in_the_fast_mode(fake_nvidia_gpu, monkeypatch):
+    """The BF16 cache: the cuda backend serves it with a library that has the BF16 kernel (Hopper, one CTA an SM), in
+    units of 16 or 32 rows (never the FP8-only 64), with half the FP8 plan's splits; it refuses it in the precise mode
+    and with a library without that kernel, saying why. The libraries are stand-ins: what is checked is what the
+    backend reads of them."""
+    hopper = standin_library("lib_90a", mla_supports_bf16=lambda: 1, mla_bf16_ctas_per_sm=lambda: 1,
+                             mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 1 if rows == 64 else 2)
+    ampere = standin_library("lib_80")  # the mma.sync build: no BF16 kernel
+    gpu = {"capability": (9, 0)}
+    monkeypatch.setattr(D, "capability", lambda device: gpu["capability"])
+    monkeypatch.setattr(D, "library", lambda capability, precise=False: hopper if capability == (9, 0) and not precise
+                        else ampere)
+    problem = S.make_problem(128, torch.bfloat16, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=64,
+                             num_heads=128, q_len=2, causal=True)
+    assert problem.kv_format == "bf16" and D.cuda_unusable_reason(problem) is None
+    facts = D.device_facts(fake_nvidia_gpu, False)
+    assert facts.bf16_ctas_per_sm == 1 and P.plan_unit_rows(problem, facts) in (16, 32)
+    assert 64 not in P.served_unit_rows(problem, 64)
+    key = P.LaunchKey(fake_nvidia_gpu, 32, 8192, "bf16", False, 16)  # 4 splits with one CTA an SM, FP8's 8 with 2
+    assert P.plan_splits(key, facts) == 4 and P.plan_splits(key._replace(kv_format="fp8"), facts) == 8
+    assert D.cuda_unusable_reason(problem._replace(precision="precise")) == (
+        "cuda backend: the precise mode reads the FP8 cache only (its mma.sync kernel has no BF16 path)")
+    gpu["capability"] = (8, 0)
+    assert D.cuda_unusable_reason(problem) == (
+        "cuda backend: reads BF16 only with its Hopper (sm_90a) kernel; this GPU has capability (8, 0)")
+
+
 def test_without_the_package_auto_takes_triton_and_forced_cuda_says_how_to_install_it(fake_nvidia_gpu, monkeypatch,
                                                                                       caplog):
     """submission.py copied alone (the leaderboard's upload): `import mla_decode.cuda` fails."""

@@ -182,27 +182,6 @@ def test_cuda_plans_any_head_count(monkeypatch, q_len, num_heads):
     assert P.query_units(problem, rows) == 4 * q_len * -(-num_heads // rows)
 
 
-def test_cuda_plans_the_bf16_cache_on_hopper(monkeypatch):
-    """The BF16 cache: the cuda backend serves it in the fast mode (the Hopper kernel: GPU-faked here, with one BF16
-    CTA an SM), in units of 16 or 32 rows (never the FP8-only 64), and refuses it in the precise mode and with a
-    library without the BF16 kernel, saying why."""
-    D = pytest.importorskip("mla_decode.cuda.decode")
-    P = pytest.importorskip("mla_decode.cuda.plan")
-    monkeypatch.setattr(D, "unusable_reason", lambda device, kv_format, precise: (
-        "cuda backend: the precise mode reads the FP8 cache only" if precise and kv_format != "fp8" else None))
-    facts = P.DeviceFacts(132, lambda rows: 1 if rows == 64 else 2, 64, 1)
-    monkeypatch.setattr(D, "device_facts", lambda device, precise: facts)
-    problem = mla_decode.api.make_problem(128, torch.bfloat16, "cpu", layout="paged", page_size=64, max_pages=64,
-                                          num_heads=128, q_len=2, causal=True)
-    assert problem.kv_format == "bf16" and D.cuda_unusable_reason(problem) is None
-    assert P.plan_unit_rows(problem, facts) in (16, 32)
-    assert 64 not in P.served_unit_rows(problem, 64)
-    assert "precise mode" in D.cuda_unusable_reason(problem._replace(precision="precise"))
-    key = P.LaunchKey(problem.device, 512, 4096, "bf16", False, 16)  # one CTA an SM: half the FP8 plan's splits
-    assert P.plan_splits(key, facts) == P.cuda_plan(512, 4096, 132, 1)
-    assert P.unit_ctas_per_sm(facts, 16, "bf16") == 1 and P.unit_ctas_per_sm(facts, 16, "fp8") == 2
-
-
 def test_grids_past_the_launch_limits_are_refused(monkeypatch):
     """A grid dimension holds at most 65535: the cuda kernels' units of the plan's 16 or 32 query rows (counted once
     the backend serves the device: faked here), the triton kernel's batch and groups. Past them each backend refuses

@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # the package imports nothing of mla_decode at run time
 V_HEAD_DIM = 512  # value width (DV in the source)
 KV_FORMATS = ("fp8", "mxfp4", "bf16")  # the caches these kernels read, in the order of DecodeCall's kv_format
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}  # the caches' dtypes where they have one
+# The caches only the Hopper (wgmma) kernel reads, each with the library's export that says whether it has it
+HOPPER_FORMATS = {"mxfp4": "mla_supports_mxfp4", "bf16": "mla_supports_bf16"}
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 and ldmatrix; the e4m3 cvt is native from sm_89, emulated before
 
 
@@ -49,14 +51,14 @@ def unusable_reason(device: torch.device, kv_format: str = "fp8", precise: bool 
         return f"cuda backend: needs an NVIDIA GPU; device is {device}"
     if capability(device) < MIN_CAPABILITY:
         return f"cuda backend: needs compute capability >= 8.0, this GPU has {capability(device)}"
-    if kv_format in ("mxfp4", "bf16") and precise:
+    if kv_format in HOPPER_FORMATS and precise:
         return (f"cuda backend: the precise mode reads the FP8 cache only (its mma.sync kernel has no "
                 f"{kv_format.upper()} path)")
     try:
         lib = library(capability(device), precise)
     except RuntimeError as e:
         return str(e)
-    if (kv_format == "mxfp4" and not lib.mla_supports_mxfp4()) or (kv_format == "bf16" and not lib.mla_supports_bf16()):
+    if kv_format in HOPPER_FORMATS and not getattr(lib, HOPPER_FORMATS[kv_format])():
         return (f"cuda backend: reads {kv_format.upper()} only with its Hopper (sm_90a) kernel; this GPU has "
                 f"capability {capability(device)}")
     return None
@@ -231,14 +233,14 @@ class CudaDecode:
             raise RuntimeError(f"cuda backend: the schedule's launch failed with cudaError {err}")
         return items
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, seqs: torch.Tensor,
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor | None, seqs: torch.Tensor,
             table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
             schedule: torch.Tensor | None = None) -> None:
-        """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes, scale (1,) fp32 or
-        (num_rows, >= 18) E8M0; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,) (ragged); table
-        (batch, max_pages) or None; out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads, q_len) fp32 or
-        None; schedule: make_schedule's items for these seqs, or None (a balanced plan then makes its own in the
-        call). q, kv, seqs and table start on 16-byte boundaries."""
+        """q (batch, q_len, num_heads, 576) bf16; kv (num_rows, width) FP8 or MXFP4 codes or BF16, scale (1,) fp32,
+        (num_rows, >= 18) E8M0 or (BF16) None; seqs: cache_seqlens (batch,) (paged) or kv_indptr (batch + 1,)
+        (ragged); table (batch, max_pages) or None; out (batch, q_len, num_heads, 512) bf16; lse (batch, num_heads,
+        q_len) fp32 or None; schedule: make_schedule's items for these seqs, or None (a balanced plan then makes its
+        own in the call). q, kv, seqs and table start on 16-byte boundaries."""
         q_ptr, kv_ptr, seqs_ptr = q.data_ptr(), kv.data_ptr(), seqs.data_ptr()
         table_ptr = 0 if table is None else table.data_ptr()
         if (q_ptr | kv_ptr | seqs_ptr | table_ptr) % 16:
@@ -251,10 +253,8 @@ class CudaDecode:
         call.out, call.lse = out.data_ptr(), 0 if lse is None else lse.data_ptr()
         if self.key.kv_format == "mxfp4":
             call.kv_block_scales, call.scale_stride = scale.data_ptr(), scale.stride(0)
-        elif scale is None:  # bf16: no scale, never read
-            call.kv_scale = 0
-        else:
-            call.kv_scale = scale.data_ptr()
+        elif self.key.kv_format == "fp8":
+            call.kv_scale = scale.data_ptr()  # bf16 has none: the plan's 0, never read
         call.total_kv = kv.shape[0]
         call.stream = stream
         if self.balanced:
