@@ -21,6 +21,7 @@ constexpr int KROW = D + 16;           // smem bytes per tile row: 8 consecutive
 constexpr int QROW = D + 8;            // halves per row of the fp16 Q staging
 constexpr int PROW = BN + 8;           // halves per P row
 constexpr int KSTEPS = D / 16;         // k16 steps of the score product
+constexpr float Q_F16_SCALE = 0.0625f;  // Q's fp16 staging scale: a power of two near sm_scale * log2(e) keeps the range
 constexpr int SMEM_Q = H * QROW * 2;
 constexpr int SMEM_P = H * PROW * 2;
 constexpr int SMEM_RED = NWARPS * H * 4;
@@ -67,6 +68,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   if constexpr (paged) guess = guess_entries<STAGES>(call, b, piece.lo, tid);
   const SplitRange range = piece_range<BALANCED>(call, piece, rows.t);
   const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
+  const float score_scale = kv_scale * call.qk_scale / Q_F16_SCALE;
   const unsigned base = BALANCED ? 0u : arrival_base(call.sync, unit, call.num_splits);
   const int lo = range.lo, hi = range.hi, ntiles = range.ntiles, start = range.start;
   const bool valid = range.valid;
@@ -92,7 +94,8 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // for in the same iteration can come after the products at long lengths, its load queued behind the copies.
   int next_entry = paged ? paged_rows.fetch(call, b, lo, hi, STAGES, tid) : 0;  // put at the end of iteration 0
 
-  // Q -> fp16 * sm_scale * log2(e) (bf16 has 8 significant bits, fp16 11; |q| < ~1e6), then into registers as the
+  // Q -> fp16 * Q_F16_SCALE, exact (bf16 has 8 significant bits, fp16 11; a power of two keeps them; |q| < ~1e6):
+  // the scores take sm_scale * log2(e) in fp32, so a q of FP8 values gives exact products. Then into registers as the
   // A operand of every k16 step. Within each 16-dim chunk, lane t4 takes dims 4*t4 + {0,1} as the k-pair t4*2 and
   // 4*t4 + {2,3} as the k-pair t4*2 + 8: the products run over that permutation of the dims, the same for K (whose
   // ldmatrix fragments come out in exactly this order).
@@ -101,7 +104,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
     const int h = c / (D / 2), j = c % (D / 2);
     const float2 v = h < rows.live ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(
                                          call.q + rows.row0 * D)[c]) : make_float2(0.f, 0.f);
-    *reinterpret_cast<__half2*>(qs + h * QROW + 2 * j) = __floats2half2_rn(v.x * call.qk_scale, v.y * call.qk_scale);
+    *reinterpret_cast<__half2*>(qs + h * QROW + 2 * j) = __floats2half2_rn(v.x * Q_F16_SCALE, v.y * Q_F16_SCALE);
   }
   __syncthreads();
   uint32_t qa[KSTEPS][4];
@@ -149,10 +152,10 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 
     // Online softmax over the tile, log2 domain; rows past hi are masked.
     const int row = n0 + warp * TOKW + t4 * 2;
-    s[0] = row < hi ? s[0] * kv_scale : -INFINITY;
-    s[1] = row + 1 < hi ? s[1] * kv_scale : -INFINITY;
-    s[2] = row < hi ? s[2] * kv_scale : -INFINITY;
-    s[3] = row + 1 < hi ? s[3] * kv_scale : -INFINITY;
+    s[0] = row < hi ? s[0] * score_scale : -INFINITY;
+    s[1] = row + 1 < hi ? s[1] * score_scale : -INFINITY;
+    s[2] = row < hi ? s[2] * score_scale : -INFINITY;
+    s[3] = row + 1 < hi ? s[3] * score_scale : -INFINITY;
     float mx0 = fmaxf(s[0], s[1]), mx1 = fmaxf(s[2], s[3]);
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
