@@ -230,7 +230,8 @@ def test_gpu_cuda_masks_the_heads_past_the_last(kernel, q_len, num_heads, schedu
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("schedule", ["fixed", "balanced"])
-@pytest.mark.parametrize("kv_format,precision", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast")])
+@pytest.mark.parametrize("kv_format,precision", [("fp8", "fast"), ("fp8", "precise"), ("mxfp4", "fast"),
+                                                 ("bf16", "fast")])
 @pytest.mark.parametrize("page_size", [1, 64, 128])  # 128: a tile in either half of a page (one table entry a tile)
 @pytest.mark.parametrize("q_len,num_heads", SERVING_SHAPES)
 def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, page_size, kv_format, precision,
@@ -240,8 +241,8 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
     Q and P rounded as its walk rounds them (paged_reference with the plan's splits, or the balanced schedule's
     pieces), within the bound the "+Q+P" emulation holds the leaderboard shapes to (times sqrt(16 / heads) below 16
     heads), LSE within the cuda fast kernel's bound for the format. Precise (fp16 products, nothing rounded beyond
-    the cache): the exact computation within the precise bounds. The tokens not causal, or a 2% softmax scale error,
-    fail it."""
+    the cache) and BF16 (bf16 products and P): the exact computation within the format's bounds. The tokens not
+    causal, or a 2% softmax scale error, fail it."""
     case = make_paged_case(kv_format, page_size, SERVING_LENS, seed=q_len * num_heads + page_size, q_len=q_len,
                            num_heads=num_heads, device="cuda")
     target = mla_decode.triton.triton_target(torch.device("cuda"))
@@ -255,12 +256,13 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
     def decode(**bug):
         return mla_decode.plan(len(SERVING_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
                                num_heads=num_heads, q_len=q_len, causal=bug.get("causal", case.causal),
-                               softmax_scale=bug.get("softmax_scale"), kv_scale_dtype=case.kv_scale.dtype,
+                               softmax_scale=bug.get("softmax_scale"),
+                               kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype,
                                backend="triton", max_seqlen=max(SERVING_LENS), precision=precision,
                                backend_options={"plan": plan, "schedule": schedule}).run(*case.args())
 
     out, lse = decode()
-    if precision == "fast":
+    if precision == "fast" and kv_format != "bf16":
         if schedule == "fixed":
             tiling = Tiling(plan.num_splits, plan.block_n, torch.float32)
         else:  # the schedule kernel's pieces, as the CPU reference cuts them for this GPU's parts
@@ -273,7 +275,7 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
         lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")][1]
     else:
         ref_out, ref_lse = paged_reference(case)
-        out_bound, lse_bound = GPU_BOUNDS[("triton", "fp8", "precise")]
+        out_bound, lse_bound = GPU_BOUNDS[("triton", kv_format, precision)]
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
     planted = [dict(causal=case.causal, softmax_scale=1.02 / math.sqrt(576))] + ([dict(causal=False)] if q_len > 1

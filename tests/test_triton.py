@@ -455,12 +455,18 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     # the interpreter plans as an H200 but for the Hopper kernel (Gluon), which only compiles for the GPU
     assert P.triton_plan(4, 8192, C.INTERPRETER_TARGET, "fp8") == P.triton_plan(4, 8192, h200, "fp8")._replace(
         hopper=False)
-    # the Hopper kernel: the FP8 cache on sm_90, fast or precise, and the MXFP4 one, fast; 16 rows a program, whatever
-    # the heads (a forced block_h keeps the portable kernel)
+    # the Hopper kernel: the FP8 cache on sm_90, fast or precise, the MXFP4 one, fast, and the BF16 one; 16 rows a
+    # program, whatever the heads (a forced block_h keeps the portable kernel)
     assert P.triton_plan(64, 8192, h200, "fp8", 128, 128)[2:] == (4, 3, False, True, True, 16, True)
     assert P.triton_plan(64, 8192, h200, "fp8", 128, 128, precise=True)[2:] == (4, 3, False, True, False, 16, True)
     assert P.triton_plan(64, 8192, h200, "mxfp4", 128, 128).hopper
-    for portable in (dict(kv_format="mxfp4", precise=True), dict(kv_format="bf16"), dict(block_h=32)):
+    assert P.triton_plan(64, 8192, h200, "bf16", 128, 128).hopper
+    assert P.triton_plan(64, 8192, h200, "bf16", 128, 128, precise=True).hopper  # the same products
+    # a BF16 program holds an SM's shared memory: the splits fill one program an SM, not two
+    assert P.HOPPER_BF16_PROGRAMS_PER_SM == 1
+    assert P.triton_plan(8, 8192, h200, "bf16").num_splits * 8 <= h200.num_sms < P.triton_plan(8, 8192, h200,
+                                                                                               "fp8").num_splits * 8
+    for portable in (dict(kv_format="mxfp4", precise=True), dict(block_h=32)):
         assert not P.triton_plan(64, 8192, h200, **dict(dict(kv_format="fp8"), **portable)).hopper, portable
     # V converted in pairs before its transpose: the fast FP8 kernel only
     assert not P.triton_plan(4, 8192, h200, "fp8", precise=True).v_cast_first
@@ -497,9 +503,9 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     with pytest.raises(ValueError, match="Hopper kernel"):
         P.triton_key(fast, h200, P.TritonPlan(2, 64, 8, 3, hopper=True))
     assert P.triton_key(fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200, (2, 64, 4, 3)).plan.hopper
+    assert P.triton_key(fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16), h200, (2, 64, 4, 3)).plan.hopper
     # ... or for a call it cannot serve: another format, cache dtype, precision or GPU
     for other, target in ((problem._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200),
-                          (fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16), h200),
                           (fast._replace(kv_dtype=torch.float8_e4m3fnuz), h200),
                           (fast, h200._replace(arch="sm_100")), (fast, C.INTERPRETER_TARGET)):
         with pytest.raises(ValueError, match="Hopper kernel"):

@@ -39,6 +39,7 @@ from .common import (
 )
 
 HOPPER_PLAN_SHAPE = (64, 4, 16)  # (tile rows, warps, query rows a program) its layouts are written for
+HOPPER_BF16_PROGRAMS_PER_SM = 1  # a BF16 program's two 72 KB tiles leave no room for a second
 P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
 # The Triton release whose Gluon the kernel is written for (measured on the H200): Gluon is experimental and its API
 # changes between releases (3.9 renamed cp.async's load and the CTA barrier), so other releases take the portable one.
@@ -197,9 +198,12 @@ if HOPPER_KERNEL_REASON is None:
         return gl.convert_layout(_f16_k(a8.to(gl.float16)), _A_F16, assert_trivial=True)
 
     @gluon.jit
-    def _q_operand(q, PRECISE: gl.constexpr, FP8_MAX: gl.constexpr):
-        """Scaled Q rows (16, K) as the score product's B takes them: fp16 in _f16_k order, or E4M3."""
-        if PRECISE:
+    def _q_operand(q, PRECISE: gl.constexpr, BF16: gl.constexpr, FP8_MAX: gl.constexpr):
+        """Scaled Q rows (16, K) as the score product's B takes them: bf16 (K from shared memory: its order), fp16
+        in _f16_k order, or E4M3."""
+        if BF16:
+            return q.to(gl.bfloat16)
+        elif PRECISE:
             return _f16_k(q.to(gl.float16))
         else:
             return gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
@@ -374,7 +378,7 @@ if HOPPER_KERNEL_REASON is None:
                       lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, piece, b, group,
                       NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
                       WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BALANCED: gl.constexpr):
+                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr, BALANCED: gl.constexpr):
         """Group `group` of sequence b's 16 query rows over one piece of its rows: BALANCED, the schedule's item
         `piece`; else split `piece` of NUM_SPLITS. Its output, or its partial in the piece's slot."""
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
@@ -388,7 +392,8 @@ if HOPPER_KERNEL_REASON is None:
             per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
             lo = start + piece * per_split
             hi = gl.minimum(lo + per_split, end)
-        MMA: gl.constexpr = _MMA16 if PRECISE else _MMA
+        WIDE_OPS: gl.constexpr = PRECISE or BF16  # 16-bit products (k 16 an instruction)
+        MMA: gl.constexpr = _MMA16 if WIDE_OPS else _MMA
         cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
         qrow = group * 16 + gl.arange(0, 16, layout=cols)
         row_in = qrow < ROWS
@@ -410,30 +415,35 @@ if HOPPER_KERNEL_REASON is None:
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
             q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
-        if PRECISE:  # fp16, scaled by a power of two (exact) so that its largest |q| lies in [2^14, 2^15)
+        if BF16:  # bf16 as it comes
+            q_scale = gl.full([16], 1.0, gl.float32, gl.SliceLayout(1, _QLOAD))
+        elif PRECISE:  # fp16, scaled by a power of two (exact) so that its largest |q| lies in [2^14, 2^15)
             q_scale = gl.exp2(14.0 - gl.floor(gl.log2(gl.maximum(q_max, 1e-30))))
         else:  # E4M3; the IEEE quotient, as the portable kernel takes it
             q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)),
                                 gl.maximum(q_max, 1e-30))
-        OP_DTYPE: gl.constexpr = gl.float16 if PRECISE else gl.float8e4nv  # the products' operands
-        qs = gl.allocate_shared_memory(OP_DTYPE, [4, 16, 128], _SW128_16 if PRECISE else _SW128)
+        # the products' operands
+        OP_DTYPE: gl.constexpr = gl.bfloat16 if BF16 else gl.float16 if PRECISE else gl.float8e4nv
+        qs = gl.allocate_shared_memory(OP_DTYPE, [4, 16, 128], _SW128_16 if WIDE_OPS else _SW128)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
-            qs.index(c).store(_q_operand(q_c, PRECISE, FP8_MAX))
+            qs.index(c).store(_q_operand(q_c, PRECISE, BF16, FP8_MAX))
         q_pe = gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
-        qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64,
-                                         _q_operand(q_pe, PRECISE, FP8_MAX))
-        if MXFP4:
-            kv_scale = 1.0  # the block scales are in the tile
+        qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if WIDE_OPS else _SW64,
+                                         _q_operand(q_pe, PRECISE, BF16, FP8_MAX))
+        if MXFP4 or BF16:
+            kv_scale = 1.0  # MXFP4: the block scales are in the tile; BF16: none
         else:
             kv_scale = gl.load(kscale_ptr)
         s_scale = kv_scale * qk_scale / gl.convert_layout(q_scale, cols)  # scores in log2 units
 
-        TILE_DTYPE: gl.constexpr = gl.float8e5 if MXFP4 else gl.float8e4nv  # MXFP4: expanded, exactly, to E5M2
-        kt = gl.allocate_shared_memory(TILE_DTYPE, [2, 4 * 64, 128], _SW128)  # a tile's 128-dim blocks, stacked
-        kr = gl.allocate_shared_memory(TILE_DTYPE, [2, 64, 64], _SW64)
-        ps = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if PRECISE else _SW64)  # P (rows x k), _k_order
-        p_scale: gl.constexpr = 1.0 if PRECISE else _P_SCALE
+        # MXFP4: expanded, exactly, to E5M2
+        TILE_DTYPE: gl.constexpr = gl.bfloat16 if BF16 else gl.float8e5 if MXFP4 else gl.float8e4nv
+        kt = gl.allocate_shared_memory(TILE_DTYPE, [2, 4 * 64, 128], _SW128_16 if BF16 else _SW128)  # 128-dim blocks
+        kr = gl.allocate_shared_memory(TILE_DTYPE, [2, 64, 64], _SW128_16 if BF16 else _SW64)
+        # P (rows x k): the tile's row order (BF16), else _k_order
+        ps = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if WIDE_OPS else _SW64)
+        p_scale: gl.constexpr = 1.0 if WIDE_OPS else _P_SCALE
         m_i = gl.full([16], float("-inf"), gl.float32, cols)
         l_i = gl.zeros([16], gl.float32, cols)
         bad = gl.to_tensor(0)
@@ -518,14 +528,26 @@ if HOPPER_KERNEL_REASON is None:
             p = gl.exp2(s - m_base[None, :])
             l_i = l_i * alpha + gl.sum(p, 0)
             m_i = m_new
-            if PRECISE:
+            if BF16:
+                ps.store(p.to(gl.bfloat16).permute((1, 0)))
+            elif PRECISE:
                 ps.store(_f16_k(_k_order(p.to(gl.float16)).permute((1, 0))))
             else:
                 ps.store(_k_order((p * p_scale).to(gl.float8e4nv)).permute((1, 0)))
             hopper.fence_async_shared()
             gl.thread_barrier()
             pt = ps.permute((1, 0))
-            if PRECISE:  # V^T's fp16 fragments, a block converted while the last one's product runs
+            if BF16:  # V^T straight from the tile: each 128-dim block transposed (MN-major A)
+                acc0 = hopper.warpgroup_mma(tile.slice(0, 64).permute((1, 0)), pt, acc0 * alpha[None, :],
+                                            is_async=True)
+                acc1 = hopper.warpgroup_mma(tile.slice(64 * 1, 64).permute((1, 0)), pt, acc1 * alpha[None, :],
+                                            is_async=True)
+                acc2 = hopper.warpgroup_mma(tile.slice(64 * 2, 64).permute((1, 0)), pt, acc2 * alpha[None, :],
+                                            is_async=True)
+                acc3 = hopper.warpgroup_mma(tile.slice(64 * 3, 64).permute((1, 0)), pt, acc3 * alpha[None, :],
+                                            is_async=True)
+                acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+            elif PRECISE:  # V^T's fp16 fragments, a block converted while the last one's product runs
                 a0 = _f16_fragments(_v_fragments(tile.slice(0, 64)))
                 acc0 = hopper.warpgroup_mma(a0, pt, acc0 * alpha[None, :], is_async=True)
                 a1 = _f16_fragments(_v_fragments(tile.slice(64 * 1, 64)))
@@ -561,7 +583,7 @@ if HOPPER_KERNEL_REASON is None:
         lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
         h = gl.arange(0, 16, layout=cols)
-        at = h[None, :] * V_DIM + _dim_of(r)[:, None]
+        at = h[None, :] * V_DIM + (r if BF16 else _dim_of(r))[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
             if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
@@ -582,11 +604,12 @@ if HOPPER_KERNEL_REASON is None:
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, part_first_ptr, qk_scale,
                              NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
                              WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
-                             CAUSAL: gl.constexpr, PRECISE: gl.constexpr, MXFP4: gl.constexpr,
+                             CAUSAL: gl.constexpr, PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr,
                              BALANCED: gl.constexpr):
         # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
         # program (part, group) walks its part's pieces, as the portable kernel does
         gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
+        gl.static_assert(not (BF16 and (MXFP4 or PRECISE)), "BF16 takes its own products (PRECISE: FP8's fp16 ones)")
         group = gl.program_id(1)
         if BALANCED:
             part = gl.program_id(0)
@@ -594,9 +617,9 @@ if HOPPER_KERNEL_REASON is None:
                 _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
                               out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
                               gl.load(items_ptr + item * 4), group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE,
-                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BALANCED)
+                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BF16, BALANCED)
         else:
             _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
                           lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, gl.program_id(0), gl.program_id(2),
                           group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE, NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4,
-                          BALANCED)
+                          BF16, BALANCED)

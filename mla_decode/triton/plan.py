@@ -18,7 +18,7 @@ from .common import (
     triton_interpreted,
     triton_target,
 )
-from .hopper import HOPPER_KERNEL_REASON, HOPPER_PLAN_SHAPE
+from .hopper import HOPPER_BF16_PROGRAMS_PER_SM, HOPPER_KERNEL_REASON, HOPPER_PLAN_SHAPE
 
 TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
 # NVIDIA's fast FP8 plan: programs of 32 query rows (8 warps) where heads come in 32s and a program still walks
@@ -77,8 +77,8 @@ class TritonPlan(NamedTuple):
     # FP8 kernel where that wins (its docstring says where); a caller may choose more
     block_h: int = TRITON_BLOCK_H
     # the split kernel for Hopper (hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
-    # portable one, for the FP8 cache (fast or precise) and the MXFP4 one (fast); 16 query rows, 4 warps, two tiles
-    # buffered
+    # portable one, for the FP8 cache (fast or precise), the MXFP4 one (fast) and the BF16 one; 16 query rows, 4 warps,
+    # two tiles buffered
     hopper: bool = False
 
 
@@ -94,16 +94,17 @@ def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> 
 def hopper_unusable_reason(target: TritonTarget, kv_format: str, kv_dtype: torch.dtype | None = None,
                            precise: bool = False) -> str | None:
     """Why the Hopper kernel (hopper.py) cannot serve a call of this format, cache dtype (None: the format's
-    usual one) and precision on `target`, or None: it takes the e4m3fn FP8 cache (fast or precise) and the MXFP4
-    cache (fast) on sm_90, with the Triton it is written for."""
+    usual one) and precision on `target`, or None: it takes the e4m3fn FP8 cache (fast or precise), the MXFP4 cache
+    (fast) and the BF16 one (its products are the same in either precision) on sm_90, with the Triton it is written
+    for."""
     if HOPPER_KERNEL_REASON is not None:
         return HOPPER_KERNEL_REASON
     if target.arch != "sm_90":
         return f"the Hopper kernel is compiled for sm_90; the target is {target.arch}"
     if kv_format == "mxfp4" and precise:
         return "the Hopper kernel takes the MXFP4 cache for its fast (E4M3 Q and P) products only; this call is precise"
-    if not (kv_format == "mxfp4" or (kv_format == "fp8" and kv_dtype in (None, torch.float8_e4m3fn))):
-        return f"the Hopper kernel takes the float8_e4m3fn and the MXFP4 caches; got {kv_format} ({kv_dtype})"
+    if not (kv_format in ("mxfp4", "bf16") or (kv_format == "fp8" and kv_dtype in (None, torch.float8_e4m3fn))):
+        return f"the Hopper kernel takes the float8_e4m3fn, MXFP4 and BF16 caches; got {kv_format} ({kv_dtype})"
     return None
 
 
@@ -133,7 +134,8 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     block_h = block_h or TRITON_BLOCK_H
     block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
     max_splits = 32 if kv_format == "fp8" or hopper else 64  # Hopper MXFP4: a split expands a tile past its end
-    want = max(1, programs_per_sm(target) * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
+    resident = HOPPER_BF16_PROGRAMS_PER_SM if hopper and kv_format == "bf16" else programs_per_sm(target)
+    want = max(1, resident * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
     # bf16 at 3 stages asks an H200 for 241,664 B of shared memory (the model counts 2 buffered tiles; Triton holds
     # more): 2 stages
