@@ -19,6 +19,7 @@ does). The exit status is 1 when a case failed.
     python3 bench/flashmla_test.py PATH --cpu-smoke      # the CPU: a few small cases, the torch backend
 
 --only picks the kinds of case (correctness: main's grid; corner: zero lengths; performance: the timed ones),
+--caches the dense cases' caches (bf16, fp8),
 --shard K/N every N-th of the selected cases from the K-th (1-based), --backend and --fp8-precision are passed to
 mla_decode.flash_mla's functions. The face's plans are dropped after each case (its cache would otherwise keep up
 to 64 plans' workspaces of the large cases); --keep-plans keeps them.
@@ -37,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TEST_NAMES = ("test_flash_mla_decoding.py", "test_flash_mla.py")  # the pinned commit's name, the older one's
 KINDS = ("correctness", "corner", "performance")
+CACHES = ("bf16", "fp8")  # the dense cases' caches (TestParam.is_fp8)
 
 STANDIN = '''"""Stand-in for FlashMLA's package, written by mla_decode's bench/flashmla_test.py: mla_decode.flash_mla's
 functions under FlashMLA's names, so that FlashMLA's test calls them and nothing of FlashMLA's own."""
@@ -115,8 +117,8 @@ class Runner:
     """Wraps the test file's test_flash_mla: skips what is not served or not selected, runs the rest, records each."""
 
     def __init__(self, module, kinds=KINDS, shard=(1, 1), stop_on_fail: bool = False, keep_plans: bool = False,
-                 json_path: str | None = None):
-        self.original, self.kinds, self.shard = module.test_flash_mla, set(kinds), shard
+                 json_path: str | None = None, caches=CACHES):
+        self.original, self.kinds, self.shard, self.caches = module.test_flash_mla, set(kinds), shard, set(caches)
         self.stop_on_fail, self.keep_plans, self.json_path = stop_on_fail, keep_plans, json_path
         self.extra: dict = {}  # what the summary says besides the cases (main fills it)
         self.selected = 0  # dense cases of the selected kinds seen so far, for the shard
@@ -128,7 +130,7 @@ class Runner:
             self.skipped["sparse"] += 1
             return
         kind = kind_of(t)
-        if kind not in self.kinds:
+        if kind not in self.kinds or CACHES[bool(t.is_fp8)] not in self.caches:
             self.skipped["not selected"] += 1
             return
         self.selected += 1
@@ -204,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("test", help="the test file, or the directory holding it (with lib.py and quant.py)")
     parser.add_argument("--only", default=",".join(KINDS), help=f"kinds of case, of {KINDS} (default: all)")
+    parser.add_argument("--caches", default=",".join(CACHES), help=f"the dense cases' caches, of {CACHES} (default: "
+                        "both)")
     parser.add_argument("--shard", default="1/1", help="K/N: every N-th selected case from the K-th (default 1/1)")
     parser.add_argument("--backend", default="auto", help="mla_decode's backend (default auto)")
     parser.add_argument("--fp8-precision", choices=("precise", "fast"), default=None,
@@ -217,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         parser.error(f"--only: {unknown} not among {KINDS}")
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    if not caches or set(caches) - set(CACHES):
+        parser.error(f"--caches: expected some of {CACHES}, got {args.caches!r}")
     try:
         k, n = (int(x) for x in args.shard.split("/"))
         assert 1 <= k <= n
@@ -227,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flashmla-standin-") as tmp:
         write_standin(Path(tmp), args.backend, args.fp8_precision)
         module = import_test(test_file, Path(tmp))
-        runner = Runner(module, kinds, (k, n), args.stop_on_fail, args.keep_plans, args.json)
+        runner = Runner(module, kinds, (k, n), args.stop_on_fail, args.keep_plans, args.json, caches)
         module.test_flash_mla = runner  # main() looks it up in the module at each case
         import torch
 
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         runner.extra = {"test": str(test_file), "device": device, "torch": torch.__version__, "backend": args.backend,
-                        "fp8_precision": args.fp8_precision or "precise", "only": kinds, "shard": args.shard}
+                        "fp8_precision": args.fp8_precision or "precise", "only": kinds, "caches": caches,
+                        "shard": args.shard}
         print(f"[flashmla_test] {test_file}; stand-in {tmp}/flash_mla; torch {torch.__version__}; {device}",
               flush=True)
         start = time.perf_counter()

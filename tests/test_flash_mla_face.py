@@ -426,7 +426,7 @@ def isolated_imports(monkeypatch):
 def test_bench_runner_on_a_synthetic_flashmla_test(tmp_path, isolated_imports):
     """bench/flashmla_test.py: the stand-in answers `import flash_mla` with our functions (and names what it lacks);
     each case runs through the file's own test_flash_mla, sparse ones skipped, failures recorded, the exit status 1;
-    --only and --shard select."""
+    --only, --caches and --shard select."""
     import json
 
     from bench import flashmla_test
@@ -444,6 +444,12 @@ def test_bench_runner_on_a_synthetic_flashmla_test(tmp_path, isolated_imports):
     assert flashmla_test.main([str(test_file), "--only", "correctness", "--shard", "2/3", "--json",
                                str(summary_file)]) == 0
     assert json.loads(summary_file.read_text())["passed"] == 1  # the 2nd of 3 correctness cases
+    assert flashmla_test.main([str(test_file), "--only", "correctness", "--caches", "fp8", "--json",
+                               str(summary_file)]) == 0
+    summary = json.loads(summary_file.read_text())
+    assert (summary["passed"], summary["skipped"]["not selected"]) == (1, 4)  # the one dense FP8 case
+    with pytest.raises(SystemExit):
+        flashmla_test.main([str(test_file), "--caches", "fp16"])
 
     package = flashmla_test.write_standin(tmp_path / "standin")
     module = flashmla_test.import_test(test_file, tmp_path / "standin")

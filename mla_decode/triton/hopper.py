@@ -1,6 +1,6 @@
-"""The triton backend's split kernel for Hopper (sm_90a) and the FP8 and MXFP4 caches, written in Gluon (Triton's
-explicit-layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not
-give.
+"""The triton backend's split kernel for Hopper (sm_90a) and the FP8, MXFP4 and BF16 caches, written in Gluon
+(Triton's explicit-layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts
+do not give.
 
 Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
 the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (part, group) walks
@@ -19,7 +19,10 @@ tile after the one in the registers (_l2_prefetch_tile), so that their load of i
 The precise mode (PRECISE, FP8 only) rounds nothing beyond the cache, as the portable kernel's: fp16 products, Q
 scaled by a power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as above) converted to fp16 in the
 registers they lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q
-and P are stored in that order too. A paged tile's table entries are read a tile ahead of its reads (_tile_entries).
+and P are stored in that order too. BF16 (BF16): the tile as bf16 in the same blocks, 64 dims wide a swizzle row (2
+x 72 KB + Q: one program an SM); both products on bf16 wgmma with the tile read from shared memory, V^T as its
+blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A paged tile's
+table entries are read a tile ahead of its reads (_tile_entries).
 """
 
 from ..contract import MXFP4_ROW_BYTES, V_HEAD_DIM
