@@ -1258,9 +1258,9 @@ def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
 
 # ---------------------------------------------------------------------------------------------------------------------
 # mla_decode/triton/hopper.py
-# The triton backend's split kernel for Hopper (sm_90a) and the FP8 and MXFP4 caches, written in Gluon (Triton's
-# explicit-layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts do not
-# give.
+# The triton backend's split kernel for Hopper (sm_90a) and the FP8, MXFP4 and BF16 caches, written in Gluon
+# (Triton's explicit-layout dialect): the products as the cuda backend's wgmma kernel takes them, which tl.dot's layouts
+# do not give.
 #
 # Program (split, group, b) walks its share of sequence b's rows for 16 query rows with one warpgroup (4 warps), as
 # the portable kernel does (same arguments, same partials for its combine kernel; BALANCED: program (part, group) walks
@@ -1279,7 +1279,10 @@ def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
 # The precise mode (PRECISE, FP8 only) rounds nothing beyond the cache, as the portable kernel's: fp16 products, Q
 # scaled by a power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as above) converted to fp16 in the
 # registers they lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q
-# and P are stored in that order too. A paged tile's table entries are read a tile ahead of its reads (_tile_entries).
+# and P are stored in that order too. BF16 (BF16): the tile as bf16 in the same blocks, 64 dims wide a swizzle row (2
+# x 72 KB + Q: one program an SM); both products on bf16 wgmma with the tile read from shared memory, V^T as its
+# blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A paged tile's
+# table entries are read a tile ahead of its reads (_tile_entries).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -2870,18 +2873,11 @@ def on_nvidia(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None
 
 
-# The caches auto gives the cuda backend; the others it serves when asked by name (the BF16 kernel: not yet measured
-# on a GPU, docs/2026-12-07-heads-and-bf16.md)
-CUDA_AUTO_FORMATS = ("fp8", "mxfp4")
-
-
 @functools.cache
 def cuda_auto_reason(problem: Problem) -> str | None:
     """cuda_unusable_reason, cached (auto asks it for every new problem; a failed build is not retried), and logged
     as a warning where an NVIDIA GPU cannot have the cuda backend at all (no package, no nvcc): the triton backend
-    runs there instead. A cache outside CUDA_AUTO_FORMATS is passed over with the reason."""
-    if problem.kv_format not in CUDA_AUTO_FORMATS:
-        return f"cuda backend: auto takes it for {' and '.join(CUDA_AUTO_FORMATS)} caches, not {problem.kv_format}"
+    runs there instead."""
     reason = cuda_unusable_reason(problem)
     plainest = problem._replace(q_len=1, num_heads=16, kv_format="fp8", kv_dtype=torch.float8_e4m3fn,
                                 scale_dtype=torch.float32, precision="fast")  # what every cuda build serves

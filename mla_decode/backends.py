@@ -45,18 +45,11 @@ def on_nvidia(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None
 
 
-# The caches auto gives the cuda backend; the others it serves when asked by name (the BF16 kernel: not yet measured
-# on a GPU, docs/2026-12-07-heads-and-bf16.md)
-CUDA_AUTO_FORMATS = ("fp8", "mxfp4")
-
-
 @functools.cache
 def cuda_auto_reason(problem: Problem) -> str | None:
     """cuda_unusable_reason, cached (auto asks it for every new problem; a failed build is not retried), and logged
     as a warning where an NVIDIA GPU cannot have the cuda backend at all (no package, no nvcc): the triton backend
-    runs there instead. A cache outside CUDA_AUTO_FORMATS is passed over with the reason."""
-    if problem.kv_format not in CUDA_AUTO_FORMATS:
-        return f"cuda backend: auto takes it for {' and '.join(CUDA_AUTO_FORMATS)} caches, not {problem.kv_format}"
+    runs there instead."""
     reason = cuda_unusable_reason(problem)
     plainest = problem._replace(q_len=1, num_heads=16, kv_format="fp8", kv_dtype=torch.float8_e4m3fn,
                                 scale_dtype=torch.float32, precision="fast")  # what every cuda build serves

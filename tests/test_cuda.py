@@ -418,10 +418,10 @@ def leaderboard_problem(device: torch.device, kv_format: str = "fp8", precision:
 
 
 def test_the_bf16_cache_is_served_by_the_hopper_kernel_in_the_fast_mode(fake_nvidia_gpu, monkeypatch):
-    """The BF16 cache: the cuda backend serves it with a library that has the BF16 kernel (Hopper, one CTA an SM), in
-    units of 16 or 32 rows (never the FP8-only 64), with half the FP8 plan's splits; it refuses it in the precise mode
-    and with a library without that kernel, saying why. The libraries are stand-ins: what is checked is what the
-    backend reads of them."""
+    """The BF16 cache: the cuda backend serves it (auto's pick) with a library that has the BF16 kernel (Hopper, one
+    CTA an SM), in units of 16 or 32 rows (never the FP8-only 64), with half the FP8 plan's splits; it refuses it in
+    the precise mode and with a library without that kernel, saying why. The libraries are stand-ins: what is checked
+    is what the backend reads of them."""
     hopper = standin_library("lib_90a", mla_supports_bf16=lambda: 1, mla_bf16_ctas_per_sm=lambda: 1,
                              mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 1 if rows == 64 else 2)
     ampere = standin_library("lib_80")  # the mma.sync build: no BF16 kernel
@@ -432,6 +432,7 @@ def test_the_bf16_cache_is_served_by_the_hopper_kernel_in_the_fast_mode(fake_nvi
     problem = S.make_problem(128, torch.bfloat16, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=64,
                              num_heads=128, q_len=2, causal=True)
     assert problem.kv_format == "bf16" and D.cuda_unusable_reason(problem) is None
+    assert S.cuda_auto_reason(problem) is None  # auto's pick for BF16 on Hopper (the precise mode: triton's)
     facts = D.device_facts(fake_nvidia_gpu, False)
     assert facts.bf16_ctas_per_sm == 1 and P.plan_unit_rows(problem, facts) in (16, 32)
     assert 64 not in P.served_unit_rows(problem, 64)

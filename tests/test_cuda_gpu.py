@@ -146,7 +146,9 @@ def test_gpu_barrier_counts_every_arrival_and_an_oversized_grid_fails_to_launch(
             S.custom_kernel(data)
     torch.cuda.synchronize()
     plans = [decision.plan.impl for decision in S._DISPATCH.values()]
-    counts = [(plan.sync.tolist(), plan.num_splits) for plan in plans]
+    # each plan's one workspace (this thread, this stream): its partials, then its counters
+    counts = [(workspace.buffers[2].tolist(), plan.num_splits) for plan in plans
+              for workspace in plan._workspaces.values()]
     assert len(counts) == 2 and all(count == [3 * splits] * 4 and splits > 1 for count, splits in counts)
     data = R.generate_input(4, 1, 1024, seed=1)
     for splits, error in ((256, 720), (3, 1), (1024, 1)):  # too large for a cooperative launch; not a power of two
