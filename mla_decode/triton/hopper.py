@@ -414,17 +414,18 @@ if HOPPER_KERNEL_REASON is None:
         q_ok = (group * 16 + qr < ROWS)[:, None]
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
-        q_max = gl.max(gl.abs(gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
-        for c in gl.static_range(_NCHUNK):
-            q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
-            q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
-        if BF16:  # bf16 as it comes
+        if BF16:  # bf16 as it comes: no scale, so no row maximum
             q_scale = gl.full([16], 1.0, gl.float32, gl.SliceLayout(1, _QLOAD))
-        elif PRECISE:  # fp16, scaled by a power of two (exact) so that its largest |q| lies in [2^14, 2^15)
-            q_scale = gl.exp2(14.0 - gl.floor(gl.log2(gl.maximum(q_max, 1e-30))))
-        else:  # E4M3; the IEEE quotient, as the portable kernel takes it
-            q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)),
-                                gl.maximum(q_max, 1e-30))
+        else:
+            q_max = gl.max(gl.abs(gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
+            for c in gl.static_range(_NCHUNK):
+                q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32)
+                q_max = gl.maximum(q_max, gl.max(gl.abs(q_c), 1))
+            if PRECISE:  # fp16, scaled by a power of two (exact) so that its largest |q| lies in [2^14, 2^15)
+                q_scale = gl.exp2(14.0 - gl.floor(gl.log2(gl.maximum(q_max, 1e-30))))
+            else:  # E4M3; the IEEE quotient, as the portable kernel takes it
+                q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)),
+                                    gl.maximum(q_max, 1e-30))
         # the products' operands
         OP_DTYPE: gl.constexpr = gl.bfloat16 if BF16 else gl.float16 if PRECISE else gl.float8e4nv
         qs = gl.allocate_shared_memory(OP_DTYPE, [4, 16, 128], _SW128_16 if WIDE_OPS else _SW128)
