@@ -122,15 +122,15 @@ def test_the_load_refuses_a_library_whose_decode_call_differs_and_remembers(fres
 @needs_nvcc
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
 def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capability):
-    """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 and (the FP8 cache)
-    64 in the wgmma build, at least one head (a token's last unit is masked past its heads), and a cache format the
-    build reads (BF16: the wgmma build); otherwise cudaErrorInvalidValue (1)."""
+    """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 and (the FP8 and BF16
+    caches) 64 in the wgmma build, at least one head (a token's last unit is masked past its heads), and a cache
+    format the build reads (BF16: the wgmma build); otherwise cudaErrorInvalidValue (1)."""
     lib = B.library(capability)
     widest = lib.mla_max_unit_rows()
     refused = [(0, 16, 0), (8, 16, 0), (24, 48, 0), (48, 96, 0), (widest * 2, 256, 0), (16, 0, 0), (16, -8, 0),
-               (64, 128, 1), (64, 128, 2), (16, 16, 3)]  # MXFP4 and BF16 in 64-row units; no format 3
+               (64, 128, 1), (16, 16, 3)]  # MXFP4 in 64-row units; no format 3
     if widest < 64:
-        refused += [(64, 128, 0), (16, 16, 2)]  # the mma.sync build: no 64-row units, no BF16
+        refused += [(64, 128, 0), (64, 128, 2), (16, 16, 2)]  # the mma.sync build: no 64-row units, no BF16
     for rows, num_heads, kv_format in refused:
         call = B.DecodeCall(batch=1, num_splits=1, num_heads=num_heads, q_len=1, unit_rows=rows, kv_format=kv_format)
         assert lib.mla_decode(ctypes.addressof(call)) == 1, (rows, num_heads, kv_format)
@@ -322,8 +322,8 @@ def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, batch,
     assert P.query_units(problem, rows) == batch * q_len * num_heads // rows
     assert P.plan_unit_rows(problem, facts, 16) == 16
     fast = precision == "fast"
-    served = [16] + [r for r in (32, 64) if fast and num_heads % r == 0 and widest >= r and (r < 64 or kv_format ==
-                                                                                                 "fp8")]
+    served = [16] + [r for r in (32, 64) if fast and num_heads % r == 0 and widest >= r and (r < 64 or kv_format !=
+                                                                                                 "mxfp4")]
     for asked in (32, 64):
         if asked in served:
             assert P.plan_unit_rows(problem, facts, asked) == asked
@@ -338,12 +338,13 @@ def test_wider_units_where_the_hopper_kernel_serves_them(fake_nvidia_gpu, batch,
 # (num_heads, precision, kv_format, the library's widest unit, the rows a unit can take)
 @pytest.mark.parametrize("num_heads,precision,kv_format,widest,served", [
     (128, "fast", "fp8", 64, [16, 32, 64]), (64, "fast", "fp8", 64, [16, 32, 64]), (96, "fast", "fp8", 64, [16, 32]),
-    (128, "fast", "mxfp4", 64, [16, 32]), (128, "fast", "fp8", 32, [16, 32]), (128, "fast", "fp8", 16, [16]),
+    (128, "fast", "mxfp4", 64, [16, 32]), (128, "fast", "bf16", 64, [16, 32, 64]),
+    (64, "fast", "bf16", 64, [16, 32, 64]), (128, "fast", "fp8", 32, [16, 32]), (128, "fast", "fp8", 16, [16]),
     (48, "fast", "fp8", 64, [16]), (16, "fast", "fp8", 64, [16]), (128, "precise", "fp8", 64, [16])])
 def test_served_unit_rows(fake_nvidia_gpu, num_heads, precision, kv_format, widest, served):
-    """Wider units only in the fast mode, where the heads come in 32s (64s, and the FP8 cache, for 64 rows) and the
-    library takes them."""
-    dtype = torch.float8_e4m3fn if kv_format == "fp8" else torch.uint8
+    """Wider units only in the fast mode, where the heads come in 32s (64s, and the FP8 or BF16 cache, for 64 rows) and
+    the library takes them."""
+    dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}.get(kv_format, torch.uint8)
     problem = mla_decode.api.make_problem(8, dtype, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
                                           num_heads=num_heads, precision=precision)
     assert P.served_unit_rows(problem, widest) == served
@@ -419,7 +420,7 @@ def leaderboard_problem(device: torch.device, kv_format: str = "fp8", precision:
 
 def test_the_bf16_cache_is_served_by_the_hopper_kernel_in_the_fast_mode(fake_nvidia_gpu, monkeypatch):
     """The BF16 cache: the cuda backend serves it (auto's pick) with a library that has the BF16 kernel (Hopper, one
-    CTA an SM), in units of 16 or 32 rows (never the FP8-only 64), with half the FP8 plan's splits; it refuses it in
+    CTA an SM), in units of 16, 32 or 64 rows (64 here: 128 heads), with half the FP8 plan's splits; it refuses it in
     the precise mode and with a library without that kernel, saying why. The libraries are stand-ins: what is checked
     is what the backend reads of them."""
     hopper = standin_library("lib_90a", mla_supports_bf16=lambda: 1, mla_bf16_ctas_per_sm=lambda: 1,
@@ -434,8 +435,8 @@ def test_the_bf16_cache_is_served_by_the_hopper_kernel_in_the_fast_mode(fake_nvi
     assert problem.kv_format == "bf16" and D.cuda_unusable_reason(problem) is None
     assert S.cuda_auto_reason(problem) is None  # auto's pick for BF16 on Hopper (the precise mode: triton's)
     facts = D.device_facts(fake_nvidia_gpu, False)
-    assert facts.bf16_ctas_per_sm == 1 and P.plan_unit_rows(problem, facts) in (16, 32)
-    assert 64 not in P.served_unit_rows(problem, 64)
+    assert facts.bf16_ctas_per_sm == 1 and P.plan_unit_rows(problem, facts) == 64
+    assert P.served_unit_rows(problem, 64) == [16, 32, 64]
     key = P.LaunchKey(fake_nvidia_gpu, 32, 8192, "bf16", False, 16)  # 4 splits with one CTA an SM, FP8's 8 with 2
     assert P.plan_splits(key, facts) == 4 and P.plan_splits(key._replace(kv_format="fp8"), facts) == 8
     assert D.cuda_unusable_reason(problem._replace(precision="precise")) == (

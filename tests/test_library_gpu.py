@@ -160,8 +160,8 @@ def test_gpu_serving_shapes(kernel, q_len, num_heads):
         D = pytest.importorskip("mla_decode.cuda.decode")
         facts = D.device_facts(twin.problem.device, precision == "precise")
         assert twin.impl.call.unit_rows == D.plan_unit_rows(twin.problem, facts)
-        if _hopper_takes_32_rows(precision) and num_heads == 128 and kv_format != "bf16":
-            assert twin.impl.call.unit_rows == (64 if kv_format == "fp8" else 32)
+        if _hopper_takes_32_rows(precision) and num_heads == 128:
+            assert twin.impl.call.unit_rows == (32 if kv_format == "mxfp4" else 64)
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, backend, precision))
     out_bound, lse_bound = gpu_bounds(kernel)
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
@@ -382,12 +382,12 @@ def test_gpu_cuda_units_of_32_rows_through_every_split_count(monkeypatch, kv_for
 
 
 def _cuda_plan_in_units_of(rows: int, case, max_seqlen: int, ragged: bool = False, **settings):
-    """The cuda backend's plan for `case` (FP8; paged, or ragged over its ragged_twin) in units of `rows` query rows,
-    whatever plan_unit_rows would pick; settings override the case's causal and the default softmax scale."""
+    """The cuda backend's plan for `case` (FP8 or BF16; paged, or ragged over its ragged_twin) in units of `rows` query
+    rows, whatever plan_unit_rows would pick; settings override the case's causal and the default softmax scale."""
     batch, q_len, num_heads = case.q.shape[:3]
     shared = dict(num_heads=num_heads, q_len=q_len, causal=case.causal, backend="cuda", max_seqlen=max_seqlen,
                   backend_options={"unit_rows": rows, "schedule": "fixed"},
-                  kv_scale_dtype=case.kv_scale.dtype) | settings
+                  kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype) | settings
     if ragged:
         return mla_decode.plan_ragged(batch, case.kv_cache.dtype, "cuda", **shared)
     return mla_decode.plan(batch, case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda", **shared)
@@ -404,17 +404,19 @@ def _needs_units_of_64():
 @pytest.mark.parametrize("splits", [1, 2, 4, 8, 16, 32, 64])
 @pytest.mark.parametrize("num_heads", [64, 128])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_size, num_heads, splits):
-    """The Hopper cuda kernel's 64-row units (split_kernel64: two warpgroups on pairs of 64-row tiles, one CTA an
-    SM) through every merge width (W = 16 .. 2 quads a thread at 2 .. 16 splits, W = 1 from 32, two threads a quad
-    at 64): 3001 rows (47 tiles: an odd split leaves the second tile of its last pair empty, NaN-poisoned rows
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, kv_format, page_size, num_heads, splits):
+    """The Hopper cuda kernel's 64-row units (split_kernel64: two warpgroups, one CTA an SM; FP8 on pairs of 64-row
+    tiles, BF16 both warpgroups on each tile) through every merge width (W = 16 .. 2 quads a thread at 2 .. 16
+    splits, W = 1 from 32, two threads a quad at 64): 3001 rows (47 tiles: an odd FP8 split leaves the second tile
+    of its last pair empty, NaN-poisoned rows
     beyond it), one row and none (as many sequences as one CTA an SM holds at once), over pages of 16 (each copy
     looks its row up) and 64 (a tile's rows consecutive), 64 and 128 heads (1 and 2 units a token), against the
     float64 truth and, where the 16-row grid fits, against the same split plan in 16-row units. A pair's two tiles,
     the two warpgroups' halves of V's dims and the merge of 8192 quads each fail the truth far above its bounds when
     wrong. Against 16-row units P's e4m3 rounding differs (scaled by a pair's running max, not a tile's: 0.6-1.7e-2
-    apart on random data in testkit's emulation of both walks), so half the output bound; the LSE (both sum the
-    unrounded P) within a quarter of its bound."""
+    apart on random data in testkit's emulation of both walks; BF16's P rounds to bf16 against either max), so half
+    the output bound; the LSE (both sum the unrounded P) within a quarter of its bound."""
     P = pytest.importorskip("mla_decode.cuda.plan")
     _needs_units_of_64()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -422,15 +424,15 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_s
     if not lens:
         pytest.skip(f"{splits} splits of {num_heads // 64} units of 64 rows exceed {sms} SMs")
     monkeypatch.setattr(P, "cuda_plan", lambda *args: splits)
-    case = make_paged_case("fp8", page_size, lens, seed=splits + num_heads + page_size, num_heads=num_heads,
+    case = make_paged_case(kv_format, page_size, lens, seed=splits + num_heads + page_size, num_heads=num_heads,
                            device="cuda")
     decode = _cuda_plan_in_units_of(64, case, max(lens))
     assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (splits, 64)
     out, lse = decode.run(*case.args())
     out_error, lse_error = errors(out, lse, *paged_reference(case, q=_gpu_queries(case, "cuda", "fast")))
-    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
-    if len(lens) * num_heads // 16 * splits > 2 * sms:  # the 16-row grid's CTAs, two an SM
+    if len(lens) * num_heads // 16 * splits > (1 if kv_format == "bf16" else 2) * sms:  # the 16-row grid's CTAs a SM
         return
     narrow = _cuda_plan_in_units_of(16, case, max(lens))
     assert (narrow.impl.num_splits, narrow.impl.call.unit_rows) == (splits, 16)
@@ -439,20 +441,22 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, page_s
     assert out_error < out_bound / 2 and lse_error < lse_bound / 4, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
-# split_kernel64's lazy running max (wgmma64.cuh's LAZY_MAX, in log2 units): a pair's P is taken against the
-# running max, which moves only where the pair's max passes it by more than this.
+# split_kernel64's lazy running max (wgmma64.cuh's LAZY_MAX, in log2 units): a step's P (FP8: a pair of tiles; BF16:
+# a tile) is taken against the running max, which moves only where the step's max passes it by more than this.
 LAZY_MAX = 2.0
 
 
-def _rising_logits_case(lens: list[int], rise: float, seed: int):
-    """A paged FP8 case of 64 heads whose logits climb along each sequence: key dim 575 ramps over the e4m3 grid to
-    400 (x kv_scale) and every head's q dim 575 is set so that the ramp adds `rise` log2 units from the first row to
-    the last. Every other dim is make_paged_case's random data; keys and kv_cache edited alike."""
-    case = make_paged_case("fp8", 64, lens, seed=seed, num_heads=64)
-    kv, keys, scale = case.kv_cache.view(-1, 576).clone(), case.keys.clone(), float(case.kv_scale)
+def _rising_logits_case(kv_format: str, lens: list[int], rise: float, seed: int):
+    """A paged FP8 or BF16 case of 64 heads whose logits climb along each sequence: key dim 575 ramps over the
+    format's grid to 400 (x kv_scale) and every head's q dim 575 is set so that the ramp adds about `rise` log2 units
+    from the first row to the last. Every other dim is make_paged_case's random data; keys and kv_cache edited
+    alike."""
+    case = make_paged_case(kv_format, 64, lens, seed=seed, num_heads=64)
+    kv, keys = case.kv_cache.view(-1, 576).clone(), case.keys.clone()
+    scale = 1.0 if case.kv_scale is None else float(case.kv_scale)
     for b, n in enumerate(lens):
         rows = owned_rows(case, b)
-        ramp = (torch.arange(n, dtype=torch.float64) * (400.0 / max(n - 1, 1))).to(torch.float8_e4m3fn)
+        ramp = (torch.arange(n, dtype=torch.float64) * (400.0 / max(n - 1, 1))).to(kv.dtype)
         kv[rows, 575] = ramp
         keys[rows, 575] = ramp.double() * scale
     q = case.q.clone()
@@ -462,18 +466,22 @@ def _rising_logits_case(lens: list[int], rise: float, seed: int):
 
 @pytest.mark.gpu
 @needs_nvidia
-def test_gpu_cuda_units_of_64_rows_rising_logits(monkeypatch):
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_gpu_cuda_units_of_64_rows_rising_logits(monkeypatch, kv_format):
     """The 64-row kernel's lazy running max where the logits climb 40 log2 units along a sequence of 3001 rows (one
-    split, 24 pairs of tiles): the kernel's rule, replayed here on the float64 logits, moves the max on some pairs
-    and keeps it on others whose max lies above it (P up to 2^LAZY_MAX times larger), and the result meets the
-    float64 truth. A kernel that stopped rescaling after the first pair fails it (checked on the H200)."""
+    split; FP8: 24 pairs of tiles, BF16: 47 tiles): the kernel's rule, replayed here on the float64 logits, moves the
+    max on some steps and keeps it on others whose max lies above it (P up to 2^LAZY_MAX times larger), and the
+    result meets the float64 truth. A kernel that stopped rescaling after the first step fails it (FP8: checked on
+    the H200)."""
     P = pytest.importorskip("mla_decode.cuda.plan")
     _needs_units_of_64()
     lens = [3001, 1, 0]
-    case = _rising_logits_case(lens, rise=40.0, seed=64)
+    case = _rising_logits_case(kv_format, lens, rise=40.0, seed=64)
     q = _gpu_queries(case, "cuda", "fast")
+    q = case.q.double() if q is None else q
     logits = (q[0, 0] @ case.keys[owned_rows(case, 0)].T.cpu() / math.sqrt(576) * math.log2(math.e))  # (64, 3001)
-    pair_max = torch.nn.functional.pad(logits, (0, 3072 - 3001), value=-math.inf).view(64, -1, 128).amax(-1)
+    step = 128 if kv_format == "fp8" else 64  # the rows a step of the stream scores
+    pair_max = torch.nn.functional.pad(logits, (0, 3072 - 3001), value=-math.inf).view(64, -1, step).amax(-1)
     running, moved, kept_above = pair_max[:, 0].clone(), 0, 0
     for j in range(1, pair_max.shape[1]):
         up = pair_max[:, j] > running + LAZY_MAX
@@ -483,24 +491,26 @@ def test_gpu_cuda_units_of_64_rows_rising_logits(monkeypatch):
     assert moved >= 64 and kept_above >= 64, (moved, kept_above)
     monkeypatch.setattr(P, "cuda_plan", lambda *args: 1)
     device_case = case._replace(**{name: getattr(case, name).cuda() for name in
-                                   ("q", "kv_cache", "kv_scale", "block_table", "cache_seqlens")})
+                                   ("q", "kv_cache", "kv_scale", "block_table", "cache_seqlens")
+                                   if getattr(case, name) is not None})
     decode = _cuda_plan_in_units_of(64, device_case, max(lens))
     assert (decode.impl.num_splits, decode.impl.call.unit_rows) == (1, 64)
     out, lse = decode.run(*device_case.args())
     out_error, lse_error = errors(out, lse, *paged_reference(case, q=q))
-    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("q_len,num_heads", [(1, 64), (2, 64), (1, 128), (2, 128)])
-def test_gpu_cuda_units_of_64_rows_serving_shapes(q_len, num_heads):
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_gpu_cuda_units_of_64_rows_serving_shapes(kv_format, q_len, num_heads):
     """64-row units asked for (backend option unit_rows) on the serving lengths (0, 1 and 3: tokens that see nothing
     at q_len 2, causal; 77: one pair; 4097: 65 tiles, odd) in pages of 64, the plan's own splits: against the float64
     truth, bit for bit the ragged twin, and a planted bug (the tokens not causal, a 10% softmax scale error) fails."""
     _needs_units_of_64()
-    case = make_paged_case("fp8", 64, SERVING_LENS, seed=64 + q_len * num_heads, q_len=q_len, num_heads=num_heads,
+    case = make_paged_case(kv_format, 64, SERVING_LENS, seed=64 + q_len * num_heads, q_len=q_len, num_heads=num_heads,
                            device="cuda")
     decode = _cuda_plan_in_units_of(64, case, max(SERVING_LENS))
     assert decode.impl.call.unit_rows == 64
@@ -510,7 +520,7 @@ def test_gpu_cuda_units_of_64_rows_serving_shapes(q_len, num_heads):
     twin_out, twin_lse = twin.run_ragged(case.q, kv, indptr, scale)
     assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", "fast"))
-    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
     out_error, lse_error = errors(out, lse, ref_out, ref_lse)
     assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
     planted = [dict(softmax_scale=1.1 / math.sqrt(576))] + ([dict(causal=False)] if q_len > 1 else [])
@@ -524,13 +534,14 @@ def test_gpu_cuda_units_of_64_rows_serving_shapes(q_len, num_heads):
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("name", ["a bad page only token 1 reaches", *sorted(BAD_CONTENTS)])
-def test_gpu_cuda_units_of_64_rows_invalid_contents(name):
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_gpu_cuda_units_of_64_rows_invalid_contents(kv_format, name):
     """q_len 2 x 128 heads (causal) in 64-row units, pages of 16: sequence 1's table or length invalid makes all its
     rows NaN and leaves the others' truth; a page outside the cache holding only its last position makes its token 1
     NaN and keeps token 0."""
     _needs_units_of_64()
     lens = [200, 4497, 7]
-    case = make_paged_case("fp8", 16, lens, seed=7, q_len=2, num_heads=128, device="cuda")
+    case = make_paged_case(kv_format, 16, lens, seed=7, q_len=2, num_heads=128, device="cuda")
     table, seqlens = case.block_table.cpu(), case.cache_seqlens.cpu()
     if name in BAD_CONTENTS:
         edit_table, edit_lens, _ = BAD_CONTENTS[name]
@@ -543,7 +554,7 @@ def test_gpu_cuda_units_of_64_rows_invalid_contents(name):
     out, lse = decode.run(case.q, case.kv_cache, table.cuda(), seqlens.cuda(), case.kv_scale)
     assert torch.isnan(out[1, nan_tokens]).all() and torch.isnan(lse[1, :, nan_tokens]).all()
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", "fast"))  # over the table as it was
-    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
     for rows, tokens in truthful:
         out_error, lse_error = errors(out[rows][:, tokens], lse[rows][:, :, tokens], ref_out[rows][:, tokens],
                                       ref_lse[rows][:, :, tokens])
@@ -554,7 +565,8 @@ def test_gpu_cuda_units_of_64_rows_invalid_contents(name):
 @needs_nvidia
 @pytest.mark.parametrize("ctas", [1, 3, 7])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, page_size, ctas):
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, kv_format, page_size, ctas):
     """The 64-row kernel's one-split grid walks units in turn (CTA c: units c, c + ctas, ...; the next unit's first
     pair copied during this one's last): 1, 3 or 7 CTAs over 36 units (9 sequences x q_len 2 x 128 heads, causal;
     empty, one-row and one-pair units between long ones; sequence 5's last position alone on a page outside the
@@ -565,7 +577,7 @@ def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, page_size, 
     _needs_units_of_64()
     monkeypatch.setattr(P, "cuda_plan", lambda *args: 1)
     lens = [77, 0, 4097, 1, 3, 1025, 200, 0, 130]
-    case = make_paged_case("fp8", page_size, lens, seed=ctas + page_size, q_len=2, num_heads=128, device="cuda")
+    case = make_paged_case(kv_format, page_size, lens, seed=ctas + page_size, q_len=2, num_heads=128, device="cuda")
     table = case.block_table.clone()
     table[5, 1024 // page_size] = 10_000
     args = (case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale)
@@ -582,7 +594,7 @@ def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, page_size, 
         assert torch.equal(walked.isnan(), alone.isnan()) and torch.equal(walked.nan_to_num(), alone.nan_to_num())
     assert out[5, 1].isnan().all() and lse[5, :, 1].isnan().all() and not out[5, 0].isnan().any()
     ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", "fast"))  # over the table as it was
-    out_bound, lse_bound = GPU_BOUNDS[("cuda", "fp8", "fast")]
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
     others = [b for b in range(len(lens)) if b != 5]
     for rows, tokens in [(others, slice(None)), ([5], slice(0, 1))]:
         out_error, lse_error = errors(out[rows][:, tokens], lse[rows][:, :, tokens], ref_out[rows][:, tokens],

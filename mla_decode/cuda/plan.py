@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # the package imports nothing of mla_decode at run time
 QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token; a token's last unit is masked
 # past its heads where they are not a multiple of it
 WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multiples of 32 (unit_rows)
-WIDEST_QUERY_ROWS = 64  # the Hopper 64-row kernel's units (the FP8 cache; one CTA of two warpgroups per SM)
+WIDEST_QUERY_ROWS = 64  # the Hopper 64-row kernel's units (the FP8 and BF16 caches; one CTA of two warpgroups per SM)
 # plan_unit_rows: the tiles a 32-row CTA walks at least, and where the 16-row plan splits too (a merge either way)
 WIDE_MIN_TILES, WIDE_MERGED_MIN_TILES = 16, 8
 # plan_unit_rows: the tiles a 64-row CTA walks at least, or at least where the 16-row plan splits too
@@ -115,12 +115,14 @@ def query_units(problem: "Problem", rows: int) -> int:
 def served_unit_rows(problem: "Problem", max_unit_rows: int) -> list[int]:
     """The query rows a unit (a CTA) of `problem` can take: 16; in the fast mode, with a library whose kernels take
     units up to `max_unit_rows` (the Hopper wgmma one's), also 32 where the heads come in 32s and 64 where they come
-    in 64s with the FP8 cache (the 64-row kernel has no MXFP4 path: two dequantized tiles beside the 4 stages would
-    not fit). A unit stays in one token; other head counts take 16-row units, the last of a token masked."""
+    in 64s with the FP8 or the BF16 cache (the 64-row kernel has no MXFP4 path: two dequantized tiles beside the 4
+    stages would not fit). A unit stays in one token; other head counts take 16-row units, the last of a token
+    masked."""
     if problem.precision != "fast" or problem.num_heads % WIDE_QUERY_ROWS:
         return [QUERY_ROWS]
     wide = [WIDE_QUERY_ROWS] if max_unit_rows >= WIDE_QUERY_ROWS else []
-    if max_unit_rows >= WIDEST_QUERY_ROWS and problem.num_heads % WIDEST_QUERY_ROWS == 0 and problem.kv_format == "fp8":
+    if (max_unit_rows >= WIDEST_QUERY_ROWS and problem.num_heads % WIDEST_QUERY_ROWS == 0
+            and problem.kv_format != "mxfp4"):
         wide.append(WIDEST_QUERY_ROWS)
     return [QUERY_ROWS, *wide]
 

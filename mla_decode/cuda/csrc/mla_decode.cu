@@ -8,8 +8,8 @@
 // in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
 // split_kernel<STAGES, MX, LAYOUT[, H]>(DecodeCall) (LAYOUT: common.cuh's Layout; the mma.sync kernel's is a bool,
 // PAGED): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the call's unit_rows query rows of a
-// sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<PAGED, BAL>
-// (WIDE_THREADS threads, FP8, the cache's TMA maps as a second argument; with one split its grid is at most one CTA an
+// sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<BF, PAGED, BAL>
+// (WIDE_THREADS threads, FP8 or BF16, the cache's TMA maps as a second argument; with one split its grid is at most one CTA an
 // SM, each walking units in turn); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
 // num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, unit_rows, 512)
 // bf16, its normalised partial output, and part_lse (units * num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs
@@ -32,7 +32,7 @@ using mla::DecodeCall;
 
 // Split kernel CTAs of units of unit_rows that fit on one SM (the split heuristic's unit of parallelism; 64-row
 // units: one, of 256 threads); whether this build reads the MXFP4 cache, and the most query rows its units take
-// (DecodeCall's unit_rows: 16, or also 32 and, FP8 only, 64).
+// (DecodeCall's unit_rows: 16, or also 32 and, FP8 and BF16, 64).
 #if MLA_WGMMA
 extern "C" int mla_unit_ctas_per_sm(int unit_rows) {
   return unit_rows == mla::WIDE_ROWS ? mla::WIDE_CTAS_PER_SM : mla::CTAS_PER_SM;
@@ -83,8 +83,9 @@ static int wide_ctas(int units, int sms) {
   return units < limit ? units : limit > fewest ? limit : fewest;
 }
 
-// The 64-row kernel's TMA maps of the FP8 cache (wgmma64.cuh's WideMaps), encoded on the host for each launch (a
-// graph keeps the launch's). cuTensorMapEncodeTiled comes from the driver through the runtime: no libcuda link.
+// The 64-row kernel's TMA maps of the FP8 or the BF16 cache (wgmma64.cuh's WideMaps), encoded on the host for each
+// launch (a graph keeps the launch's). cuTensorMapEncodeTiled comes from the driver through the runtime: no libcuda
+// link.
 static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
   static const auto encode = [] {
     void* fn = nullptr;
@@ -100,12 +101,22 @@ static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
   }();
   if (!encode) return cudaErrorNotSupported;
   const cuuint64_t rows = a.total_kv > 0 ? a.total_kv : 1;
+  void* kv = const_cast<uint8_t*>(a.kv);
+  const cuuint32_t steps[3] = {1, 1, 1};
+  if (a.kv_format == mla::KV_BF16) {  // (128 bytes, rows, 9 chunks of a row), boxes of all 9 chunks of 64 rows
+    const cuuint64_t dims[3] = {128, rows, mla::BF_ROW / 128}, strides[2] = {mla::BF_ROW, 128};
+    const cuuint32_t box[3] = {128, mla::BN, mla::BF_ROW / 128};
+    const CUresult r = encode(&maps.main, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, kv, dims, strides, box, steps,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    maps.rope = maps.main;
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  }
   // main: (128 bytes, rows, 4 chunks of a row), boxes of all 4 chunks of 64 rows; rope: (576 bytes, rows), boxes of
   // 64 bytes (from 512) of 64 rows.
   const cuuint64_t main_dims[3] = {128, rows, 4}, main_strides[2] = {mla::D, 128};
   const cuuint64_t rope_dims[2] = {mla::D, rows}, rope_strides[1] = {mla::D};
-  const cuuint32_t main_box[3] = {128, mla::BN, 4}, rope_box[2] = {mla::D - mla::DV, mla::BN}, steps[3] = {1, 1, 1};
-  void* kv = const_cast<uint8_t*>(a.kv);
+  const cuuint32_t main_box[3] = {128, mla::BN, 4}, rope_box[2] = {mla::D - mla::DV, mla::BN};
   const CUresult r1 = encode(&maps.main, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, kv, main_dims, main_strides, main_box,
                              steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -130,14 +141,14 @@ template <int STAGES, int KV, int LAYOUT, int H, bool BAL>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
   constexpr bool PAGED = LAYOUT != mla::RAGGED;
 #if MLA_WGMMA
-  static_assert(H != mla::WIDE_ROWS || (STAGES == mla::WIDE_STAGES && KV == mla::KV_FP8),
-                "64-row units: FP8, 4 stages");
-  constexpr bool wide = H == mla::WIDE_ROWS;
+  constexpr bool wide = H == mla::WIDE_ROWS, bf = KV == mla::KV_BF16;
+  static_assert(!wide || (STAGES == mla::wide_stages<bf>() && KV != mla::KV_MXFP4),
+                "64-row units: FP8 in 4 stages or BF16 in 2");
   const auto kernel = [] {
-    if constexpr (wide) return mla::split_kernel64<PAGED, BAL>;
+    if constexpr (wide) return mla::split_kernel64<bf, PAGED, BAL>;
     else return mla::split_kernel<STAGES, KV, LAYOUT, H, BAL>;
   }();
-  constexpr int smem = wide ? mla::wide_smem_bytes() : mla::smem_bytes<STAGES, KV, H>();
+  constexpr int smem = wide ? mla::wide_smem_bytes<bf>() : mla::smem_bytes<STAGES, KV, H>();
   constexpr int threads = wide ? mla::WIDE_THREADS : mla::NTHREADS;
 #else
   constexpr bool wide = false;
@@ -217,14 +228,15 @@ static cudaError_t launch_layout(int dev, const DecodeCall& a, int max_window, i
 }
 
 #if MLA_WGMMA
-// The 64-row kernel's one configuration (FP8, 4 stages, one CTA an SM), ragged or paged.
+// The 64-row kernel's configuration of a format (FP8 in 4 stages, BF16 in 2; one CTA an SM), ragged or paged.
+template <int KV>
 static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int sms) {
-  using mla::WIDE_ROWS, mla::WIDE_STAGES;
+  constexpr int ROWS = mla::WIDE_ROWS, STAGES = mla::wide_stages<KV == mla::KV_BF16>();
   if (a.schedule != mla::FIXED_SPLITS)
-    return a.page_size ? launch_split<WIDE_STAGES, false, mla::ROW_PAGES, WIDE_ROWS, true>(dev, a, max_window, sms)
-                       : launch_split<WIDE_STAGES, false, mla::RAGGED, WIDE_ROWS, true>(dev, a, max_window, sms);
-  return a.page_size ? launch_split<WIDE_STAGES, false, mla::ROW_PAGES, WIDE_ROWS, false>(dev, a, max_window, sms)
-                     : launch_split<WIDE_STAGES, false, mla::RAGGED, WIDE_ROWS, false>(dev, a, max_window, sms);
+    return a.page_size ? launch_split<STAGES, KV, mla::ROW_PAGES, ROWS, true>(dev, a, max_window, sms)
+                       : launch_split<STAGES, KV, mla::RAGGED, ROWS, true>(dev, a, max_window, sms);
+  return a.page_size ? launch_split<STAGES, KV, mla::ROW_PAGES, ROWS, false>(dev, a, max_window, sms)
+                     : launch_split<STAGES, KV, mla::RAGGED, ROWS, false>(dev, a, max_window, sms);
 }
 #endif
 
@@ -291,12 +303,19 @@ static cudaError_t launch_schedule_kernel(const DecodeCall& c) {
   return cudaGetLastError();
 }
 
+// A failed launch's error, returned to the caller and cleared from the runtime's last error, which the next call's
+// cudaGetLastError would otherwise report as its own (a cooperative grid too large, say, is not sticky).
+static int reported(cudaError_t e) {
+  if (e != cudaSuccess) cudaGetLastError();
+  return static_cast<int>(e);
+}
+
 // Launches the schedule kernel alone on c->stream: c->items from c->seqs (schedule.cuh), for calls with
 // SCHEDULE_GIVEN. Returns a cudaError_t.
 extern "C" int mla_schedule(const DecodeCall* c) {
   if (c->schedule == mla::FIXED_SPLITS || !schedule_ok(*c) || c->batch < 1)
     return static_cast<int>(cudaErrorInvalidValue);
-  return static_cast<int>(launch_schedule_kernel(*c));
+  return reported(launch_schedule_kernel(*c));
 }
 
 // Launches the split kernel (which merges fixed splits itself) on c->stream, after the schedule kernel where the call
@@ -307,9 +326,9 @@ extern "C" int mla_decode(const DecodeCall* c) {
   int dev = 0;
   cudaGetDevice(&dev);
   const int num_splits = c->num_splits, kv_format = c->kv_format;
-  const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8) where the build takes them; units of one token
+  const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8, BF16) where the build takes them; units of one token
   const bool rows_ok = (rows == 16 || rows == 32 || rows == 64) && rows <= mla::MAX_UNIT_ROWS &&
-                       !(rows == 64 && kv_format != mla::KV_FP8) && c->num_heads > 0 &&
+                       !(rows == 64 && kv_format == mla::KV_MXFP4) && c->num_heads > 0 &&
                        c->q_len > 0;
   const bool splits_ok = num_splits >= 1 && num_splits <= mla::MAX_SPLITS && (num_splits & (num_splits - 1)) == 0;
   const bool pages_ok = c->page_size == 0 || (c->page_size > 0 && c->max_pages >= 0 && c->block_table &&
@@ -325,7 +344,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
   }
   if (c->schedule == mla::SCHEDULE_IN_CALL) {
     const cudaError_t e = launch_schedule_kernel(*c);
-    if (e != cudaSuccess) return static_cast<int>(e);
+    if (e != cudaSuccess) return reported(e);
   }
   cudaError_t e;
 #if MLA_WGMMA
@@ -333,7 +352,8 @@ extern "C" int mla_decode(const DecodeCall* c) {
   // CTAs of the grid: with more than the SMs, two share an SM (fewer stages each)
   const int ctas = c->schedule == mla::FIXED_SPLITS ? c->batch * groups * num_splits : c->parts * groups;
   if (rows == mla::WIDE_ROWS)
-    e = launch_wide(dev, *c, max_window[dev], sms[dev]);
+    e = kv_format == mla::KV_BF16 ? launch_wide<mla::KV_BF16>(dev, *c, max_window[dev], sms[dev])
+                                  : launch_wide<mla::KV_FP8>(dev, *c, max_window[dev], sms[dev]);
   else if (kv_format == mla::KV_MXFP4)
     e = launch_layout<mla::MX_STAGES, mla::KV_MXFP4>(dev, *c, max_window[dev], sms[dev]);
   else if (kv_format == mla::KV_BF16)
@@ -350,5 +370,5 @@ extern "C" int mla_decode(const DecodeCall* c) {
   }
 #endif
   if (e == cudaSuccess && c->schedule != mla::FIXED_SPLITS) e = launch_combine(*c);
-  return static_cast<int>(e);
+  return reported(e);
 }

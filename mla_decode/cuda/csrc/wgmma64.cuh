@@ -1,7 +1,12 @@
-// The Hopper (sm_90a) split kernel for units of 64 query rows (64 heads of one token), the FP8 cache: two
-// warpgroups, one CTA an SM. The score product puts the heads on its M side (S = Q K^T, m64n64k32), so a head's max
-// over a tile is a thread's 16 scores and two shuffles, and a thread's softmax works on 2 heads, not 16; the value
-// product keeps them on N (O^T = V^T P^T, A from registers), as split_kernel has it.
+// The Hopper (sm_90a) split kernel for units of 64 query rows (64 heads of one token): two warpgroups, one CTA an SM.
+// The score product puts the heads on its M side (S = Q K^T), so a head's max over a tile is a thread's few scores
+// and two shuffles, and a thread's softmax works on 2 heads.
+// - FP8: each warpgroup scores one tile of a pair (m64n64k32); the value product keeps the heads on N (O^T = V^T P^T,
+//   A from registers), as split_kernel has it.
+// - BF16: a tile is 72 KB, so two stages hold one tile being read and the next in flight. Both warpgroups take the
+//   same tile: each scores its 32 rows (m64n32k16), then O[:, its 256 dims] += P V (m64n256k16, V as an MN-major B
+//   straight from the tile), the heads on M in both products. P (64 x 64 bf16) lies in the tile's rope block, dead
+//   once both score products are done.
 #pragma once
 
 #include <cuda.h>
@@ -17,6 +22,11 @@ constexpr int WIDE_CTAS_PER_SM = 1;             // 128 accumulators and 32 score
 // Each loop iteration takes a pair of 64-row tiles (warpgroup w scores tile 2q + w of the stream): 4 stages hold
 // the pair being read and the next one in flight.
 constexpr int WIDE_STAGES = 4;
+// BF16 (BF): a stream position is one tile, in stage q % BF_STAGES.
+template <bool BF>
+__host__ __device__ constexpr int wide_stages() { return BF ? BF_STAGES : WIDE_STAGES; }
+template <bool BF>
+__host__ __device__ constexpr int wide_step() { return BF ? 1 : 2; }  // tiles a stream position
 // Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum (two sets: a
 // unit's output reads them while the next unit's are written), Q's scale.
 constexpr int WIDE_STATS = 8 * WIDE_ROWS;
@@ -54,14 +64,18 @@ struct WideItems {
     return k;
   }
 };
-// Shared memory: the stages, Q (64 x 576 e4m3), P (128 x 64 e4m3), the per-head stats, the paged rows and the units.
+// Shared memory: the stages, Q (64 x 576 e4m3, or bf16), P (FP8: 128 x 64 e4m3; BF16: in the stage), the per-head
+// stats, the paged rows and the units.
+template <bool BF>
 constexpr int wide_smem_bytes() {
-  return WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED + sizeof(WideItems);
+  return BF ? BF_STAGES * BF_TILE + WIDE_ROWS * D * 2 + WIDE_STATS * 4 + SMEM_PAGED + sizeof(WideItems)
+            : WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED + sizeof(WideItems);
 }
-static_assert(wide_smem_bytes() <= 227 * 1024, "a block's shared memory on Hopper");
-// PagedRows' 4 slots (the stream's tile i in slot i % 4) hold pairs q + 1 and q + 2 during stream position q: pair q +
-// 1's rows are read by its copies at the top of the iteration, pair q + 2's written after the scores (pair q's slots,
-// free since then).
+static_assert(wide_smem_bytes<false>() <= 227 * 1024, "a block's shared memory on Hopper");
+static_assert(wide_smem_bytes<true>() <= 227 * 1024, "a block's shared memory on Hopper (BF16)");
+// PagedRows' 4 slots (the stream's tile i in slot i % 4) hold positions q + 1 and q + 2 during stream position q
+// (BF16: tiles, two of the slots; FP8: pairs): q + 1's rows are read by its copies at the top of the iteration, q +
+// 2's written after the scores (q's slots, free since then).
 static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 
 // A whole tile of consecutive cache rows reaches its stage by TMA: one thread issues two boxes (dims 0..511 as 4
@@ -72,7 +86,9 @@ static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 // arrives on the mbarrier alone.
 constexpr int TMA_THREAD = WIDE_THREADS / 2;  // warpgroup 1's: warpgroup 0 looks the next rows up
 struct WideMaps {
-  CUtensorMap main, rope;  // the cache as (4 chunks, total_kv rows, 128 bytes) and (total_kv rows, 576 bytes)
+  // FP8: the cache as (4 chunks, total_kv rows, 128 bytes) and (total_kv rows, 576 bytes); BF16: main alone, as (9
+  // chunks, total_kv rows, 128 bytes), one box a whole tile in its nine 128-byte-swizzled blocks.
+  CUtensorMap main, rope;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
@@ -86,32 +102,87 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
-// Box {0, row, 0} of the main map to the stage's dims 0..511, box {512, row} of the rope map to its rope dims.
+// Box {0, row, 0} of the main map to the stage's dims 0..511 (BF16: the whole tile), box {512, row} of the rope map to
+// its rope dims (FP8).
+template <bool BF>
 __device__ __forceinline__ void tma_tile(const WideMaps& maps, uint32_t dst, uint32_t bar, int row) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(TILE) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(BF ? BF_TILE : TILE)
+               : "memory");
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %2}], [%4];"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&maps.main)), "r"(0), "r"(row), "r"(bar) : "memory");
-  asm volatile(
+  if constexpr (!BF) asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst + ROPE_OFFSET), "l"(reinterpret_cast<uint64_t>(&maps.rope)), "r"(DV), "r"(row), "r"(bar) : "memory");
 }
 
-// BAL: the balanced schedule's grid (parts, groups): a CTA walks its part's pieces (item_piece), merged by
-// combine_kernel after the grid.
-template <bool PAGED, bool BAL>
+// BF16's value product: O (64 x 256, fp32, 128 a thread: rows g and g + 8 of the warp's 16, columns 8j + 2 t4 +
+// {0, 1} at d[4j], d[4j + 1] and d[4j + 2], d[4j + 3]) += A (64 x 16 bf16, shared, K-major) * B (16 x 256 bf16,
+// shared, MN-major: trans-b).
+__device__ __forceinline__ void wgmma_bf16_n256_mn(float* d, uint64_t da, uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+               "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+               "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+               "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+               "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+               "}, %128, %129, 1, 1, 1, 0, 1;\n"
+               :
+                 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+                 "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+                 "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                 "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+                 "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+                 "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                 "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+                 "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+                 "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+                 "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]),
+                 "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+                 "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+                 "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+                 "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+                 "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+                 "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
+                 "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+                 "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+                 "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+                 "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+                 "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+                 "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+                 "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "l"(da), "l"(db));
+}
+
+// BF: the BF16 cache (else FP8). BAL: the balanced schedule's grid (parts, groups): a CTA walks its part's pieces
+// (item_piece), merged by combine_kernel after the grid.
+template <bool BF, bool PAGED, bool BAL>
 __global__ void __launch_bounds__(WIDE_THREADS, WIDE_CTAS_PER_SM)
 split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   constexpr int H = WIDE_ROWS;
-  constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][64 heads][16 bytes]
-  constexpr int NE = H / 4;       // heads a thread in the value product (O^T's columns)
+  constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][64 heads][16 bytes] (8 dims a chunk in bf16)
+  constexpr int NE = H / 4;       // heads a thread in the FP8 value product (O^T's columns)
+  constexpr int STAGES = wide_stages<BF>(), STEP = wide_step<BF>(), KTILE = BF ? BF_TILE : TILE;
   extern __shared__ __align__(1024) uint8_t smem[];
-  // wg: the warpgroup (its tile of a pair, its 256 value dims); warp: within the warpgroup; cwarp: within the CTA.
+  // wg: the warpgroup (FP8: its tile of a pair; BF16: its 32 rows of the tile; its 256 value dims); warp: within the
+  // warpgroup; cwarp: within the CTA.
   const int tid = threadIdx.x, wg = tid >> 7, cwarp = tid >> 5, warp = cwarp & 3, lane = tid & 31, g = lane >> 2,
             t4 = lane & 3;
-  uint8_t* qs = smem + WIDE_STAGES * TILE;
-  uint8_t* ps = qs + H * D;
-  float* tile_max = reinterpret_cast<float*>(ps + 2 * BN * H);  // [warpgroup][head]
+  uint8_t* qs = smem + STAGES * KTILE;
+  uint8_t* ps = qs + H * D * operand_bytes(BF ? KV_BF16 : KV_FP8);  // FP8's P (BF16: in the stage)
+  float* tile_max = reinterpret_cast<float*>(ps + (BF ? 0 : 2 * BN * H));  // [warpgroup][head]
   float* pair_alpha = tile_max + 2 * H;                          // [head]
   float* sums = pair_alpha + H;                                  // [item parity][warpgroup][head]
   float* qscale = sums + 4 * H;
@@ -145,7 +216,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
     p.part = static_cast<size_t>(p.rows.unit) * call.num_splits + split;
     return p;
   };
-  const float kv_scale = *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
+  const float kv_scale = BF ? 1.f : *call.kv_scale;  // read with the length (wgmma.cuh's split_kernel says why)
   // fixed splits: one item, one chunk
   const unsigned base = BAL ? 0u : arrival_base(call.sync, piece_at(0).rows.unit, call.num_splits);
   static_assert(WIDE_MAX_ITEMS == 64, "two items a lane of warp 0");
@@ -154,8 +225,8 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
     item0 = first_item + chunk;
     nitems = min(total_items - chunk, WIDE_MAX_ITEMS);
     if (chunk > 0) __syncthreads();  // every warp is done with the last chunk's items
-    // Warp 0 reads the items' lengths and lays out the stream: item k's pairs take positions end[k - 1] .. end[k] - 1,
-    // from the stream's position q.
+    // Warp 0 reads the items' lengths and lays out the stream: item k's steps (FP8: pairs of tiles; BF16: tiles) take
+    // positions end[k - 1] .. end[k] - 1, from the stream's position q.
     if (cwarp == 0) {
       int npairs[2], first = q;
 #pragma unroll
@@ -168,7 +239,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           b = piece.rows.b;
           r = piece_range<BAL>(call, piece, piece.rows.t);
         }
-        npairs[i] = (r.ntiles + 1) / 2;
+        npairs[i] = (r.ntiles + STEP - 1) / STEP;
         int scan = npairs[i];  // inclusive prefix sum over the warp
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -178,7 +249,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
         const int end = first + scan;
         first += __shfl_sync(0xffffffffu, scan, 31);
         if (k < nitems) {
-          items.range[k] = WideRange{r.lo - 2 * (end - npairs[i]) * BN, r.hi, r.start, b};
+          items.range[k] = WideRange{r.lo - STEP * (end - npairs[i]) * BN, r.hi, r.start, b};
           items.end[k] = end;
           items.bad[k] = 0;
           items.valid[k] = r.valid;
@@ -189,31 +260,36 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
 
     const CopyPlan<WIDE_THREADS, false> copy(tid);
     const uint32_t ks_addr = smem_u32(smem);
-    // Stream position q (a pair of item k, range r): tiles 2q and 2q + 1 to stages (2q) % 4 and + 1, one cp.async group
-    // (empty past the last item). A tile past the item's hi (the second of an odd item's last pair) is zero-filled.
+    // Stream position q (a step of item k, range r): tiles STEP q .. STEP q + STEP - 1 to their stages (tile t in t %
+    // STAGES), one cp.async group (empty past the last item). A tile past the item's hi (the second of an odd item's
+    // last pair) is zero-filled.
     auto load_pair = [&](int k, const WideRange& r, int q) {
       if (k < nitems) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int t = 2 * q + i, n0 = r.lo + t * BN, stage = t % WIDE_STAGES;
+        for (int i = 0; i < STEP; ++i) {
+          const int t = STEP * q + i, n0 = r.lo + t * BN, stage = t % STAGES;
           const int first = PAGED ? paged_rows(k).at(t, 0) : r.start + n0;  // the tile's first row, if consecutive
           if (consecutive && first >= 0 && r.hi - n0 >= BN) {
-            if (tid == TMA_THREAD) tma_tile(maps, ks_addr + stage * TILE, bars + 8 * stage, first);
+            if (tid == TMA_THREAD) tma_tile<BF>(maps, ks_addr + stage * KTILE, bars + 8 * stage, first);
           } else {
-            copy.tile(call, paged_rows(k), consecutive, first, ks_addr + stage * TILE, t, r.lo, r.hi);
+            if constexpr (BF)
+              bf16_tile<WIDE_THREADS>(call, paged_rows(k), consecutive, first, ks_addr + stage * KTILE, t, r.lo, r.hi,
+                                      tid);
+            else copy.tile(call, paged_rows(k), consecutive, first, ks_addr + stage * KTILE, t, r.lo, r.hi);
             if (tid == TMA_THREAD) mbar_arrive(bars + 8 * stage);
           }
         }
       }
       asm volatile("cp.async.commit_group;\n");
     };
-    // Threads 0..127: the block-table entry of one row of position q's tiles (item k, range r), then its row.
+    // Threads 0..64 STEP - 1: the block-table entry of one row of position q's tiles (item k, range r), then its row.
     auto fetch_rows = [&](int k, const WideRange& r, int q) {
-      return k < nitems && tid < 2 * BN ? paged_rows(k).fetch(call, r.b, r.lo, r.hi, 2 * q + (tid >> 6), tid & (BN - 1))
-                                        : 0;
+      return k < nitems && tid < STEP * BN
+                 ? paged_rows(k).fetch(call, r.b, r.lo, r.hi, STEP * q + (tid >> 6), tid & (BN - 1)) : 0;
     };
     auto put_rows = [&](int k, const WideRange& r, int q, int entry) {
-      if (k < nitems && tid < 2 * BN) paged_rows(k).put(call, 2 * q + (tid >> 6), tid & (BN - 1), entry, r.lo, r.hi);
+      if (k < nitems && tid < STEP * BN)
+        paged_rows(k).put(call, STEP * q + (tid >> 6), tid & (BN - 1), entry, r.lo, r.hi);
     };
     // The item of position q past item k's last pair, and its range.
     auto later = [&](int k, int q, WideRange& r) {
@@ -221,7 +297,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       if (next < nitems) r = items.range[next];
       return next;
     };
-    using Query = QueryQuant<H, WIDE_WARPS>;
+    using Query = QueryQuant<H, WIDE_WARPS, BF>;
     typename Query::Regs qv;
     Query::load(qv, call, piece_at(0).rows, cwarp, lane);
     __syncthreads();  // the items
@@ -274,140 +350,229 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           asm volatile("prefetch.global.L2 [%0];" ::"l"(next_q + line * 128));
       }
       float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max and this thread's share of the sum
-      float acc[4][H / 2];  // O^T: [64-dim block][accumulator]: dims 256*wg + 64*mb + 16*warp + 2g (+1 for rows g + 8)
+      // FP8: O^T, [64-dim block][accumulator]: dims 256*wg + 64*mb + 16*warp + 2g (+1 for rows g + 8). BF16: O, acc[0]
+      // in wgmma_bf16_n256_mn's layout (heads h0 and h1, dims 256*wg + 8j + 2 t4 + {0, 1}).
+      float acc[BF ? 1 : 4][BF ? 4 * H / 2 : H / 2];
 #pragma unroll
-      for (int mb = 0; mb < 4; ++mb)
+      for (auto& block : acc)
 #pragma unroll
-        for (int e = 0; e < H / 2; ++e) acc[mb][e] = 0.f;
+        for (float& a : block) a = 0.f;
 
       // TUNE: pairs
       for (; q < end; ++q) {
         asm volatile("cp.async.wait_group 0;\n");
-        mbar_wait(bars + 8 * (2 * (q & 1)), (q >> 1) & 1);  // tile 2q + i's stage: its (q / 2)-th use
-        mbar_wait(bars + 8 * (2 * (q & 1) + 1), (q >> 1) & 1);
+        if constexpr (BF) {
+          mbar_wait(bars + 8 * (q & 1), (q >> 1) & 1);  // tile q's stage: its (q / 2)-th use
+        } else {
+          mbar_wait(bars + 8 * (2 * (q & 1)), (q >> 1) & 1);  // tile 2q + i's stage: its (q / 2)-th use
+          mbar_wait(bars + 8 * (2 * (q & 1) + 1), (q >> 1) & 1);
+        }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();  // position q is visible to the tensor cores; every warp is done with q - 1
-        // TUNE: pair-top
-        // S (64 heads x 64 rows) = Q K^T (tile 2q + wg): 18 k32 steps, both operands from shared memory; then the next
-        // position's copies (a TMA issue by one thread, or every thread's cp.async), while the tensor cores work.
-        float s[H / 2];
-        issue_scores<H, false, true>(s, ks_addr + ((2 * q + wg) % WIDE_STAGES) * TILE, qdesc);
-        WideRange rc = range;
-        load_pair(q + 1 < end ? k : later(k, q + 1, rc), rc, q + 1);
-        // Threads 0..127 look up one row each of position q + 2, stored once the scores are in (its slots, q's, were
-        // last read by q's copies; read after the next barrier).
-        WideRange ra = range;
-        const int ka = q + 2 < end ? k : later(k, q + 2, ra);
-        const int next_entry = PAGED ? fetch_rows(ka, ra, q + 2) : 0;
-        const float qsc0 = qscale[h0], qsc1 = qscale[h1];
-        wg_wait<0>();
-        fence_acc<H / 2>(s);
-        // TUNE: pair-scores
-        if (PAGED) put_rows(ka, ra, q + 2, next_entry);
-
-        // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
-        // meet through shared memory at the barrier that completes P, and only where one moves a reference.
-        const int in_tile = range.hi - range.lo - (2 * q + wg) * BN;  // columns < in_tile are rows before hi
-        if (in_tile >= BN) {
-    #pragma unroll
-          for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? qsc1 : qsc0;
-        } else {
-    #pragma unroll
-          for (int i = 0; i < H / 2; ++i) {
-            const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile;
-            s[i] = in ? s[i] * (i & 2 ? qsc1 : qsc0) : -INFINITY;
+        if constexpr (BF) {
+          const uint32_t kt = ks_addr + (q & 1) * BF_TILE;
+          // S (64 heads x this warpgroup's 32 rows of the tile) = Q K^T: 36 k16 steps, both operands from shared
+          // memory; then the next tile's copies and rows, while the tensor cores work.
+          float s[H / 4];
+          wg_fence();
+          const uint64_t krows = desc(kt + wg * 32 * 128, 16, 1024, 1);
+#pragma unroll
+          for (int st = 0; st < D / 16; ++st)
+            wgmma_ss_bf16<32>(s, qdesc + ((2 * st * QCHUNK) >> 4),
+                              krows + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4), st);
+          wg_commit();
+          WideRange rc = range;
+          load_pair(q + 1 < end ? k : later(k, q + 1, rc), rc, q + 1);
+          WideRange ra = range;
+          const int ka = q + 2 < end ? k : later(k, q + 2, ra);
+          const int next_entry = PAGED ? fetch_rows(ka, ra, q + 2) : 0;
+          wg_wait<0>();
+          fence_acc<H / 4>(s);
+          if (PAGED) put_rows(ka, ra, q + 2, next_entry);
+          // Softmax over the tile's 64 rows, log2 domain; rows past hi are masked. s[i]: head i & 2 ? h1 : h0, row
+          // 32 wg + 8 (i / 4) + 2 t4 + (i & 1).
+          const int in_tile = range.hi - range.lo - q * BN;
+          float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+          for (int i = 0; i < H / 4; ++i) {
+            const bool in = 32 * wg + 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile;
+            s[i] = in ? s[i] * call.qk_scale : -INFINITY;
+            if (i & 2) mx1 = fmaxf(mx1, s[i]);
+            else mx0 = fmaxf(mx0, s[i]);
           }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-    #pragma unroll
-        for (int i = 0; i < H / 2; i += 4) {
-          mx0 = fmaxf(mx0, fmaxf(s[i], s[i + 1]));
-          mx1 = fmaxf(mx1, fmaxf(s[i + 2], s[i + 3]));
-        }
-    #pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-        }
-        if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
-        // P against the reference this tile alone gives (the other tile rarely moves it; where it does, P is scaled
-        // down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's narrowest pipe.
-        const float g0 = lazy_reference(m0, mx0), g1 = lazy_reference(m1, mx1);
-        const float gb0 = g0 == -INFINITY ? 0.f : g0, gb1 = g1 == -INFINITY ? 0.f : g1;
-        float sum0 = 0.f, sum1 = 0.f;
-    #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-    #pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const float x = s[8 * c + k] - ((k & 2 ? gb1 : gb0) - WIDE_P_BIAS);
-            s[8 * c + k] = c == 3 ? ex2_fma(x) : ex2(x);
+#pragma unroll
+          for (int o = 1; o < 4; o <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
           }
-          sum0 += (s[8 * c] + s[8 * c + 1]) + (s[8 * c + 4] + s[8 * c + 5]);
-          sum1 += (s[8 * c + 2] + s[8 * c + 3]) + (s[8 * c + 6] + s[8 * c + 7]);
-        }
-        store_p(s);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        // P and the tile maxima are complete. Where no head's reference moved in either tile (most pairs), P is right
-        // and nothing needs rescaling; otherwise the pair's reference is made from both tiles, P scaled down where this
-        // tile's guess was below it and stored again, and the accumulators rescaled.
-        if (__syncthreads_or(g0 != m0 || g1 != m1)) {
-          const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
-          const float mn0 = lazy_reference(m0, pm0), mn1 = lazy_reference(m1, pm1);
+          if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
+          __syncthreads();  // both score products are done (the rope block is free for P); the tile maxima are in
+          const float mn0 = lazy_reference(m0, fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]));
+          const float mn1 = lazy_reference(m1, fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]));
           const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
-          if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
-            const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
-    #pragma unroll
-            for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
-            sum0 *= f0, sum1 *= f1;
-            store_p(s);
-          }
           const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
           m0 = mn0, m1 = mn1;
-          l0 *= alpha0, l1 *= alpha1;
-          if (wg == 0 && t4 == 0) pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
+          float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+          for (int i = 0; i < H / 4; ++i) {
+            s[i] = ex2(s[i] - (i & 2 ? base1 : base0));
+            if (i & 2) sum1 += s[i];
+            else sum0 += s[i];
+          }
+          l0 = l0 * alpha0 + sum0, l1 = l1 * alpha1 + sum1;
+          // P (64 heads x 64 rows, bf16, at most 2^LAZY_MAX) in the rope block as [8-row chunk][head][8 rows], the
+          // value product's K-major A.
+          uint8_t* const pt = smem + (q & 1) * BF_TILE + 8 * SW128_BLOCK + h0 * 16 + 4 * t4;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            *reinterpret_cast<__nv_bfloat162*>(pt + (4 * wg + j) * QCHUNK) =
+                __floats2bfloat162_rn(s[4 * j], s[4 * j + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(pt + (4 * wg + j) * QCHUNK + 8 * 16) =
+                __floats2bfloat162_rn(s[4 * j + 2], s[4 * j + 3]);
+          }
+          if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+#pragma unroll
+            for (int i = 0; i < 4 * H / 2; ++i) acc[0][i] *= i & 2 ? alpha1 : alpha0;
+          }
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          __syncthreads();  // the pair's P and alphas are complete
-          // O^T's columns are heads: each thread rescales its 16 heads two at a time, where one of the pair's 8 heads
-          // in the warp moved.
-    #pragma unroll
-          for (int e = 0; e < NE; e += 2) {
-            const float2 alpha = *reinterpret_cast<const float2*>(pair_alpha + heads[e]);
-            if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
-              // heads e and e + 1: accumulators a, a + 1 (row g) and a + 2, a + 3 (row g + 8)
-              const int a = (e >> 1) * 4;
-    #pragma unroll
-              for (int mb = 0; mb < 4; ++mb) {
-                acc[mb][a] *= alpha.x, acc[mb][a + 2] *= alpha.x;
-                acc[mb][a + 1] *= alpha.y, acc[mb][a + 3] *= alpha.y;
+          __syncthreads();  // P is complete
+          // O[:, 256 wg ..] += P V: 4 k16 steps; V is the tile's 64-dim blocks 4 wg .. 4 wg + 3 (8 KB apart, 8-row
+          // groups 1 KB apart) as an MN-major B.
+          fence_acc<4 * H / 2>(acc[0]);
+          wg_fence();
+          const uint64_t pd = desc(kt + 8 * SW128_BLOCK, QCHUNK, 128, 0);
+          const uint64_t vd = desc(kt + 4 * wg * SW128_BLOCK, SW128_BLOCK, 1024, 1);
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_bf16_n256_mn(acc[0], pd + ((2 * kk * QCHUNK) >> 4), vd + ((kk * 16 * 128) >> 4));
+          wg_commit();
+          wg_wait<0>();
+          fence_acc<4 * H / 2>(acc[0]);
+        } else {
+          // TUNE: pair-top
+          // S (64 heads x 64 rows) = Q K^T (tile 2q + wg): 18 k32 steps, both operands from shared memory; then the
+          // next position's copies (a TMA issue by one thread, or every thread's cp.async), while the tensor cores
+          // work.
+          float s[H / 2];
+          issue_scores<H, false, true>(s, ks_addr + ((2 * q + wg) % WIDE_STAGES) * TILE, qdesc);
+          WideRange rc = range;
+          load_pair(q + 1 < end ? k : later(k, q + 1, rc), rc, q + 1);
+          // Threads 0..127 look up one row each of position q + 2, stored once the scores are in (its slots, q's, were
+          // last read by q's copies; read after the next barrier).
+          WideRange ra = range;
+          const int ka = q + 2 < end ? k : later(k, q + 2, ra);
+          const int next_entry = PAGED ? fetch_rows(ka, ra, q + 2) : 0;
+          const float qsc0 = qscale[h0], qsc1 = qscale[h1];
+          wg_wait<0>();
+          fence_acc<H / 2>(s);
+          // TUNE: pair-scores
+          if (PAGED) put_rows(ka, ra, q + 2, next_entry);
+
+          // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
+          // meet through shared memory at the barrier that completes P, and only where one moves a reference.
+          const int in_tile = range.hi - range.lo - (2 * q + wg) * BN;  // columns < in_tile are rows before hi
+          if (in_tile >= BN) {
+      #pragma unroll
+            for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? qsc1 : qsc0;
+          } else {
+      #pragma unroll
+            for (int i = 0; i < H / 2; ++i) {
+              const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile;
+              s[i] = in ? s[i] * (i & 2 ? qsc1 : qsc0) : -INFINITY;
+            }
+          }
+          float mx0 = -INFINITY, mx1 = -INFINITY;
+      #pragma unroll
+          for (int i = 0; i < H / 2; i += 4) {
+            mx0 = fmaxf(mx0, fmaxf(s[i], s[i + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[i + 2], s[i + 3]));
+          }
+      #pragma unroll
+          for (int o = 1; o < 4; o <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+          }
+          if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
+          // P against the reference this tile alone gives (the other tile rarely moves it; where it does, P is scaled
+          // down below). A quarter of the exps on the FMA pipe: MUFU (16 a cycle an SM) is the softmax's narrowest
+          // pipe.
+          const float g0 = lazy_reference(m0, mx0), g1 = lazy_reference(m1, mx1);
+          const float gb0 = g0 == -INFINITY ? 0.f : g0, gb1 = g1 == -INFINITY ? 0.f : g1;
+          float sum0 = 0.f, sum1 = 0.f;
+      #pragma unroll
+          for (int c = 0; c < 4; ++c) {
+      #pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              const float x = s[8 * c + k] - ((k & 2 ? gb1 : gb0) - WIDE_P_BIAS);
+              s[8 * c + k] = c == 3 ? ex2_fma(x) : ex2(x);
+            }
+            sum0 += (s[8 * c] + s[8 * c + 1]) + (s[8 * c + 4] + s[8 * c + 5]);
+            sum1 += (s[8 * c + 2] + s[8 * c + 3]) + (s[8 * c + 6] + s[8 * c + 7]);
+          }
+          store_p(s);
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          // P and the tile maxima are complete. Where no head's reference moved in either tile (most pairs), P is right
+          // and nothing needs rescaling; otherwise the pair's reference is made from both tiles, P scaled down where
+          // this tile's guess was below it and stored again, and the accumulators rescaled.
+          if (__syncthreads_or(g0 != m0 || g1 != m1)) {
+            const float pm0 = fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]), pm1 = fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]);
+            const float mn0 = lazy_reference(m0, pm0), mn1 = lazy_reference(m1, pm1);
+            const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
+            if (__any_sync(0xffffffffu, base0 != gb0 || base1 != gb1)) {  // the other tile moved the reference
+              const float f0 = ex2(gb0 - base0), f1 = ex2(gb1 - base1);
+      #pragma unroll
+              for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? f1 : f0;
+              sum0 *= f0, sum1 *= f1;
+              store_p(s);
+            }
+            const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
+            m0 = mn0, m1 = mn1;
+            l0 *= alpha0, l1 *= alpha1;
+            if (wg == 0 && t4 == 0) pair_alpha[h0] = alpha0, pair_alpha[h1] = alpha1;
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();  // the pair's P and alphas are complete
+            // O^T's columns are heads: each thread rescales its 16 heads two at a time, where one of the pair's 8 heads
+            // in the warp moved.
+      #pragma unroll
+            for (int e = 0; e < NE; e += 2) {
+              const float2 alpha = *reinterpret_cast<const float2*>(pair_alpha + heads[e]);
+              if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
+                // heads e and e + 1: accumulators a, a + 1 (row g) and a + 2, a + 3 (row g + 8)
+                const int a = (e >> 1) * 4;
+      #pragma unroll
+                for (int mb = 0; mb < 4; ++mb) {
+                  acc[mb][a] *= alpha.x, acc[mb][a + 2] *= alpha.x;
+                  acc[mb][a + 1] *= alpha.y, acc[mb][a + 3] *= alpha.y;
+                }
               }
             }
           }
-        }
-        l0 += sum0, l1 += sum1;
-        // TUNE: pair-softmax
+          l0 += sum0, l1 += sum1;
+          // TUNE: pair-softmax
 
-        // O^T (this warpgroup's 256 dims x 64 heads) += V^T (256 x 128) P^T: k steps 0, 1 from tile 2j, 2, 3 from tile
-        // 2j + 1. A from registers (v_fragment), a k step (4 m-blocks) at a time, each group committed and the one
-        // before waited for: two groups' fragments live at most.
-    #pragma unroll
-        for (int kk = 0; kk < 2 * BN / 32; ++kk) {
-          const uint32_t vt = vbase + ((2 * q + (kk >> 1)) % WIDE_STAGES) * TILE + (kk & 1) * 32 * 128;
-          uint32_t a[4][4];
-    #pragma unroll
-          for (int mb = 0; mb < 4; ++mb) v_fragment(a[mb], vt + (mb >> 1) * SW128_BLOCK + voff[mb & 1]);
-    #pragma unroll
+          // O^T (this warpgroup's 256 dims x 64 heads) += V^T (256 x 128) P^T: k steps 0, 1 from tile 2j, 2, 3 from
+          // tile 2j + 1. A from registers (v_fragment), a k step (4 m-blocks) at a time, each group committed and the
+          // one before waited for: two groups' fragments live at most.
+      #pragma unroll
+          for (int kk = 0; kk < 2 * BN / 32; ++kk) {
+            const uint32_t vt = vbase + ((2 * q + (kk >> 1)) % WIDE_STAGES) * TILE + (kk & 1) * 32 * 128;
+            uint32_t a[4][4];
+      #pragma unroll
+            for (int mb = 0; mb < 4; ++mb) v_fragment(a[mb], vt + (mb >> 1) * SW128_BLOCK + voff[mb & 1]);
+      #pragma unroll
+            for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
+            wg_fence();
+            const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
+      #pragma unroll
+            for (int mb = 0; mb < 4; ++mb) wgmma_rs<H, false>(acc[mb], a[mb], db);
+            wg_commit();
+            if (kk < 2 * BN / 32 - 1) wg_wait<1>();
+          }
+          wg_wait<0>();
+      #pragma unroll
           for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
-          wg_fence();
-          const uint64_t db = pdesc + ((2 * kk * QCHUNK) >> 4);
-    #pragma unroll
-          for (int mb = 0; mb < 4; ++mb) wgmma_rs<H, false>(acc[mb], a[mb], db);
-          wg_commit();
-          if (kk < 2 * BN / 32 - 1) wg_wait<1>();
+          // TUNE: pair-values
         }
-        wg_wait<0>();
-    #pragma unroll
-        for (int mb = 0; mb < 4; ++mb) fence_acc<H / 2>(acc[mb]);
-        // TUNE: pair-values
       }
       // TUNE: pairs-done
 
@@ -424,29 +589,43 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       const bool bad_page = PAGED && items.bad[k];
       const bool ok = items.valid[k] && !bad_page;
       const size_t part = piece.part;
-      if (wg == 0 && t4 == 0) {  // l carries 2^WIDE_P_BIAS
+      if (wg == 0 && t4 == 0) {  // FP8: l carries 2^WIDE_P_BIAS
         const float l[2] = {sum[h0] + sum[H + h0], sum[h1] + sum[H + h1]}, m[2] = {m0, m1};
 #pragma unroll
         for (int i = 0; i < 2; ++i)
           store_lse<H>(call, rows, pieces, part, h0 + 8 * i,
-                       l[i] > 0.f ? m[i] + __log2f(l[i]) - WIDE_P_BIAS : -INFINITY, ok);
+                       l[i] > 0.f ? m[i] + __log2f(l[i]) - (BF ? 0.f : WIDE_P_BIAS) : -INFINITY, ok);
       }
-      // The output (or partial) from the accumulators: a store writes 2 dims of a head, a warp's 4 whole 32-byte
-      // sectors (the stages stay free for the next unit's pairs).
+      // The output (or partial) from the accumulators: a store writes 2 dims of a head (FP8: a warp's 4 whole 32-byte
+      // sectors; the stages stay free for the next unit's tiles).
       __nv_bfloat16* dst = pieces == 1 ? call.out + rows.row0 * DV : call.part_o + part * H * DV;
       const bool poison = pieces == 1 && !ok;
       const int stored = pieces == 1 ? rows.live : H;  // a partial keeps every row (its slot is the unit's)
+      if constexpr (BF) {
+        const int hs[2] = {h0, h1};
 #pragma unroll
-      for (int e = 0; e < NE; ++e) {
-        if (heads[e] >= stored) continue;
-        const int a = (e & 1) + (e >> 1) * 4;
-        const float l = sum[heads[e]] + sum[H + heads[e]];
-        const float scale = poison ? NAN : l > 0.f ? __fdividef(kv_scale, l) : 0.f;  // no rows: zeros
+        for (int i = 0; i < 2; ++i) {
+          if (hs[i] >= stored) continue;
+          const float l = sum[hs[i]] + sum[H + hs[i]];
+          const float scale = poison ? NAN : l > 0.f ? __fdividef(1.f, l) : 0.f;  // no rows: zeros
 #pragma unroll
-        for (int mb = 0; mb < 4; ++mb) {
-          const int dim = 256 * wg + 64 * mb + 16 * warp + 2 * g;
-          *reinterpret_cast<__nv_bfloat162*>(dst + heads[e] * DV + dim) =
-              __floats2bfloat162_rn(acc[mb][a] * scale, acc[mb][a + 2] * scale);
+          for (int j = 0; j < H / 2; ++j)
+            *reinterpret_cast<__nv_bfloat162*>(dst + hs[i] * DV + 256 * wg + 8 * j + 2 * t4) =
+                __floats2bfloat162_rn(acc[0][4 * j + 2 * i] * scale, acc[0][4 * j + 2 * i + 1] * scale);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < NE; ++e) {
+          if (heads[e] >= stored) continue;
+          const int a = (e & 1) + (e >> 1) * 4;
+          const float l = sum[heads[e]] + sum[H + heads[e]];
+          const float scale = poison ? NAN : l > 0.f ? __fdividef(kv_scale, l) : 0.f;  // no rows: zeros
+#pragma unroll
+          for (int mb = 0; mb < 4; ++mb) {
+            const int dim = 256 * wg + 64 * mb + 16 * warp + 2 * g;
+            *reinterpret_cast<__nv_bfloat162*>(dst + heads[e] * DV + dim) =
+                __floats2bfloat162_rn(acc[mb][a] * scale, acc[mb][a + 2] * scale);
+          }
         }
       }
       if (!BAL && pieces > 1) merge_splits<H>(call, base, rows, split, items.valid[k]);  // one item
