@@ -13,8 +13,8 @@ namespace mla {
 // own arrival has not happened, so the count is below the next multiple), then thread 0 adds its arrival with
 // release semantics after the CTA's barrier (publishing the CTA's partial stores) and polls with acquire loads (so
 // the other CTAs' partials are visible after the closing barrier). The last arrival is itself what the others
-// wait for: against a count that the last arrival reset before advancing a generation word (two more round trips
-// on the barrier's path), 4x1024 10.7 -> 10.1 us, 4x8192 17.0 -> 16.3, 32x1024 17.3 -> 16.5 (H200, A/B twice).
+// wait for: a count that the last arrival reset before advancing a generation word puts two more round trips on the
+// barrier's path (docs/design-notes.md, "The kernels' measured choices").
 __device__ __forceinline__ unsigned arrival_base(const unsigned* sync, int b, int num_splits) {
   unsigned count = 0;
   if (num_splits > 1 && threadIdx.x == 0)
@@ -42,11 +42,11 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
 // L = 32 loads a thread; L = H below), and every thread issues all its L loads (8-byte quads of the bf16 partials, L2
 // only: other SMs wrote them) before using any: one round trip (at H = 32 twice the loads a thread rather than a second
 // round trip; the accumulators of the split product are dead by then). The partials are bf16 because the merge is a
-// convex combination (its error stays at the bf16 output's) and half the bytes shorten the handoff: fp32 partials took
-// 0.3-0.7 us more at the split shapes (H200, H = 16). S < L: a thread merges W = L / S neighbouring quads over all S
-// splits. S >= L: W = 1, and the S / L threads of a quad (neighbouring lanes) take L splits each, then combine their
-// (max, sum, acc) by shuffles. S must be a power of two (every thread then has exactly its G = L / W splits;
-// merge_splits dispatches on W).
+// convex combination (its error stays at the bf16 output's) and half the bytes shorten the handoff (fp32 partials were
+// slower at the split shapes: docs/design-notes.md, "The kernels' measured choices"). S < L: a thread merges W = L / S
+// neighbouring quads over all S splits. S >= L: W = 1, and the S / L threads of a quad (neighbouring lanes) take L
+// splits each, then combine their (max, sum, acc) by shuffles. S must be a power of two (every thread then has exactly
+// its G = L / W splits; merge_splits dispatches on W).
 constexpr int MERGE_THREADS = 128;
 constexpr int MAX_SPLITS = 512;        // a quad's S / L threads stay within one warp (S / 16 <= 32)
 // A split's NaN LSE marks a page outside the cache: the unit's rows become NaN. out_lse, or null: the merged

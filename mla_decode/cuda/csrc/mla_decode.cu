@@ -8,9 +8,9 @@
 // in fp16 (sm_80 and later). The merge of the splits and the launcher are shared.
 // split_kernel<STAGES, MX, LAYOUT[, H]>(DecodeCall) (LAYOUT: common.cuh's Layout; the mma.sync kernel's is a bool,
 // PAGED): grid (num_splits, units) of CTAs of NTHREADS threads (a unit: the call's unit_rows query rows of a
-// sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<BF, PAGED, BAL>
-// (WIDE_THREADS threads, FP8 or BF16, the cache's TMA maps as a second argument; with one split its grid is at most one CTA an
-// SM, each walking units in turn); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
+// sequence, 16, or 32 in the wgmma kernel (its H), or 64 in split_kernel64<BF, PAGED, BAL> (WIDE_THREADS threads, FP8
+// or BF16, the cache's TMA maps as a second argument; with one split its grid is at most one CTA an SM, each walking
+// units in turn); common.cuh's QueryRows), the call's fields as common.cuh's DecodeCall states them.
 // num_splits == 1: each CTA writes its rows of out. Otherwise each writes part_o (units * num_splits, unit_rows, 512)
 // bf16, its normalised partial output, and part_lse (units * num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs
 // of a unit meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each
@@ -130,12 +130,11 @@ extern "C" void mla_limit_wide_ctas(int) {}
 static int wide_ctas(int units, int) { return units; }
 #endif
 
-// With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the
-// split plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs).
-// The KV cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its
-// first max_window bytes; none where the device has no windows): its lines are evicted before others. 64x1024
-// 23.0 -> 21.3-21.5 us, the other shapes within +-0.4 (H200, three A/Bs); why 64x1024 alone (37.7 MB of cache,
-// the split partials written after it) and not 4x8192 or 32x1024 (18.9 MB) was not pinned down.
+// With more than one split the launch is cooperative: the merge's wait needs every CTA of the grid resident (the split
+// plan keeps the grid within the CTAs that fit at once; a grid that cannot fit fails to launch, never hangs). The KV
+// cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its first
+// max_window bytes; none where the device has no windows): its lines are evicted before others, which helps where the
+// cache and the split partials written after it overflow L2 (docs/design-notes.md, "The kernels' measured choices").
 // BAL: the balanced schedule's grid (parts, groups), launched plainly: no CTA waits for another.
 template <int STAGES, int KV, int LAYOUT, int H, bool BAL>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {

@@ -14,14 +14,14 @@ namespace mla {
 constexpr int NTHREADS = 128;          // one warpgroup
 constexpr int NWARPS = 4;              // per warpgroup
 constexpr int CTAS_PER_SM = 2;
-// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 3 when the grid leaves each CTA an SM of its own.
-// A split's first STAGES - 1 tiles are requested before the loop and the next when one lands: more at once delays
-// the first (DRAM interleaves every request in flight), so with 4 stages (3 tiles requested at once) 4x8192 and
-// 32x1024 took 18.7 and 18.9 us against 17.5 and 17.7 with 3 (H200; requesting all 4 at once: 20.0 and 20.1).
+// Tiles per CTA in shared memory: 2 when two CTAs share an SM, 3 when the grid leaves each CTA an SM of its own. A
+// split's first STAGES - 1 tiles are requested before the loop and the next when one lands: more at once delays the
+// first (DRAM interleaves every request in flight), so 4 stages lost to 3 (docs/design-notes.md, "The kernels' measured
+// choices").
 constexpr int STAGES_SHARED = 2;
 constexpr int STAGES_ALONE = 3;
-// MXFP4: stages of codes (18 KB) beside the one dequantized tile, 3 whether alone or not (5 alone: 19.6 us at
-// 4x8192 and 19.7 at 32x1024, against 18.5 and 18.8 with 3).
+// MXFP4: stages of codes (18 KB) beside the one dequantized tile, 3 whether alone or not (5 alone lost: the same
+// notes).
 constexpr int MX_STAGES = 3;
 // Tile layout, wgmma's K-major swizzled layouts: dims 0..511 as four 8 KB blocks of [64 rows][128 bytes] with the
 // 16-byte units of row r permuted by u ^ (r % 8) (128-byte swizzle), dims 512..575 as [64 rows][64 bytes] with
@@ -327,8 +327,8 @@ __device__ __forceinline__ void reduce_rows(float (&v)[NE], const int* heads, fl
 // reads a row's 512 contiguous bytes; a row's 128-byte swizzle repeats every 8 rows, so the shared offsets are
 // 8 / R bases plus immediates and the global ones immediates (no address arithmetic a copy). Dims 512..575: rows
 // tid / 4 + (NT / 4) k, one unit each. MXFP4: a tile's 64 x 288 bytes of codes are contiguous and land as they are
-// (unit c = tid + NT it at byte 16 c). The copies ask L2 for whole 128-byte lines (.L2::128B): 256x8192 took
-// 285-286 us against 321-325 without (H200, A/B in one run; 64 or 256 bytes: no gain); gather() says where not.
+// (unit c = tid + NT it at byte 16 c). The copies ask L2 for whole 128-byte lines (.L2::128B), which cut the large
+// shapes' time by a tenth (the same notes); gather() says where not.
 template <int NT, bool MX>
 struct CopyPlan {
   static_assert(NT == 128 || NT == 256, "one or two warpgroups");
@@ -379,8 +379,7 @@ struct CopyPlan {
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0));
   }
   // Tile i's rows each looked up in paged_rows (-1: past hi or a bad page). WHOLE_LINES: the pages' rows start on
-  // 128-byte lines; where they do not (pages of one FP8 row), whole lines would fetch the neighbours' bytes too:
-  // pages of 1 at 256x8192 took 335 us with the hint, 324 without (H200).
+  // 128-byte lines; where they do not (pages of one FP8 row), whole lines would fetch the neighbours' bytes too.
   template <bool WHOLE_LINES>
   __device__ __forceinline__ void gather(const DecodeCall& call, const PagedRows& paged_rows, uint32_t dst,
                                          int i) const {
