@@ -267,7 +267,9 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
             tiling = Tiling(plan.num_splits, plan.block_n, torch.float32)
         else:  # the schedule kernel's pieces, as the CPU reference cuts them for this GPU's parts
             groups = mla_decode.triton.plan.query_groups(q_len, num_heads, plan.block_h)
-            pieces = schedule_pieces(SERVING_LENS, mla_decode.triton.plan.balanced_parts(target, groups), plan.block_n)
+            resident = mla_decode.triton.plan.resident_programs(target, kv_format, plan.hopper)
+            pieces = schedule_pieces(SERVING_LENS, mla_decode.triton.plan.balanced_parts(target, groups, resident),
+                                     plan.block_n)
             tiling = Tiling(block_n=plan.block_n, partial_dtype=torch.float32, pieces=pieces)
         ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "triton", "fast"), tiling=tiling)
         # a P rounding the FP8 scores flip weighs on a token of fewer heads more: its relative L2 goes as 1/sqrt(heads)

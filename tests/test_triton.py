@@ -335,8 +335,9 @@ def test_balanced_serving_shapes(q_len, num_heads, block_h):
     decode = balanced_plan(case, plan=(1, 64, 4, 3, False, True, True, block_h))
     groups = -(-q_len * num_heads // block_h)
     assert decode.impl.split_grid == (decode.impl.parts, groups, 1)  # persistent: a program a part
-    assert decode.impl.parts == mla_decode.triton.plan.balanced_parts(mla_decode.triton.common.INTERPRETER_TARGET,
-                                                                       groups)
+    target = mla_decode.triton.common.INTERPRETER_TARGET
+    assert decode.impl.parts == mla_decode.triton.plan.balanced_parts(
+        target, groups, mla_decode.triton.plan.resident_programs(target, "fp8", hopper=False))
     assert_meets_truth(case, *decode.run(*case.args()))
 
 
@@ -427,11 +428,17 @@ def test_balanced_parts_fill_the_resident_programs():
     from mla_decode.triton import plan as P
 
     h200 = C.TritonTarget("nvidia", "sm_90", 132, 227 * 1024)
-    assert P.balanced_parts(h200, 1) == 264 and P.balanced_parts(h200, 8) == 33  # 128 heads in 16-row groups
-    assert P.balanced_parts(C.amd_triton_target("gfx950", 256), 1) == 512  # 2 programs a CU
-    assert P.balanced_parts(C.amd_triton_target("gfx942", 304), 1) == 304
-    assert P.balanced_parts(h200._replace(num_sms=1000), 1) == P.MAX_PARTS
-    assert P.balanced_parts(h200, 1000) == 1
+    gfx950, gfx942 = C.amd_triton_target("gfx950", 256), C.amd_triton_target("gfx942", 304)
+    two = P.resident_programs(h200, "fp8", hopper=True)
+    assert two == P.resident_programs(h200, "bf16", hopper=False) == 2
+    assert P.resident_programs(h200, "bf16", hopper=True) == 1  # the Hopper kernel's BF16 tiles: one an SM
+    assert P.resident_programs(gfx950, "mxfp4", False) == 2 and P.resident_programs(gfx942, "fp8", False) == 1
+    assert P.balanced_parts(h200, 1, two) == 264 and P.balanced_parts(h200, 8, two) == 33  # 128 heads, 16-row groups
+    assert P.balanced_parts(h200, 1, 1) == 132  # one wave of the BF16 Hopper kernel, not two
+    assert P.balanced_parts(gfx950, 1, P.resident_programs(gfx950, "fp8", False)) == 512  # 2 programs a CU
+    assert P.balanced_parts(gfx942, 1, P.resident_programs(gfx942, "fp8", False)) == 304
+    assert P.balanced_parts(h200._replace(num_sms=1000), 1, two) == P.MAX_PARTS
+    assert P.balanced_parts(h200, 1000, two) == 1
 
 
 def test_plan_splits_fill_the_sms(monkeypatch):

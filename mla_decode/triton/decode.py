@@ -12,7 +12,7 @@ from ..schedule import SCHEDULES
 from .common import TritonTarget, tl, triton, triton_launch_options
 from .hopper import hopper_split_kernel
 from .kernels import ITEM_FIELDS, mla_combine_kernel, mla_schedule_kernel, mla_split_kernel
-from .plan import TritonPlan, balanced_parts, query_groups, triton_key
+from .plan import TritonPlan, balanced_parts, query_groups, resident_programs, triton_key
 
 BALANCED_BLOCK_DV = 128  # the balanced combine's output columns a program: 4 programs a query row, each over its pieces
 SCHEDULE_MAX_BLOCK = 1024  # the schedule kernel's sequences a round (its one program loops over the batch in these)
@@ -55,7 +55,8 @@ class TritonDecode:
         groups = query_groups(key.q_len, key.num_heads, plan.block_h)
         # balanced: one share per resident program (parts), which walks its share's pieces; at most parts + batch
         # pieces (max_items), each a slot
-        self.parts = balanced_parts(target, groups) if balanced else 0
+        self.parts = balanced_parts(target, groups, resident_programs(target, key.kv_format, plan.hopper)) if balanced \
+            else 0
         self.max_items = self.parts + key.batch if balanced else 0
         self.max_pages = problem.max_pages  # the table's width, which the schedule's valid lengths are judged by
         splits = 1 if balanced else plan.num_splits
