@@ -49,6 +49,12 @@ def quoted_timings(source: str) -> list[str]:
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
+KERNEL_SOURCES = sorted([*PACKAGE.rglob("*.cu"), *PACKAGE.rglob("*.cuh")])
+
+
+def quoted_timings_in_kernel(source: str) -> list[str]:
+    """The // comments of a CUDA source that quote a timing, a bandwidth or a throughput."""
+    return [line.strip() for line in source.splitlines() if "//" in line and TIMING.search(line.split("//", 1)[1])]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -61,6 +67,11 @@ def test_no_comment_quotes_a_timing(path):
     assert quoted_timings(path.read_text()) == []
 
 
+@pytest.mark.parametrize("path", KERNEL_SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_kernel_comment_quotes_a_timing(path):
+    assert quoted_timings_in_kernel(path.read_text()) == []
+
+
 def test_the_checks_catch_planted_cases():
     assert untyped("def f(x) -> int:\n    return x\n") == ["f['x']"]
     assert untyped("class C:\n    def run(self, y: int):\n        pass\n") == ["C.run (return)"]
@@ -68,3 +79,5 @@ def test_the_checks_catch_planted_cases():
     assert quoted_timings("x = 1  # took 4.5 us on the H200\n") == ["# took 4.5 us on the H200"]
     assert quoted_timings('def f() -> None:\n    """Reads 3,000 GB/s."""\n') == ["Reads 3,000 GB/s."]
     assert quoted_timings('label = "us"  # the unit\n') == []
+    assert quoted_timings_in_kernel("int x;  // 4x8192 took 18.7 us\n") == ["int x;  // 4x8192 took 18.7 us"]
+    assert quoted_timings_in_kernel('printf("%d us");  // the unit\n') == []
