@@ -2473,10 +2473,17 @@ def programs_per_sm(target: TritonTarget) -> int:
     return PROGRAMS_PER_SM.get(target.arch, 1) if target.vendor == "amd" else NVIDIA_PROGRAMS_PER_SM
 
 
-def balanced_parts(target: TritonTarget, groups: int) -> int:
-    """The shares a balanced schedule cuts a batch into: one per split-kernel program resident at once, over the
-    `groups` programs of each piece (every group of a sequence's query rows runs the same cut), at most MAX_PARTS."""
-    return max(1, min(MAX_PARTS, programs_per_sm(target) * target.num_sms // max(groups, 1)))
+def resident_programs(target: TritonTarget, kv_format: str, hopper: bool) -> int:
+    """Programs of a plan's split kernel resident at once per SM: programs_per_sm, but one where the Hopper kernel
+    reads BF16 (its tiles take an SM's shared memory)."""
+    return HOPPER_BF16_PROGRAMS_PER_SM if hopper and kv_format == "bf16" else programs_per_sm(target)
+
+
+def balanced_parts(target: TritonTarget, groups: int, resident: int) -> int:
+    """The shares a balanced schedule cuts a batch into: one per split-kernel program resident at once (`resident` a
+    SM: resident_programs), over the `groups` programs of each piece (every group of a sequence's query rows runs the
+    same cut), at most MAX_PARTS. More shares than resident programs would run as a second wave."""
+    return max(1, min(MAX_PARTS, resident * target.num_sms // max(groups, 1)))
 
 
 def triton_unusable_reason(problem: Problem) -> str | None:
@@ -2565,7 +2572,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     block_h = block_h or TRITON_BLOCK_H
     block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
     max_splits = 32 if kv_format == "fp8" or hopper else 64  # Hopper MXFP4: a split expands a tile past its end
-    resident = HOPPER_BF16_PROGRAMS_PER_SM if hopper and kv_format == "bf16" else programs_per_sm(target)
+    resident = resident_programs(target, kv_format, hopper)
     want = max(1, resident * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
     splits = 1 << (min(want, max(1, seq_len // block_n), max_splits).bit_length() - 1)  # a power of 2, rounded down
     # bf16 at 3 stages asks an H200 for 241,664 B of shared memory (the model counts 2 buffered tiles; Triton holds
@@ -2677,7 +2684,8 @@ class TritonDecode:
         groups = query_groups(key.q_len, key.num_heads, plan.block_h)
         # balanced: one share per resident program (parts), which walks its share's pieces; at most parts + batch
         # pieces (max_items), each a slot
-        self.parts = balanced_parts(target, groups) if balanced else 0
+        self.parts = balanced_parts(target, groups, resident_programs(target, key.kv_format, plan.hopper)) if balanced \
+            else 0
         self.max_items = self.parts + key.batch if balanced else 0
         self.max_pages = problem.max_pages  # the table's width, which the schedule's valid lengths are judged by
         splits = 1 if balanced else plan.num_splits
