@@ -5,8 +5,8 @@
 //   A from registers), as split_kernel has it.
 // - BF16: a tile is 72 KB, so two stages hold one tile being read and the next in flight. Both warpgroups take the
 //   same tile: each scores its 32 rows (m64n32k16), then O[:, its 256 dims] += P V (m64n256k16, V as an MN-major B
-//   straight from the tile), the heads on M in both products. P (64 x 64 bf16) lies in the tile's rope block, dead
-//   once both score products are done.
+//   straight from the tile), the heads on M in both products. P (64 x 64 bf16) lies in the tile's rope block, each
+//   warpgroup's in the rope rows its own score product read.
 #pragma once
 
 #include <cuda.h>
@@ -406,7 +406,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
           }
           if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
-          __syncthreads();  // both score products are done (the rope block is free for P); the tile maxima are in
+          __syncthreads();  // the halves' tile maxima are in (P's chunks 4 wg .. are this warpgroup's own rope rows)
           const float mn0 = lazy_reference(m0, fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]));
           const float mn1 = lazy_reference(m1, fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]));
           const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
