@@ -55,8 +55,8 @@ class TritonDecode:
         groups = query_groups(key.q_len, key.num_heads, plan.block_h)
         # balanced: one share per resident program (parts), which walks its share's pieces; at most parts + batch
         # pieces (max_items), each a slot
-        self.parts = balanced_parts(target, groups, resident_programs(target, key.kv_format, plan.hopper)) if balanced \
-            else 0
+        resident = resident_programs(target, key.kv_format, plan.hopper)
+        self.parts = balanced_parts(target, groups, resident) if balanced else 0
         self.max_items = self.parts + key.batch if balanced else 0
         self.max_pages = problem.max_pages  # the table's width, which the schedule's valid lengths are judged by
         splits = 1 if balanced else plan.num_splits

@@ -68,8 +68,9 @@ struct WideItems {
 // stats, the paged rows and the units.
 template <bool BF>
 constexpr int wide_smem_bytes() {
-  return BF ? BF_STAGES * BF_TILE + WIDE_ROWS * D * 2 + WIDE_STATS * 4 + SMEM_PAGED + sizeof(WideItems)
-            : WIDE_STAGES * TILE + WIDE_ROWS * D + 2 * BN * WIDE_ROWS + WIDE_STATS * 4 + SMEM_PAGED + sizeof(WideItems);
+  const int stages_and_p = BF ? BF_STAGES * BF_TILE : WIDE_STAGES * TILE + 2 * BN * WIDE_ROWS;
+  return stages_and_p + WIDE_ROWS * D * operand_bytes(BF ? KV_BF16 : KV_FP8) + WIDE_STATS * 4 + SMEM_PAGED +
+         sizeof(WideItems);
 }
 static_assert(wide_smem_bytes<false>() <= 227 * 1024, "a block's shared memory on Hopper");
 static_assert(wide_smem_bytes<true>() <= 227 * 1024, "a block's shared memory on Hopper (BF16)");
