@@ -319,9 +319,7 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
         options, rows = None, shape.q_len * shape.heads
         if block_h is not None and rows % block_h:
             raise Unavailable(f"{rows} query rows a sequence do not make groups of {block_h}")
-        if unit_rows is not None:
-            if shape.heads % unit_rows:
-                raise Unavailable(f"{shape.heads} heads do not make units of {unit_rows} query rows")
+        if unit_rows is not None:  # a unit the kernel does not take: the plan's ValueError, below
             options = {"unit_rows": unit_rows}
         # the methods not named balanced time the cuda backend's fixed splits, whatever the plan's default
         chosen = schedule if schedule is not None or backend != "cuda" else "fixed"
@@ -338,6 +336,10 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
                                      kv_scale_dtype=torch.uint8 if scale is None else scale.dtype,
                                      backend_options=options)
         except RuntimeError as e:  # the backend cannot serve this shape or format here (BackendUnavailable)
+            raise Unavailable(str(e)) from e
+        except ValueError as e:  # the kernel does not take units of unit_rows for this shape
+            if unit_rows is None:
+                raise
             raise Unavailable(str(e)) from e
         out = torch.empty((shape.batch, shape.q_len, shape.heads, V_DIM), dtype=torch.bfloat16, device=ctx.device)
         lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=ctx.device)
@@ -467,6 +469,9 @@ METHODS = (
            _ours("cuda", "bf16")),
     Method("cuda-bf16-balanced", "ours", "bf16", "mla_decode plan, backend cuda, BF16 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("cuda", "bf16", schedule="balanced")),
+    *(Method(f"cuda-bf16-rows{rows}", "ours", "bf16", f"mla_decode plan, backend cuda, BF16 cache, {rows} query rows "
+             "a CTA (unit_rows), the work-balanced schedule",
+             _ours("cuda", "bf16", unit_rows=rows, schedule="balanced")) for rows in (16, 32, 64)),
     Method("triton-bf16", "ours", "bf16", "mla_decode plan, backend triton, BF16 cache", _ours("triton", "bf16")),
     Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("triton", "fp8", schedule="balanced")),

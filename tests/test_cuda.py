@@ -353,17 +353,42 @@ def test_served_unit_rows(fake_nvidia_gpu, num_heads, precision, kv_format, wide
 def test_the_unit_rows_follow_the_gpu_s_facts(fake_nvidia_gpu):
     """The same problem (128 x 2 tokens x 128 heads, 1024 positions) in 64-row units on 132 SMs, where its 512 unsplit
     64-row CTAs fill the GPU, and in 16-row units on 1024 SMs, where they would not and a 32-row CTA would walk 8
-    tiles; 16 where the heads do not come in 32s whatever the GPU; a unit the kernel does not take is refused by its
-    backend option's name."""
+    tiles; units of a sequence's rows, so 48 heads x 2 tokens take 32-row units (three a sequence, the second
+    spanning both tokens) and 48 heads x 1 token 16-row ones whatever the GPU; a unit the kernel does not take is
+    refused by its backend option's name."""
     problem = mla_decode.api.make_problem(128, torch.float8_e4m3fn, fake_nvidia_gpu, layout="ragged", max_seqlen=1024,
                                           num_heads=128, q_len=2, causal=True)
     hopper = P.DeviceFacts(132, lambda unit_rows: 1 if unit_rows == 64 else 2, 64)
     assert P.plan_unit_rows(problem, hopper) == 64
     assert P.plan_unit_rows(problem, hopper._replace(sms=1024)) == 16
-    assert P.plan_unit_rows(problem._replace(num_heads=48), hopper) == 16
+    assert P.plan_unit_rows(problem._replace(num_heads=48), hopper) == 32
+    assert P.query_units(problem._replace(num_heads=48), 32) == 128 * 3
+    one_token = problem._replace(num_heads=48, q_len=1, causal=False)
+    assert P.plan_unit_rows(one_token, hopper) == 16
     with pytest.raises(ValueError, match=r"^backend_options: unit_rows 32: this problem's cuda kernel takes \[16\] "
-                                         r"query rows a CTA \(48 heads, fp8, fast mode\)$"):
-        P.plan_unit_rows(problem._replace(num_heads=48), hopper, 32)
+                                         r"query rows a CTA \(1 x 48 heads, fp8, fast mode\)$"):
+        P.plan_unit_rows(one_token, hopper, 32)
+
+
+# (batch, kv, heads, q_len, kv_format, rows): units of a sequence's query rows, spanning its tokens where they fit
+SPANNING_PLANS = [(128, 16384, 16, 2, "fp8", 32), (128, 16384, 32, 2, "fp8", 64), (128, 4096, 16, 4, "fp8", 64),
+                  (128, 16384, 16, 2, "bf16", 32), (128, 4096, 32, 1, "bf16", 32), (128, 16384, 32, 2, "bf16", 64),
+                  (128, 16384, 16, 2, "mxfp4", 32), (128, 16384, 8, 2, "fp8", 16), (8, 8192, 16, 2, "bf16", 16)]
+
+
+@pytest.mark.parametrize("batch,kv,num_heads,q_len,kv_format,rows", SPANNING_PLANS)
+def test_units_span_a_sequence_s_tokens(fake_nvidia_gpu, batch, kv, num_heads, q_len, kv_format, rows):
+    """A unit holds a sequence's q_len x heads query rows in turn, so 16 heads x 2 tokens fill a 32-row unit and 32 x 2
+    (or 16 x 4) a 64-row one: the KV is read once for both tokens. BF16 runs one CTA an SM whatever the rows, so
+    batch 128 at 16 heads x 2 takes 32-row units (128 CTAs) where 16-row ones would need two waves (256); 8 x 2 heads
+    make one 16-row unit a sequence."""
+    facts = P.DeviceFacts(132, lambda unit_rows: 1 if unit_rows == 64 else 2, 64, 1)
+    dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}.get(kv_format, torch.uint8)
+    problem = mla_decode.api.make_problem(batch, dtype, fake_nvidia_gpu, layout="paged", page_size=64,
+                                          max_pages=kv // 64, num_heads=num_heads, q_len=q_len, causal=q_len > 1,
+                                          max_seqlen=kv)
+    assert P.plan_unit_rows(problem, facts) == rows
+    assert P.query_units(problem, rows) == batch * -(-q_len * num_heads // rows)
 
 
 def test_device_facts_are_the_gpu_s_and_its_library_s(fake_nvidia_gpu, monkeypatch):

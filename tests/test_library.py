@@ -167,9 +167,10 @@ def test_other_head_counts(kv_format):
 
 @pytest.mark.parametrize("q_len,num_heads", [(1, 1), (1, 8), (2, 8), (1, 24), (1, 40), (2, 72), (1, 128)])
 def test_cuda_plans_any_head_count(monkeypatch, q_len, num_heads):
-    """The cuda kernels take any head count: a token's heads in ceil(heads / 16) units of 16 query rows (the last
-    masked past its heads; common.cuh's unit_groups), the grid and the partials sized for them (GPU-faked here: the
-    kernels' masks run in test_cuda_gpu)."""
+    """The cuda kernels take any head count: a sequence's q_len x heads query rows in ceil(q_len x heads / 16) units
+    of 16 (the last masked past its rows; a unit may span tokens; common.cuh's unit_groups), or of 32 or 64 where
+    they come in those, the grid and the partials sized for them (GPU-faked here: the kernels' masks run in
+    test_library_gpu)."""
     D = pytest.importorskip("mla_decode.cuda.decode")
     P = pytest.importorskip("mla_decode.cuda.plan")
     monkeypatch.setattr(D, "unusable_reason", lambda *args: None)
@@ -178,8 +179,8 @@ def test_cuda_plans_any_head_count(monkeypatch, q_len, num_heads):
                                           q_len=q_len, num_heads=num_heads, causal=q_len > 1)
     assert D.cuda_unusable_reason(problem) is None
     rows = P.plan_unit_rows(problem, D.device_facts(problem.device, False))
-    assert rows == P.QUERY_ROWS or num_heads % rows == 0
-    assert P.query_units(problem, rows) == 4 * q_len * -(-num_heads // rows)
+    assert rows == P.QUERY_ROWS or q_len * num_heads % rows == 0
+    assert P.query_units(problem, rows) == 4 * -(-q_len * num_heads // rows)
 
 
 def test_grids_past_the_launch_limits_are_refused(monkeypatch):
@@ -194,11 +195,12 @@ def test_grids_past_the_launch_limits_are_refused(monkeypatch):
     monkeypatch.setattr(D, "device_facts", lambda device, precise: P.DeviceFacts(132, lambda rows: 1, 16))  # 16 rows
     big = mla_decode.api.make_problem(2048, torch.float8_e4m3fn, "cpu", layout="paged", page_size=64, max_pages=4,
                                       q_len=4, num_heads=128, causal=True)  # 65536 units of 16 rows
-    assert "ceil(heads / 16) = 65536 units of query rows, more than the grid's 65535" in cuda_unusable_reason(big)
+    assert "ceil(q_len x heads / 16) = 65536 units of query rows, more than the grid's 65535" in cuda_unusable_reason(
+        big)
     assert cuda_unusable_reason(big._replace(batch=2047)) is None
     monkeypatch.setattr(D, "plan_unit_rows", lambda problem, facts: 32)  # the Hopper kernel's units: half as many
     assert cuda_unusable_reason(big) is None
-    assert "ceil(heads / 32) = 65536 units of query rows" in cuda_unusable_reason(big._replace(batch=4096))
+    assert "ceil(q_len x heads / 32) = 65536 units of query rows" in cuda_unusable_reason(big._replace(batch=4096))
     if mla_decode.triton.common.triton is not None:
         assert "batch 65536" in triton_unusable_reason(big._replace(batch=65536, q_len=1, num_heads=16))
         assert "batch" not in (triton_unusable_reason(big._replace(batch=65535, q_len=1, num_heads=16)) or "")

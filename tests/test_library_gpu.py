@@ -443,6 +443,60 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, kv_for
     assert out_error < out_bound / 2 and lse_error < lse_bound / 4, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
+# (unit rows, q_len, heads): units of a sequence's query rows that span its tokens; BF16 also takes 64-row units
+# of 32 rows a sequence, half masked
+SPANNING_UNITS = [(64, 2, 32), (64, 4, 16), (64, 2, 16), (32, 2, 16), (16, 2, 8), (16, 3, 8)]
+SPANNING_LENS = [4097, 65, 64, 130, 3, 1, 0]
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("schedule,splits", [("fixed", 1), ("fixed", 2), ("fixed", 8), ("balanced", None)])
+@pytest.mark.parametrize("rows,q_len,num_heads", SPANNING_UNITS)
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_gpu_cuda_units_that_span_tokens(monkeypatch, kv_format, rows, q_len, num_heads, schedule, splits):
+    """A unit of a sequence's q_len x heads query rows spans its tokens (causal): it walks its last token's positions
+    and each row masks those its own token does not see. Lengths whose earlier tokens end a tile sooner (4097 and 65:
+    token 0 of 2 ends on a tile boundary, the last tile is the last token's alone; 64, 130, 3, 1 and 0: tokens that
+    see nothing), pages of 16, through fixed splits (a split of positions only the last token sees leaves the other
+    rows a piece of no positions, weight 0) and the balanced schedule: within the float64 truth's bounds, out and lse
+    NaN-poisoned before the call. Planted: every row reading its unit's whole range (causal off) fails them."""
+    P = pytest.importorskip("mla_decode.cuda.plan")
+    pytest.importorskip("mla_decode.cuda")
+    if rows > 16 and not _hopper_takes_32_rows("fast"):
+        pytest.skip("units of 32 and 64 rows are the Hopper kernel's")
+    if q_len * num_heads % rows and kv_format != "bf16":
+        pytest.skip("masked 64-row units are the BF16 cache's")
+    if splits is not None:
+        monkeypatch.setattr(P, "cuda_plan", lambda *args: splits)
+    lens = SPANNING_LENS
+    case = make_paged_case(kv_format, 16, lens, seed=rows + q_len + num_heads, q_len=q_len, num_heads=num_heads,
+                           device="cuda")
+
+    def run(**bug):
+        decode = mla_decode.plan(len(lens), 16, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
+                                 num_heads=num_heads, q_len=q_len, backend="cuda", max_seqlen=max(lens),
+                                 backend_options={"unit_rows": rows, "schedule": schedule},
+                                 kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype,
+                                 **({"causal": True} | bug))
+        assert decode.impl.call.unit_rows == rows
+        if splits is not None:
+            assert decode.impl.num_splits == splits
+        out, _ = _poisoned((len(lens), q_len, num_heads, V_DIM), torch.bfloat16, 0)
+        lse, _ = _poisoned((len(lens), num_heads, q_len), torch.float32, 0)
+        decode.run(*case.args(), out=out, lse=lse)
+        return out, lse
+
+    out, lse = run()
+    ref_out, ref_lse = paged_reference(case, q=_gpu_queries(case, "cuda", "fast"))
+    out_bound, lse_bound = GPU_BOUNDS[("cuda", kv_format, "fast")]
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    bad_out, bad_lse = run(causal=False)
+    bad_out_error, bad_lse_error = errors(bad_out, bad_lse, ref_out, ref_lse)
+    assert bad_out_error > out_bound and bad_lse_error > lse_bound, (bad_out_error, bad_lse_error)
+
+
 # split_kernel64's lazy running max (wgmma64.cuh's LAZY_MAX, in log2 units): a step's P (FP8: a pair of tiles; BF16:
 # a tile) is taken against the running max, which moves only where the step's max passes it by more than this.
 LAZY_MAX = 2.0
@@ -604,21 +658,29 @@ def test_gpu_cuda_units_of_64_rows_walked_by_fewer_ctas(monkeypatch, kv_format, 
         assert out_error < out_bound and lse_error < lse_bound, (rows, out_error, lse_error)
 
 
-# the kernels whose bad-page flags are their own code: the cuda ones (one path for both formats) and the triton
-# Hopper kernel's FP8 copies and MXFP4 loads
+# the kernels whose bad-page flags are their own code: the cuda ones and the triton Hopper kernel's FP8 copies and
+# MXFP4 loads
 BAD_PAGE_KERNELS = [("cuda", "fp8"), ("triton", "fp8"), ("triton", "mxfp4")]
 
 
 @pytest.mark.gpu
 @needs_nvidia
-@pytest.mark.parametrize("backend,kv_format", BAD_PAGE_KERNELS)
+@pytest.mark.parametrize("num_heads", [8, 16, 32])
+@pytest.mark.parametrize("backend,kv_format", [*BAD_PAGE_KERNELS, ("cuda", "bf16")])
 @pytest.mark.parametrize("page_size", [16, 128])  # 128: the Hopper kernel's one table entry a tile
-def test_gpu_a_bad_page_only_later_tokens_reach(backend, kv_format, page_size):
+def test_gpu_a_bad_page_only_later_tokens_reach(request, backend, kv_format, page_size, num_heads):
     """q_len 2, causal: sequence 1's last page, outside the cache, holds only its last position. Token 1 reads it
-    and comes out NaN; token 0 stops before it and keeps its value, as the other sequences do."""
+    and comes out NaN; token 0 stops before it and keeps its value, as the other sequences do. The cuda kernel's
+    units span both tokens (8 x 2 rows in 16, 16 x 2 in 32, 32 x 2 in 64 on Hopper): the unit reads the page, and
+    only token 1's rows may take its verdict. The triton kernels' groups of 16 rows span tokens at 8 heads too, and
+    their flag is still the group's (a known defect, recorded here until it is mended)."""
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
-    case = make_paged_case(kv_format, page_size, [200, 4481, 7], seed=6, q_len=2, num_heads=32, device="cuda")
+    if backend == "triton" and num_heads == 8:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the triton kernels' bad-page flag is a group's, "
+                                              "not a row's: token 0 of a group spanning tokens comes out NaN"))
+    case = make_paged_case(kv_format, page_size, [200, 4481, 7], seed=6, q_len=2, num_heads=num_heads,
+                           device="cuda")
     table = case.block_table.clone()
     table[1, 4480 // page_size] = 10_000
     out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale,

@@ -93,7 +93,7 @@ def cuda_unusable_reason(problem: "Problem") -> str | None:
     rows = plan_unit_rows(problem, device_facts(problem.device, precise))  # known once the library is
     units = query_units(problem, rows)
     if units > MAX_UNITS:
-        return (f"cuda backend: batch x q_len x ceil(heads / {rows}) = {units} units of query rows, more than the "
+        return (f"cuda backend: batch x ceil(q_len x heads / {rows}) = {units} units of query rows, more than the "
                 f"grid's {MAX_UNITS}")
     return None
 

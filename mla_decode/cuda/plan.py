@@ -10,9 +10,10 @@ import torch
 if TYPE_CHECKING:  # the package imports nothing of mla_decode at run time
     from ..contract import Problem
 
-QUERY_ROWS = 16  # query rows per CTA (a unit, H in the source), 16 heads of one token; a token's last unit is masked
-# past its heads where they are not a multiple of it
-WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where the heads come in multiples of 32 (unit_rows)
+# Query rows per CTA (a unit, H in the source): a sequence's q_len x num_heads rows, token-major, in units of these
+# (a unit may span tokens: 16 heads x 2 tokens in 32 rows); the last is masked past them
+QUERY_ROWS = 16
+WIDE_QUERY_ROWS = 32  # the Hopper kernel's units where a sequence's query rows come in multiples of 32 (unit_rows)
 WIDEST_QUERY_ROWS = 64  # the Hopper 64-row kernel's units (the FP8 and BF16 caches; one CTA of two warpgroups per SM)
 # plan_unit_rows: the tiles a 32-row CTA walks at least, and where the 16-row plan splits too (a merge either way)
 WIDE_MIN_TILES, WIDE_MERGED_MIN_TILES = 16, 8
@@ -24,7 +25,7 @@ BLOCK_N = 64  # KV rows per tile (BN in the source)
 # hide the lookups, until the unit's merge of that many partials costs more)
 SPLIT_MIN_TILES, GATHERED_KEEP_SPLITS = 4, 8
 MAX_SPLITS = 512  # MAX_SPLITS in the source: the merge takes powers of two up to this
-MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x q_len x ceil(heads / unit_rows))
+MAX_UNITS = 65535  # the grid's y dimension: units of query rows (batch x ceil(q_len x heads / unit_rows))
 # How a plan cuts the work (DecodeCall's schedule): "fixed", num_splits equal splits of every unit sized by the plan's
 # longest sequence (cuda_plan), or "balanced", the work-balanced schedule (schedule.cuh, made on the GPU from the
 # lengths each call or once a step)
@@ -107,22 +108,22 @@ def split_rows(length: int, splits: int) -> int:
 
 
 def query_units(problem: "Problem", rows: int) -> int:
-    """The CTAs a problem's query rows take per split in units of `rows`: batch x q_len x ceil(num_heads / rows) (the
-    grid's y; common.cuh's unit_groups: a token's last unit is masked past its heads)."""
-    return problem.batch * problem.q_len * -(-problem.num_heads // rows)
+    """The CTAs a problem's query rows take per split in units of `rows`: batch x ceil(q_len x num_heads / rows) (the
+    grid's y; common.cuh's unit_groups: a sequence's last unit is masked past its rows)."""
+    return problem.batch * -(-problem.q_len * problem.num_heads // rows)
 
 
 def served_unit_rows(problem: "Problem", max_unit_rows: int) -> list[int]:
     """The query rows a unit (a CTA) of `problem` can take: 16; in the fast mode, with a library whose kernels take
-    units up to `max_unit_rows` (the Hopper wgmma one's), also 32 where the heads come in 32s and 64 where they come
-    in 64s with the FP8 or the BF16 cache (the 64-row kernel has no MXFP4 path: two dequantized tiles beside the 4
-    stages would not fit). A unit stays in one token; other head counts take 16-row units, the last of a token
-    masked."""
-    if problem.precision != "fast" or problem.num_heads % WIDE_QUERY_ROWS:
+    units up to `max_unit_rows` (the Hopper wgmma one's), also 32 where a sequence's q_len x num_heads query rows come
+    in 32s and 64 where they come in 64s with the FP8 or the BF16 cache (the 64-row kernel has no MXFP4 path: two
+    dequantized tiles beside the 4 stages would not fit). Units are of a sequence's rows, so 32 heads x 2 tokens make
+    one 64-row unit; other counts take 16-row units, the last of a sequence masked."""
+    rows = problem.q_len * problem.num_heads
+    if problem.precision != "fast" or rows % WIDE_QUERY_ROWS:
         return [QUERY_ROWS]
     wide = [WIDE_QUERY_ROWS] if max_unit_rows >= WIDE_QUERY_ROWS else []
-    if (max_unit_rows >= WIDEST_QUERY_ROWS and problem.num_heads % WIDEST_QUERY_ROWS == 0
-            and problem.kv_format != "mxfp4"):
+    if max_unit_rows >= WIDEST_QUERY_ROWS and rows % WIDEST_QUERY_ROWS == 0 and problem.kv_format != "mxfp4":
         wide.append(WIDEST_QUERY_ROWS)
     return [QUERY_ROWS, *wide]
 
@@ -131,8 +132,9 @@ def plan_unit_rows(problem: "Problem", facts: DeviceFacts, requested: int | None
     """The query rows of a unit (a CTA) in `problem`'s plan on a GPU of `facts`, of served_unit_rows. 64 where served
     and a 64-row CTA, split as cuda_plan splits it, walks at least WIDEST_MIN_TILES tiles, or the unsplit 64-row grid
     fills the SMs, or it walks at least WIDEST_MERGED_MIN_TILES where the 16-row plan splits too. Else 32 where
-    served, the 32-row grid has more CTAs than the GPU has SMs, and a 32-row CTA walks at least WIDE_MIN_TILES tiles
-    (WIDE_MERGED_MIN_TILES where the 16-row plan splits too); else 16. Wider units read each KV tile for more rows
+    served, the 32-row grid has more CTAs than the GPU has SMs or the 16-row grid more than fit at once (BF16: one CTA
+    an SM), and a 32-row CTA walks at least WIDE_MIN_TILES tiles (WIDE_MERGED_MIN_TILES where the 16-row plan splits
+    too); else 16. Wider units read each KV tile for more rows
     and run the per-tile chain once for them, but their fixed cost (Q, the staged output, the merge) grows with the
     rows and they make fewer CTAs: with idle SMs or few tiles, 16 rows win. The rule picks, on each of the H200 rows
     measured in 16-, 32- and 64-row units, the fastest (docs/2026-12-02-serving.md, sections 8, 10 and 12).
@@ -141,7 +143,7 @@ def plan_unit_rows(problem: "Problem", facts: DeviceFacts, requested: int | None
     if requested is not None:
         if requested not in served:
             raise ValueError(f"backend_options: unit_rows {requested!r}: this problem's cuda kernel takes {served} "
-                             f"query rows a CTA ({problem.num_heads} heads, {problem.kv_format}, "
+                             f"query rows a CTA ({problem.q_len} x {problem.num_heads} heads, {problem.kv_format}, "
                              f"{problem.precision} mode)")
         return requested
     if WIDE_QUERY_ROWS not in served:
@@ -154,14 +156,15 @@ def plan_unit_rows(problem: "Problem", facts: DeviceFacts, requested: int | None
                              facts)
         return units, splits, max(1, problem.max_seqlen // BLOCK_N) // splits
 
-    narrow_splits = plan(QUERY_ROWS)[1]
+    narrow_units, narrow_splits, _ = plan(QUERY_ROWS)
     if WIDEST_QUERY_ROWS in served:
         units, splits, tiles = plan(WIDEST_QUERY_ROWS)
         if (tiles >= WIDEST_MIN_TILES or (splits == 1 and units >= facts.sms)
                 or (tiles >= WIDEST_MERGED_MIN_TILES and narrow_splits > 1)):
             return WIDEST_QUERY_ROWS
     units, splits, tiles = plan(WIDE_QUERY_ROWS)
-    if units * splits <= facts.sms or tiles < WIDE_MERGED_MIN_TILES:
+    narrow_fits = narrow_units * narrow_splits <= unit_ctas_per_sm(facts, QUERY_ROWS, problem.kv_format) * facts.sms
+    if (units * splits <= facts.sms and narrow_fits) or tiles < WIDE_MERGED_MIN_TILES:
         return QUERY_ROWS
     return WIDE_QUERY_ROWS if tiles >= WIDE_MIN_TILES or narrow_splits > 1 else QUERY_ROWS
 

@@ -16,9 +16,9 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // ctypes Structure of the same fields in the same order (the build checks it against mla_decode_call_layout at load),
 // a plan sets its own fields once and a call its inputs', mla_decode gets its address, and the split kernels take it
 // by value.
-// q (batch, q_len, num_heads, 576) bf16, num_heads >= 1 in units of unit_rows query rows a CTA (16, or 32 and, FP8
-// only, 64 in the wgmma build: the plan picks them, the launcher the kernel instance; a token's last unit is masked
-// past num_heads); kv: kv_format KV_FP8, the FP8 cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32;
+// q (batch, q_len, num_heads, 576) bf16, num_heads >= 1, a sequence's q_len x num_heads rows in units of unit_rows
+// query rows a CTA (16, or 32 and 64 in the wgmma build: the plan picks them, the launcher the kernel instance; a
+// sequence's last unit is masked past its rows; QueryRows); kv: kv_format KV_FP8, the FP8 cache (total_kv rows of 576) e4m3 with kv_scale (1,) fp32;
 // KV_MXFP4, the MXFP4 codes (total_kv rows of 288) with kv_block_scales, E8M0 bytes, row r's 18 at r * scale_stride;
 // KV_BF16 (the wgmma build), the BF16 cache (total_kv rows of 576 bf16), no scale.
 // The rows of sequence b: page_size 0 (ragged), seqs is kv_indptr (batch + 1,) and they are kv_indptr[b] ..
@@ -61,31 +61,38 @@ struct DecodeCall {
   int cut;        // the balanced schedule's cut: LINE_CUT, equal shares anywhere; FILL_CUT, parts filled in turn
 };
 
-// A token's heads in units of H query rows: num_heads rounded up to a multiple of H (the unit's rows past the last
-// head are masked), and the units of a sequence, its q_len tokens' (the grid's groups).
-__host__ __device__ __forceinline__ int head_slots(const DecodeCall& c, int H) {
-  return (c.num_heads + H - 1) / H * H;
-}
+// A sequence's q_len x num_heads query rows, token-major as q and out lie them (row f = t * num_heads + h), in units
+// of H rows (the grid's groups a sequence); the last unit is masked past the sequence's rows.
 __host__ __device__ __forceinline__ int unit_groups(const DecodeCall& c, int H) {
-  return c.q_len * head_slots(c, H) / H;
+  return (c.q_len * c.num_heads + H - 1) / H;
 }
 
-// A CTA's H query rows: grid row `unit` = b * groups + group holds heads h0 .. h0 + H - 1 of token t of sequence b,
-// all of one token (one causal limit). Rows 0 .. live - 1 are heads (q and out rows row0 + e, token-major as they
-// lie); rows from live on (heads past num_heads) read a zero query and are never stored to out or lse. The unit
-// indexes the partials and the barrier; row e's LSE is at lse0 + e * lse_stride.
+// A CTA's H query rows: grid row `unit` = b * groups + group holds rows f0 = group * H .. f0 + live - 1 of sequence
+// b, which may span tokens (16 heads x 2 tokens in 32 rows); rows from live on read a zero query and are never stored
+// to out or lse. t: the unit's last token, whose causal range is the widest: the unit walks it, and a row of an
+// earlier token masks the positions it does not see (row_shift). q and out rows row0 + e; the unit indexes the
+// partials and the barrier.
 struct QueryRows {
-  int b, unit, t, live;
-  size_t row0, lse0;
-  int lse_stride;
+  int b, unit, t, live, f0;
+  size_t row0;
 };
 
 template <int H>
 __device__ __forceinline__ QueryRows query_rows(const DecodeCall& c, int unit) {
-  const int slots = head_slots(c, H), groups = c.q_len * slots / H, b = unit / groups, r0 = (unit % groups) * H;
-  const int t = r0 / slots, h0 = r0 % slots;
-  return {b, unit, t, min(H, c.num_heads - h0), (static_cast<size_t>(b) * c.q_len + t) * c.num_heads + h0,
-          (static_cast<size_t>(b) * c.num_heads + h0) * c.q_len + t, c.q_len};
+  const int groups = unit_groups(c, H), b = unit / groups, f0 = (unit % groups) * H;
+  const int live = min(H, c.q_len * c.num_heads - f0);
+  return {b, unit, (f0 + live - 1) / c.num_heads, live, f0, static_cast<size_t>(b) * c.q_len * c.num_heads + f0};
+}
+
+// The positions row e of the unit sees fewer than its last token (causal; 0 for the rows past live).
+__device__ __forceinline__ int row_shift(const DecodeCall& c, const QueryRows& r, int e) {
+  return c.causal && e < r.live ? r.t - (r.f0 + e) / c.num_heads : 0;
+}
+
+// Row e's LSE in lse (batch, num_heads, q_len).
+__device__ __forceinline__ size_t row_lse(const DecodeCall& c, const QueryRows& r, int e) {
+  const int f = r.f0 + e, t = f / c.num_heads;
+  return (static_cast<size_t>(r.b) * c.num_heads + (f - t * c.num_heads)) * c.q_len + t;
 }
 
 constexpr float LN2 = 0.6931471805599453f;  // the kernels' log-sum-exp is base 2, the caller's natural
@@ -118,10 +125,10 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 v) {
 enum Layout : int { RAGGED = 0, ROW_PAGES = 1, TILE_PAGES = 2 };
 
 // The positions [lo, hi) of sequence b that split `split` attends to for token t: splits of whole 64-row tiles,
-// ntiles of them, over the positions the token sees; `start`: the sequence's first row (ragged). An invalid kv_indptr
-// range or length reads nothing (valid = false; its output rows become NaN).
+// ntiles of them, over the len positions the token sees; `start`: the sequence's first row (ragged). An invalid
+// kv_indptr range or length reads nothing (valid = false; its output rows become NaN).
 struct SplitRange {
-  int lo, hi, ntiles, start;
+  int lo, hi, ntiles, start, len;
   bool valid;
 };
 
@@ -147,7 +154,17 @@ __device__ __forceinline__ SplitRange split_range(const DecodeCall& c, int b, in
   const int per_split = split_rows(c, len);
   const int lo = split * per_split;
   const int hi = min(lo + per_split, len);
-  return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, start, valid};
+  return {lo, hi, hi > lo ? (hi - lo + BN - 1) / BN : 0, start, len, valid};
+}
+
+// The positions of a range [lo, hi) of the unit's last token that row e does not see, from its end: row e attends to
+// [lo, hi - row_cut). tail: the positions the last token sees past hi (len - hi). 0 but in a unit that spans tokens,
+// at the end of the sequence.
+__device__ __forceinline__ int row_cut(const DecodeCall& c, const QueryRows& rows, int e, int tail) {
+  return max(0, row_shift(c, rows, e) - tail);
+}
+__device__ __forceinline__ int row_cut(const DecodeCall& c, const QueryRows& rows, const SplitRange& r, int e) {
+  return row_cut(c, rows, e, r.len - r.hi);
 }
 
 // A CTA's work: piece `index` of the `count` pieces that cut unit rows.unit's positions, positions [lo, ...) (the
@@ -269,11 +286,13 @@ __device__ __forceinline__ GuessedEntries<STAGES> guess_entries(const DecodeCall
 
 // The rows of the next tiles of a paged split, in shared memory: ROW_SLOTS tiles of BN rows (tile i in slot i %
 // ROW_SLOTS), written one iteration before the copies that read them. Threads 0..BN-1 each look up one row; `bad`
-// records a page outside the cache (never followed: the sequence's output becomes NaN).
+// records the first position on a page outside the cache (never followed: the rows that would see it become NaN),
+// NO_BAD_PAGE if none.
+constexpr int NO_BAD_PAGE = 0x7fffffff;
 constexpr int ROW_SLOTS = 4;  // the copies' STAGES - 1 tiles ahead (3 at most) and the tile after the current one
 struct PagedRows {
   int* rows;  // [ROW_SLOTS][BN]
-  int* bad;   // shared flag
+  int* bad;   // shared: the first bad position
 
   // Thread tid < BN: the block table's entry for tile `tile`'s row tid (-1 past hi), which put() turns into a row.
   // Nothing here depends on the loaded entry: a branch on it where it is loaded stalled the warp (and with it the
@@ -290,7 +309,7 @@ struct PagedRows {
       const bool in = pos < hi;
       const int row = in ? page_row(c, entry, pos) : -1;
       rows[(tile % ROW_SLOTS) * BN + tid] = row;
-      if (in && row < 0) *bad = 1;
+      if (in && row < 0) atomicMin(bad, pos);
     }
   }
   __device__ __forceinline__ int at(int tile, int r) const { return rows[(tile % ROW_SLOTS) * BN + r]; }
@@ -300,7 +319,7 @@ struct PagedRows {
   template <int STAGES>
   __device__ __forceinline__ void first_tiles(const DecodeCall& c, int b, int lo, int hi, int tid,
                                               const GuessedEntries<STAGES>& guess) const {
-    if (tid == 0) *bad = 0;
+    if (tid == 0) *bad = NO_BAD_PAGE;
     int first[STAGES];
 #pragma unroll
     for (int i = 0; i < STAGES; ++i) first[i] = lo == guess.lo ? guess.e[i] : fetch(c, b, lo, hi, i, tid);

@@ -49,13 +49,13 @@ __device__ __forceinline__ void wait_for_splits(unsigned* sync, int b, int num_s
 // its G = L / W splits; merge_splits dispatches on W).
 constexpr int MERGE_THREADS = 128;
 constexpr int MAX_SPLITS = 512;        // a quad's S / L threads stay within one warp (S / 16 <= 32)
-// A split's NaN LSE marks a page outside the cache: the unit's rows become NaN. out_lse, or null: the merged
-// natural-log LSE of row h at out_lse[h * lse_stride], written by the thread of each row's first quad. Rows from
-// `live` on (masked heads) are merged but not stored.
+// A split's NaN LSE marks a page outside the cache that the row sees: the row becomes NaN. The merged natural-log
+// LSE of row h goes to call.lse (if any) at row_lse, written by the thread of each row's first quad. Rows from
+// rows.live on (masked rows) are merged but not stored.
 template <int W, int H, int L = H>
-__device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat16* po, __nv_bfloat16* out,
-                                            float* out_lse, int lse_stride, int num_splits, int split,
-                                            bool valid, int live) {
+__device__ __forceinline__ void merge_quads(const DecodeCall& call, const QueryRows& rows, const float* lse,
+                                            const __nv_bfloat16* po, __nv_bfloat16* out, int num_splits, int split,
+                                            bool valid) {
   constexpr int G = L / W;  // splits per thread
   constexpr int LOG_QUADS = log2i(H * DV / 4);  // the unit's quads: 2048 at H = 16
   const int log_splits = __ffs(num_splits) - 1;
@@ -116,10 +116,11 @@ __device__ __forceinline__ void merge_quads(const float* lse, const __nv_bfloat1
     mx = nm;
     bad_page |= __shfl_xor_sync(0xffffffffu, bad_page, lane);
   }
-  if ((threadIdx.x & (per_quad - 1)) || h >= live) return;
+  if ((threadIdx.x & (per_quad - 1)) || h >= rows.live) return;
   const bool ok = valid && !bad_page;
   const float scale = (wsum > 0.f ? 1.f / wsum : 0.f) * (ok ? 1.f : NAN);  // every split empty: zeros
-  if (out_lse && col == 0) out_lse[h * lse_stride] = ok ? (wsum > 0.f ? (mx + __log2f(wsum)) * LN2 : -INFINITY) : NAN;
+  if (call.lse && col == 0)
+    call.lse[row_lse(call, rows, h)] = ok ? (wsum > 0.f ? (mx + __log2f(wsum)) * LN2 : -INFINITY) : NAN;
 #pragma unroll
   for (int w = 0; w < W; ++w)
     store_bf16x4(out + h * DV + col + 4 * w,
@@ -139,26 +140,24 @@ __device__ __forceinline__ void merge_splits(const DecodeCall& call, unsigned ba
   const float* lse = call.part_lse + static_cast<size_t>(u) * num_splits * H;
   const __nv_bfloat16* po = call.part_o + static_cast<size_t>(u) * num_splits * H * DV;
   __nv_bfloat16* o = call.out + rows.row0 * DV;
-  float* out_lse = call.lse ? call.lse + rows.lse0 : nullptr;
-  const int ls = rows.lse_stride, live = rows.live;
   if constexpr (H == 64) {  // 8192 quads on 256 threads: 32 loads a thread
     constexpr int L = 32;
     switch (num_splits) {
-      case 2: return merge_quads<L / 2, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid, live);
-      case 4: return merge_quads<L / 4, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid, live);
-      case 8: return merge_quads<L / 8, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid, live);
-      case 16: return merge_quads<L / 16, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid, live);
-      default: return merge_quads<1, H, L>(lse, po, o, out_lse, ls, num_splits, split, valid, live);  // num_splits >= L
+      case 2: return merge_quads<L / 2, H, L>(call, rows, lse, po, o, num_splits, split, valid);
+      case 4: return merge_quads<L / 4, H, L>(call, rows, lse, po, o, num_splits, split, valid);
+      case 8: return merge_quads<L / 8, H, L>(call, rows, lse, po, o, num_splits, split, valid);
+      case 16: return merge_quads<L / 16, H, L>(call, rows, lse, po, o, num_splits, split, valid);
+      default: return merge_quads<1, H, L>(call, rows, lse, po, o, num_splits, split, valid);  // num_splits >= L
     }
   }
   if constexpr (H == 32) {  // 16 splits take W = 2 here; a `case 16` in the switch changed the 16-row SASS
-    if (num_splits == 16) return merge_quads<2, H>(lse, po, o, out_lse, ls, num_splits, split, valid, live);
+    if (num_splits == 16) return merge_quads<2, H>(call, rows, lse, po, o, num_splits, split, valid);
   }
   switch (num_splits) {
-    case 2: merge_quads<H / 2, H>(lse, po, o, out_lse, ls, num_splits, split, valid, live); break;
-    case 4: merge_quads<H / 4, H>(lse, po, o, out_lse, ls, num_splits, split, valid, live); break;
-    case 8: merge_quads<H / 8, H>(lse, po, o, out_lse, ls, num_splits, split, valid, live); break;
-    default: merge_quads<1, H>(lse, po, o, out_lse, ls, num_splits, split, valid, live);  // num_splits >= H
+    case 2: merge_quads<H / 2, H>(call, rows, lse, po, o, num_splits, split, valid); break;
+    case 4: merge_quads<H / 4, H>(call, rows, lse, po, o, num_splits, split, valid); break;
+    case 8: merge_quads<H / 8, H>(call, rows, lse, po, o, num_splits, split, valid); break;
+    default: merge_quads<1, H>(call, rows, lse, po, o, num_splits, split, valid);  // num_splits >= H
   }
 }
 
@@ -184,7 +183,7 @@ __device__ __forceinline__ void combine_slice(const DecodeCall& c, float* lse, i
   const int groups = unit_groups(c, H), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int h = blockIdx.z * COMBINE_WARPS + warp;
   const QueryRows rows = query_rows<H>(c, b * groups + blockIdx.y);
-  if (h >= rows.live) return;  // a masked head: nothing to store
+  if (h >= rows.live) return;  // a masked row: nothing to store
   // piece i's partial of this row: slot (k0 + i) * groups + group
   const size_t row0 = (static_cast<size_t>(k0) * groups + blockIdx.y) * H + h, step = static_cast<size_t>(groups) * H;
   float mx = -INFINITY, sum = 0.f;
@@ -247,7 +246,7 @@ __device__ __forceinline__ void combine_slice(const DecodeCall& c, float* lse, i
                                             acc[4 * j + 3] * scale));
   }
   if (c.lse && slice == 0 && lane == 0)
-    c.lse[rows.lse0 + h * rows.lse_stride] = ok ? (sum > 0.f ? (mx + __log2f(sum)) * LN2 : -INFINITY) : NAN;
+    c.lse[row_lse(c, rows, h)] = ok ? (sum > 0.f ? (mx + __log2f(sum)) * LN2 : -INFINITY) : NAN;
 }
 
 template <int H>

@@ -325,7 +325,7 @@ extern "C" int mla_decode(const DecodeCall* c) {
   int dev = 0;
   cudaGetDevice(&dev);
   const int num_splits = c->num_splits, kv_format = c->kv_format;
-  const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8, BF16) where the build takes them; units of one token
+  const int rows = c->unit_rows;  // 16, or 32 and 64 (FP8, BF16) where the build takes them; units of a sequence's rows
   const bool rows_ok = (rows == 16 || rows == 32 || rows == 64) && rows <= mla::MAX_UNIT_ROWS &&
                        !(rows == 64 && kv_format == mla::KV_MXFP4) && c->num_heads > 0 &&
                        c->q_len > 0;

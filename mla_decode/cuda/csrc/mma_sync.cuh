@@ -8,7 +8,7 @@
 
 namespace mla {
 
-constexpr int H = 16;                  // query rows per CTA: 16 heads of one token
+constexpr int H = 16;                  // query rows per CTA (QueryRows)
 constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
 constexpr int CTAS_PER_SM = 1;
@@ -99,7 +99,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // A operand of every k16 step. Within each 16-dim chunk, lane t4 takes dims 4*t4 + {0,1} as the k-pair t4*2 and
   // 4*t4 + {2,3} as the k-pair t4*2 + 8: the products run over that permutation of the dims, the same for K (whose
   // ldmatrix fragments come out in exactly this order).
-  // Rows from rows.live on (masked heads) are zeros.
+  // Rows from rows.live on (masked rows) are zeros.
   for (int c = tid; c < H * D / 2; c += NTHREADS) {
     const int h = c / (D / 2), j = c % (D / 2);
     const float2 v = h < rows.live ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(
@@ -119,6 +119,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   }
 
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads g and g + 8
+  const int hi0 = hi - row_cut(call, rows, range, g), hi1 = hi - row_cut(call, rows, range, g + 8);  // their ends
   float acc[VCOLS / 8][4];  // [2 * group + parity]: even / odd columns of 16-column group `group`
 #pragma unroll
   for (int j = 0; j < VCOLS / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -150,12 +151,12 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
 
-    // Online softmax over the tile, log2 domain; rows past hi are masked.
+    // Online softmax over the tile, log2 domain; rows past a head's end are masked.
     const int row = n0 + warp * TOKW + t4 * 2;
-    s[0] = row < hi ? s[0] * score_scale : -INFINITY;
-    s[1] = row + 1 < hi ? s[1] * score_scale : -INFINITY;
-    s[2] = row < hi ? s[2] * score_scale : -INFINITY;
-    s[3] = row + 1 < hi ? s[3] * score_scale : -INFINITY;
+    s[0] = row < hi0 ? s[0] * score_scale : -INFINITY;
+    s[1] = row + 1 < hi0 ? s[1] * score_scale : -INFINITY;
+    s[2] = row < hi1 ? s[2] * score_scale : -INFINITY;
+    s[3] = row + 1 < hi1 ? s[3] * score_scale : -INFINITY;
     float mx0 = fmaxf(s[0], s[1]), mx1 = fmaxf(s[2], s[3]);
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
@@ -239,8 +240,10 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
     l1 += red[w * H + g + 8];
   }
   const float inv0 = l0 > 0.f ? kv_scale / l0 : 0.f, inv1 = l1 > 0.f ? kv_scale / l1 : 0.f;  // no rows: zeros
-  const bool bad_page = paged && *paged_rows.bad;  // written before the loop's last barrier
-  const bool ok = valid && !bad_page;
+  // The first position on a page outside the cache, written before the loop's last barrier: a head is ok where it sees
+  // none.
+  const int bad_page = paged ? *paged_rows.bad : NO_BAD_PAGE;
+  const bool ok0 = valid && bad_page >= hi0, ok1 = valid && bad_page >= hi1;
   // Group `grp` holds dims base + 4*t4 + {0, 1, 2, 3} as (even c0, odd c0, even c1, odd c1) for head g (c2, c3: g + 8).
   const size_t part = piece.part;
   const bool direct = piece.count == 1;  // else a partial, merged below
@@ -252,7 +255,8 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
     float4 v0 = make_float4(ev[0] * inv0, od[0] * inv0, ev[1] * inv0, od[1] * inv0);
     float4 v1 = make_float4(ev[2] * inv1, od[2] * inv1, ev[3] * inv1, od[3] * inv1);
     if (direct) {
-      if (!ok) v0 = v1 = make_float4(NAN, NAN, NAN, NAN);
+      if (!ok0) v0 = make_float4(NAN, NAN, NAN, NAN);
+      if (!ok1) v1 = make_float4(NAN, NAN, NAN, NAN);
       __nv_bfloat16* o = call.out + rows.row0 * DV + col;
       if (g < rows.live) store_bf16x4(o + g * DV, v0);
       if (g + 8 < rows.live) store_bf16x4(o + (g + 8) * DV, v1);
@@ -264,12 +268,12 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   }
   if (warp == 0 && t4 == 0) {
     const float lse0 = l0 > 0.f ? m0 + log2f(l0) : -INFINITY, lse1 = l1 > 0.f ? m1 + log2f(l1) : -INFINITY;
-    if (!direct) {  // NaN: a page outside the cache or an invalid range; the merge makes the unit NaN
-      call.part_lse[part * H + g] = ok ? lse0 : NAN;
-      call.part_lse[part * H + g + 8] = ok ? lse1 : NAN;
+    if (!direct) {  // NaN: a page outside the cache or an invalid range; the merge makes the row NaN
+      call.part_lse[part * H + g] = ok0 ? lse0 : NAN;
+      call.part_lse[part * H + g + 8] = ok1 ? lse1 : NAN;
     } else if (call.lse) {
-      if (g < rows.live) call.lse[rows.lse0 + g * rows.lse_stride] = ok ? lse0 * LN2 : NAN;
-      if (g + 8 < rows.live) call.lse[rows.lse0 + (g + 8) * rows.lse_stride] = ok ? lse1 * LN2 : NAN;
+      if (g < rows.live) call.lse[row_lse(call, rows, g)] = ok0 ? lse0 * LN2 : NAN;
+      if (g + 8 < rows.live) call.lse[row_lse(call, rows, g + 8)] = ok1 ? lse1 * LN2 : NAN;
     }
   }
   if (!BALANCED && !direct) merge_splits<H>(call, base, rows, piece.index, valid);

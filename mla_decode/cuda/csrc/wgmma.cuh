@@ -46,14 +46,15 @@ constexpr int BF_TILE = BN * BF_ROW;
 constexpr int BF_STAGES = 2;
 __host__ __device__ constexpr int operand_bytes(int kv) { return kv == KV_BF16 ? 2 : 1; }  // Q and P elements
 // Shared memory: the stages (MX: the dequantized tile, then the stages of codes), then for H query rows Q (H x 576
-// e4m3, or bf16), P (64 x H e4m3, or bf16), the reductions (H x NWARPS fp32), Q's scales (H fp32) and the paged rows.
+// e4m3, or bf16), P (64 x H e4m3, or bf16), the reductions (H x NWARPS fp32), Q's scales (H fp32), the rows' cuts
+// (H int32) and the paged rows.
 template <int STAGES, int KV>
 __host__ __device__ constexpr int stage_bytes() {
   return KV == KV_MXFP4 ? TILE + STAGES * MX_STAGE : STAGES * (KV == KV_BF16 ? BF_TILE : TILE);
 }
 template <int STAGES, int KV, int H>
 constexpr int smem_bytes() {
-  return stage_bytes<STAGES, KV>() + (H * D + H * BN) * operand_bytes(KV) + NWARPS * H * 4 + H * 4 + SMEM_PAGED;
+  return stage_bytes<STAGES, KV>() + (H * D + H * BN) * operand_bytes(KV) + NWARPS * H * 4 + 2 * H * 4 + SMEM_PAGED;
 }
 // Two CTAs a SM (228 KB, 1 KB of it reserved per CTA) for the instances that share SMs, at 32 rows (16 take less):
 // FP8 2 x (95,888 + 1,024) bytes, MXFP4 2 x (114,320 + 1,024).
@@ -291,7 +292,7 @@ __device__ __forceinline__ void v_fragment(uint32_t* a, uint32_t addr) {
 }
 
 // Query row h's log2-sum-exp lse2 (of H rows): where the unit has more than one piece, to part_lse's row `part` (NaN
-// where not ok, a page outside the cache or an invalid range: the merge makes the unit NaN), else to lse (natural
+// where not ok, a page outside the cache or an invalid range: the merge makes the row NaN), else to lse (natural
 // log; NaN where not ok).
 template <int H>
 __device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRows& rows, int pieces, size_t part,
@@ -299,7 +300,7 @@ __device__ __forceinline__ void store_lse(const DecodeCall& call, const QueryRow
   if (pieces > 1)
     call.part_lse[part * H + h] = ok ? lse2 : NAN;
   else if (call.lse && h < rows.live)
-    call.lse[rows.lse0 + h * rows.lse_stride] = ok ? lse2 * LN2 : NAN;
+    call.lse[row_lse(call, rows, h)] = ok ? lse2 * LN2 : NAN;
 }
 
 // Reduces v[e] (head heads[e], NE heads a thread) over the CTA's rows: over the lanes of equal t4 (shuffles), then
@@ -478,7 +479,7 @@ struct QueryQuant {
   static constexpr int QPAIRS = D / 64;  // bf16 pairs per lane and head
   using Regs = __nv_bfloat162[H / NW][QPAIRS];
 
-  // Rows from rows.live on (masked heads) are zeros.
+  // Rows from rows.live on (masked rows) are zeros.
   static __device__ __forceinline__ void load(Regs& qv, const DecodeCall& call, const QueryRows& rows, int warp,
                                               int lane) {
 #pragma unroll
@@ -540,7 +541,8 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   uint8_t* ps = qs + H * D * OB;
   float* red = reinterpret_cast<float*>(ps + H * BN * OB);
   float* qscale = red + NWARPS * H;
-  const PagedRows paged_rows{reinterpret_cast<int*>(qscale + H), reinterpret_cast<int*>(qscale + H) + ROW_SLOTS * BN};
+  int* const cut_of = reinterpret_cast<int*>(qscale + H);  // [H]: each row's row_cut
+  const PagedRows paged_rows{cut_of + H, cut_of + H + ROW_SLOTS * BN};
 
   const QueryRows& rows = piece.rows;
   const int b = rows.b, unit = rows.unit;
@@ -560,12 +562,12 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // warp) a tile ahead of the copies that need it; an entry outside the cache is never followed (bad).
   const int* table_row = call.block_table + static_cast<size_t>(b) * call.max_pages;
   auto page_entry = [&](int i) { return i < ntiles ? __ldg(table_row + page_of(call, lo + i * BN)) : 0; };
-  bool bad = false;
+  int bad = NO_BAD_PAGE;  // TILE_PAGES: the first position on a page outside the cache (every thread reads every entry)
   auto first_row = [&](int i, int entry) {
     const int n0 = lo + i * BN;
     if constexpr (LAYOUT == TILE_PAGES) {
       const int row = page_row(call, entry, n0);
-      bad |= row < 0;
+      if (row < 0) bad = min(bad, n0);
       return row;
     } else {
       return paged ? paged_rows.at(i, 0) : start + n0;
@@ -614,11 +616,14 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   };
   if constexpr (MX) load_scales(0);
   Query::store(qv, call, kv_scale, qs, qscale, warp, lane);
+  if (tid < H) cut_of[tid] = row_cut(call, rows, range, tid);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   // TUNE: Q
   int heads[NE];
   thread_heads(heads, t4);
+  // Rows may see fewer positions than hi (cut_of) only in tiles past cut_from: row 0's cut is the unit's largest.
+  const int cut_from = hi - cut_of[0];
   const uint64_t pdesc = desc(smem_u32(ps), QCHUNK, 128, 0);
   const uint64_t qdesc = desc(smem_u32(qs), QCHUNK, 128, 0);
   // Fixed per thread: where its P bytes go (rows warp*16 + g and + 8) and where its ldmatrix rows start. BF: P in
@@ -678,15 +683,16 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
     else score_tile<H, MX>(s, kt, qdesc);
     // TUNE: scored
 
-    // Online softmax over the tile, log2 domain; rows past hi are masked.
-    const int r0 = warp * 16 + g;
-    const bool in0 = n0 + r0 < hi, in1 = n0 + r0 + 8 < hi;
+    // Online softmax over the tile, log2 domain; rows past hi (past hi - its cut for head e) are masked.
+    const int past0 = n0 + warp * 16 + g - hi;  // < 0: tile row g is before hi
+    const bool cut_tile = n0 + BN > cut_from;
     float mx[NE];
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
       const int a = (e & 1) + (e >> 1) * 4;  // accumulator of head e at row g; a + 2 at row g + 8
-      s[a] = in0 ? s[a] * qsc[e] : -INFINITY;
-      s[a + 2] = in1 ? s[a + 2] * qsc[e] : -INFINITY;
+      const int cut = cut_tile ? cut_of[heads[e]] : 0;
+      s[a] = past0 + cut < 0 ? s[a] * qsc[e] : -INFINITY;
+      s[a + 2] = past0 + 8 + cut < 0 ? s[a + 2] * qsc[e] : -INFINITY;
       mx[e] = fmaxf(s[a], s[a + 2]);
     }
     reduce_rows(mx, heads, red, warp, g, [](float x, float y) { return fmaxf(x, y); });
@@ -769,22 +775,21 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 
   // TUNE: loop
   // Row sums across the warp's rows and the warps (every warp holds the same m).
-  // Every warp has read red in its last tile; TILE_PAGES: whether any thread met a page outside the cache.
-  bool tile_pages_bad = false;
-  if constexpr (LAYOUT == TILE_PAGES) tile_pages_bad = __syncthreads_or(bad);
-  else __syncthreads();
+  __syncthreads();  // every warp has read red in its last tile
   reduce_rows(l, heads, red, warp, g, [](float x, float y) { return x + y; });
   float scale[NE];  // kv_scale / the sum (no rows: zeros)
 #pragma unroll
   for (int e = 0; e < NE; ++e) scale[e] = l[e] > 0.f ? __fdividef(kv_scale, l[e]) : 0.f;
-  const bool bad_page = row_pages ? *paged_rows.bad : tile_pages_bad;  // rows: written before the loop's last barrier
-  const bool ok = valid && !bad_page;
+  // The first position on a page outside the cache (rows: written before the loop's last barrier); row e is ok where
+  // it sees none.
+  const int bad_page = row_pages ? *paged_rows.bad : bad;
+  const bool ok = valid && bad_page >= hi;  // every row
   const bool direct = piece.count == 1;  // else a partial, merged below
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
-      store_lse<H>(call, rows, piece.count, piece.part, heads[e],
-                   l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY, ok);
+      store_lse<H>(call, rows, piece.count, piece.part, heads[e], l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY,
+                   ok || (valid && bad_page >= hi - cut_of[heads[e]]));
     }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
@@ -817,7 +822,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 #pragma unroll 4
   for (int h = 0; h < stored; ++h) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
-    if (direct && !ok) v = make_float4(NAN, NAN, NAN, NAN);
+    if (direct && !ok && !(valid && bad_page >= hi - cut_of[h])) v = make_float4(NAN, NAN, NAN, NAN);
     __nv_bfloat16* dst = direct ? call.out + rows.row0 * DV : call.part_o + piece.part * H * DV;
     store_bf16x4(dst + h * DV + col, v);
   }
@@ -826,7 +831,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // TUNE: merged
 }
 
-// H: the CTA's query rows (a unit), 16 or 32 heads of one token, the N side of both products. BALANCED: the grid is
+// H: the CTA's query rows (a unit, QueryRows), 16 or 32, the N side of both products. BALANCED: the grid is
 // the balanced schedule's (parts, groups), each CTA walking its part's pieces (for_each_piece); else fixed splits.
 template <int STAGES, int KV, int LAYOUT, int H, bool BALANCED>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)

@@ -1,4 +1,4 @@
-// The Hopper (sm_90a) split kernel for units of 64 query rows (64 heads of one token): two warpgroups, one CTA an SM.
+// The Hopper (sm_90a) split kernel for units of 64 query rows (QueryRows): two warpgroups, one CTA an SM.
 // The score product puts the heads on its M side (S = Q K^T), so a head's max over a tile is a thread's few scores
 // and two shuffles, and a thread's softmax works on 2 heads.
 // - FP8: each warpgroup scores one tile of a pair (m64n64k32); the value product keeps the heads on N (O^T = V^T P^T,
@@ -51,10 +51,12 @@ struct alignas(16) WideRange {
 };
 // The units a CTA walks, in shared memory (one chunk: unit blockIdx.y + k gridDim.y, or the part's piece k of the
 // chunk, is item k): their ranges, the stream position past each one's last pair (a unit without tiles takes none),
-// their bad-page flags (PagedRows::bad) and split_range's verdicts; and the stages' mbarriers.
+// the positions past hi its last token sees (row_cut's tail), their first bad positions (PagedRows::bad) and
+// split_range's verdicts; and the stages' mbarriers.
 struct WideItems {
   WideRange range[WIDE_MAX_ITEMS];
   int end[WIDE_MAX_ITEMS];
+  int tail[WIDE_MAX_ITEMS];
   int bad[WIDE_MAX_ITEMS];
   int valid[WIDE_MAX_ITEMS];
   uint64_t bars[WIDE_STAGES];
@@ -233,7 +235,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int k = lane + 32 * i;
-        SplitRange r{0, 0, 0, 0, true};
+        SplitRange r{0, 0, 0, 0, 0, true};
         int b = 0;
         if (k < nitems) {
           const Piece piece = piece_at(k);
@@ -252,7 +254,8 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
         if (k < nitems) {
           items.range[k] = WideRange{r.lo - STEP * (end - npairs[i]) * BN, r.hi, r.start, b};
           items.end[k] = end;
-          items.bad[k] = 0;
+          items.tail[k] = r.len - r.hi;
+          items.bad[k] = NO_BAD_PAGE;
           items.valid[k] = r.valid;
         }
       }
@@ -351,6 +354,9 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           asm volatile("prefetch.global.L2 [%0];" ::"l"(next_q + line * 128));
       }
       float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max and this thread's share of the sum
+      // The positions before hi that heads h0 and h1 do not see (row_cut).
+      const int tail = items.tail[k];
+      const int cut0 = row_cut(call, piece.rows, h0, tail), cut1 = row_cut(call, piece.rows, h1, tail);
       // FP8: O^T, [64-dim block][accumulator]: dims 256*wg + 64*mb + 16*warp + 2g (+1 for rows g + 8). BF16: O, acc[0]
       // in wgmma_bf16_n256_mn's layout (heads h0 and h1, dims 256*wg + 8j + 2 t4 + {0, 1}).
       float acc[BF ? 1 : 4][BF ? 4 * H / 2 : H / 2];
@@ -390,13 +396,13 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           wg_wait<0>();
           fence_acc<H / 4>(s);
           if (PAGED) put_rows(ka, ra, q + 2, next_entry);
-          // Softmax over the tile's 64 rows, log2 domain; rows past hi are masked. s[i]: head i & 2 ? h1 : h0, row
-          // 32 wg + 8 (i / 4) + 2 t4 + (i & 1).
+          // Softmax over the tile's 64 rows, log2 domain; rows past hi (less the head's cut) are masked. s[i]: head
+          // i & 2 ? h1 : h0, row 32 wg + 8 (i / 4) + 2 t4 + (i & 1).
           const int in_tile = range.hi - range.lo - q * BN;
           float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
           for (int i = 0; i < H / 4; ++i) {
-            const bool in = 32 * wg + 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile;
+            const bool in = 32 * wg + 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile - (i & 2 ? cut1 : cut0);
             s[i] = in ? s[i] * call.qk_scale : -INFINITY;
             if (i & 2) mx1 = fmaxf(mx1, s[i]);
             else mx0 = fmaxf(mx0, s[i]);
@@ -472,13 +478,13 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
           // meet through shared memory at the barrier that completes P, and only where one moves a reference.
           const int in_tile = range.hi - range.lo - (2 * q + wg) * BN;  // columns < in_tile are rows before hi
-          if (in_tile >= BN) {
+          if (in_tile - max(cut0, cut1) >= BN) {
       #pragma unroll
             for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? qsc1 : qsc0;
-          } else {
+          } else {  // less the head's cut
       #pragma unroll
             for (int i = 0; i < H / 2; ++i) {
-              const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile;
+              const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile - (i & 2 ? cut1 : cut0);
               s[i] = in ? s[i] * (i & 2 ? qsc1 : qsc0) : -INFINITY;
             }
           }
@@ -587,20 +593,21 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       if (t4 == 0) sum[wg * H + h0] = l0, sum[wg * H + h1] = l1;
       __syncthreads();  // the sums are complete; every warp is done with the unit's Q
       const QueryRows rows = query_rows<H>(call, unit);
-      const bool bad_page = PAGED && items.bad[k];
-      const bool ok = items.valid[k] && !bad_page;
+      // The first position on a page outside the cache: a row is ok where it sees none.
+      const int bad_page = PAGED ? items.bad[k] : NO_BAD_PAGE;
+      const bool valid = items.valid[k], ok = valid && bad_page >= range.hi;  // ok: every row
+      const bool ok0 = valid && bad_page >= range.hi - cut0, ok1 = valid && bad_page >= range.hi - cut1;
       const size_t part = piece.part;
       if (wg == 0 && t4 == 0) {  // FP8: l carries 2^WIDE_P_BIAS
         const float l[2] = {sum[h0] + sum[H + h0], sum[h1] + sum[H + h1]}, m[2] = {m0, m1};
 #pragma unroll
         for (int i = 0; i < 2; ++i)
           store_lse<H>(call, rows, pieces, part, h0 + 8 * i,
-                       l[i] > 0.f ? m[i] + __log2f(l[i]) - (BF ? 0.f : WIDE_P_BIAS) : -INFINITY, ok);
+                       l[i] > 0.f ? m[i] + __log2f(l[i]) - (BF ? 0.f : WIDE_P_BIAS) : -INFINITY, i ? ok1 : ok0);
       }
       // The output (or partial) from the accumulators: a store writes 2 dims of a head (FP8: a warp's 4 whole 32-byte
       // sectors; the stages stay free for the next unit's tiles).
       __nv_bfloat16* dst = pieces == 1 ? call.out + rows.row0 * DV : call.part_o + part * H * DV;
-      const bool poison = pieces == 1 && !ok;
       const int stored = pieces == 1 ? rows.live : H;  // a partial keeps every row (its slot is the unit's)
       if constexpr (BF) {
         const int hs[2] = {h0, h1};
@@ -608,6 +615,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
         for (int i = 0; i < 2; ++i) {
           if (hs[i] >= stored) continue;
           const float l = sum[hs[i]] + sum[H + hs[i]];
+          const bool poison = pieces == 1 && !(i ? ok1 : ok0);
           const float scale = poison ? NAN : l > 0.f ? __fdividef(1.f, l) : 0.f;  // no rows: zeros
 #pragma unroll
           for (int j = 0; j < H / 2; ++j)
@@ -620,6 +628,8 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           if (heads[e] >= stored) continue;
           const int a = (e & 1) + (e >> 1) * 4;
           const float l = sum[heads[e]] + sum[H + heads[e]];
+          const bool poison = pieces == 1 && !ok &&
+                              !(valid && bad_page >= range.hi - row_cut(call, rows, heads[e], tail));
           const float scale = poison ? NAN : l > 0.f ? __fdividef(kv_scale, l) : 0.f;  // no rows: zeros
 #pragma unroll
           for (int mb = 0; mb < 4; ++mb) {
@@ -629,7 +639,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           }
         }
       }
-      if (!BAL && pieces > 1) merge_splits<H>(call, base, rows, split, items.valid[k]);  // one item
+      if (!BAL && pieces > 1) merge_splits<H>(call, base, rows, split, valid);  // one item
     }
   }
 }
