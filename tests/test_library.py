@@ -267,6 +267,26 @@ def test_invalid_contents_give_nan_rows_or_an_error(name):
             mla_decode.mla_decode_with_kvcache(*args, backend=backend, check_contents=option)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_a_bad_page_only_token_1_reaches_spares_token_0_in_one_group(page_size):
+    """8 heads x 2 tokens, causal: one group of 16 query rows holds both tokens. Sequence 1's last page, outside the
+    cache, holds only its last position, which token 1 alone sees: token 1's rows come out NaN, token 0's (same group)
+    and the other sequences' keep their truth. A flag for the whole group would make token 0 NaN too."""
+    lens = [20, page_size * 3 + 1, 7]
+    case = make_paged_case("fp8", page_size, lens, seed=12, q_len=2, num_heads=8)
+    table = case.block_table.clone()
+    table[1, 3] = 10_000
+    out, lse = mla_decode.mla_decode_with_kvcache(case.q, case.kv_cache, table, case.cache_seqlens, case.kv_scale,
+                                                  causal=True, backend="triton")
+    assert torch.isnan(out[1, 1]).all() and torch.isnan(lse[1, :, 1]).all()
+    ref_out, ref_lse = paged_reference(case, q=kernel_queries(case, "triton"))  # over the table as it was
+    for rows, tokens in (([0, 2], slice(None)), ([1], slice(0, 1))):
+        out_error, lse_error = errors(out[rows][:, tokens], lse[rows][:, :, tokens], ref_out[rows][:, tokens],
+                                      ref_lse[rows][:, :, tokens])
+        assert out_error < OUT_BOUND and lse_error < LSE_BOUND, (rows, out_error, lse_error)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The bounds fail on planted bugs
 # ---------------------------------------------------------------------------------------------------------------

@@ -668,17 +668,13 @@ BAD_PAGE_KERNELS = [("cuda", "fp8"), ("triton", "fp8"), ("triton", "mxfp4")]
 @pytest.mark.parametrize("num_heads", [8, 16, 32])
 @pytest.mark.parametrize("backend,kv_format", [*BAD_PAGE_KERNELS, ("cuda", "bf16")])
 @pytest.mark.parametrize("page_size", [16, 128])  # 128: the Hopper kernel's one table entry a tile
-def test_gpu_a_bad_page_only_later_tokens_reach(request, backend, kv_format, page_size, num_heads):
+def test_gpu_a_bad_page_only_later_tokens_reach(backend, kv_format, page_size, num_heads):
     """q_len 2, causal: sequence 1's last page, outside the cache, holds only its last position. Token 1 reads it
     and comes out NaN; token 0 stops before it and keeps its value, as the other sequences do. The cuda kernel's
     units span both tokens (8 x 2 rows in 16, 16 x 2 in 32, 32 x 2 in 64 on Hopper): the unit reads the page, and
-    only token 1's rows may take its verdict. The triton kernels' groups of 16 rows span tokens at 8 heads too, and
-    their flag is still the group's (a known defect, recorded here until it is mended)."""
+    only token 1's rows may take its verdict; so do the triton kernels' groups of 16 rows at 8 heads."""
     if backend == "cuda":
         pytest.importorskip("mla_decode.cuda")
-    if backend == "triton" and num_heads == 8:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the triton kernels' bad-page flag is a group's, "
-                                              "not a row's: token 0 of a group spanning tokens comes out NaN"))
     case = make_paged_case(kv_format, page_size, [200, 4481, 7], seed=6, q_len=2, num_heads=num_heads,
                            device="cuda")
     table = case.block_table.clone()

@@ -275,8 +275,9 @@ if HOPPER_KERNEL_REASON is None:
     def _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride, entries512, entries64, n0, hi, num_pages,
                       PAGE_SIZE: gl.constexpr, ROWS32: gl.constexpr):
         """The MXFP4 tile at n0 in registers, from its table entries (_tile_entries in _SCALES512's and _SCALES64's
-        row slices): the codes and scales (_mx_load) of its value dims and of its rope dims, and its bad-page
-        flag. ROWS32: addressed by 32-bit offsets from the tile's first row (_mx_rows32)."""
+        row slices): the codes and scales (_mx_load) of its value dims and of its rope dims, and its first position
+        on a page outside the cache (hi if none). ROWS32: addressed by 32-bit offsets from the tile's first row
+        (_mx_rows32)."""
         base, offs, ok, bad = _hopper_tile_rows(entries512, n0, hi, num_pages, _SCALES512, PAGE_SIZE)
         c, s = _mx_load(kv_ptr, kscale_ptr, kscale_stride, base, offs, ok, 0, 16, _CODES512, ROWS32)
         base, offs, ok, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _SCALES64, PAGE_SIZE)
@@ -323,16 +324,16 @@ if HOPPER_KERNEL_REASON is None:
 
     @gluon.jit
     def _hopper_tile_rows(entries, n0, hi, num_pages, layout: gl.constexpr, PAGE_SIZE: gl.constexpr):
-        """The tile at n0's rows in `layout`'s row slice: (cache row base, row offsets, rows to read, 1 where a page
-        outside the cache was met). Ragged: positions are rows; paged: from its table `entries`."""
+        """The tile at n0's rows in `layout`'s row slice: (cache row base, row offsets, rows to read, the first position
+        on a page outside the cache, hi if none). Ragged: positions are rows; paged: from its table `entries`."""
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         pos = n0 + r
         in_seq = pos < hi
         if PAGE_SIZE == 0:
-            return n0.to(gl.int64), r, in_seq, 0
+            return n0.to(gl.int64), r, in_seq, hi
         else:
             page_ok = _in_cache(entries, num_pages)
-            bad = gl.max((in_seq & ~page_ok).to(gl.int32), 0)
+            bad = gl.min(gl.where(in_seq & ~page_ok, pos, hi), 0)
             # a bad entry's rows are masked off; page 0 keeps their addresses in the cache
             page_row = gl.where(page_ok, entries, 0).to(gl.int64) * PAGE_SIZE
             if _tile_in_one_page(PAGE_SIZE):  # one page (_tile_entries): its first row, and 32-bit offsets in it
@@ -343,7 +344,7 @@ if HOPPER_KERNEL_REASON is None:
     @gluon.jit
     def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
         """_copy_tile for the tile at n0, its table entries read in each copy layout (_tile_entries: twice, the
-        second from L1); returns its bad-page flag."""
+        second from L1); returns its first position on a page outside the cache (hi if none)."""
         base, offs128, ok128, bad = _hopper_tile_rows(entries128, n0, hi, num_pages, _COPY128, PAGE_SIZE)
         _, offs64, ok64, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _COPY64, PAGE_SIZE)
         _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64)
@@ -353,12 +354,12 @@ if HOPPER_KERNEL_REASON is None:
     def _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, ok, acc0, acc1, acc2, acc3, inv,
                              lse2, WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
                              PARTIAL_ROWS: gl.constexpr):
-        """A whole sequence's 16 query rows: its output, bf16 (NaN where not ok), and its LSE."""
+        """A whole sequence's 16 query rows: its output, bf16 (NaN where not ok, (16,) by row), and its LSE."""
         dst = out_ptr + first_row * V_DIM + at
-        gl.store(dst, gl.where(ok, acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-        gl.store(dst + 128, gl.where(ok, acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-        gl.store(dst + 256, gl.where(ok, acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
-        gl.store(dst + 384, gl.where(ok, acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst, gl.where(ok[None, :], acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 128, gl.where(ok[None, :], acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 256, gl.where(ok[None, :], acc2 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
+        gl.store(dst + 384, gl.where(ok[None, :], acc3 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
         if WRITE_LSE:
             gl.store(lse_at(lse_ptr, b, qrow, NUM_HEADS, Q_LEN), gl.where(ok, lse2 * TL_LN2, float("nan")),
                      mask=row_in if PARTIAL_ROWS else None)
@@ -450,7 +451,7 @@ if HOPPER_KERNEL_REASON is None:
         p_scale: gl.constexpr = 1.0 if WIDE_OPS else _P_SCALE
         m_i = gl.full([16], float("-inf"), gl.float32, cols)
         l_i = gl.zeros([16], gl.float32, cols)
-        bad = gl.to_tensor(0)
+        first_bad = hi  # the first position on a page outside the cache (its rows were not read); hi if none
         acc0 = gl.zeros([128, 16], gl.float32, MMA)
         acc1 = gl.zeros([128, 16], gl.float32, MMA)
         acc2 = gl.zeros([128, 16], gl.float32, MMA)
@@ -458,7 +459,7 @@ if HOPPER_KERNEL_REASON is None:
         n_tiles = gl.cdiv(hi - lo, 64)
         if MXFP4:  # tiles 0 and 1 requested, tile 0 expanded
             ROWS32: gl.constexpr = _mx_rows32(PAGE_SIZE, Q_LEN)
-            first, bad = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride,
+            first, first_bad = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride,
                                        _tile_entries(table_row, lo, hi, _SCALES512, PAGE_SIZE),
                                        _tile_entries(table_row, lo, hi, _SCALES64, PAGE_SIZE), lo, hi, num_pages,
                                        PAGE_SIZE, ROWS32)
@@ -466,7 +467,7 @@ if HOPPER_KERNEL_REASON is None:
                                         _tile_entries(table_row, lo + 64, hi, _SCALES512, PAGE_SIZE),
                                         _tile_entries(table_row, lo + 64, hi, _SCALES64, PAGE_SIZE), lo + 64, hi,
                                         num_pages, PAGE_SIZE, ROWS32)
-            bad = bad | bad1
+            first_bad = gl.minimum(first_bad, bad1)
             _mx_expand_tile(first, kt.index(0), kr.index(0))
             hopper.fence_async_shared()
             gl.thread_barrier()
@@ -474,10 +475,9 @@ if HOPPER_KERNEL_REASON is None:
             for t in gl.static_range(2):  # the first two tiles (a group committed for each, empty or not)
                 if t < n_tiles:
                     n0 = lo + 64 * t
-                    bad = bad | _issue_tile(kv_ptr, kt.index(t), kr.index(t),
-                                            _tile_entries(table_row, n0, hi, _COPY128, PAGE_SIZE),
-                                            _tile_entries(table_row, n0, hi, _COPY64, PAGE_SIZE), n0, hi, num_pages,
-                                            PAGE_SIZE)
+                    first_bad = gl.minimum(first_bad, _issue_tile(
+                        kv_ptr, kt.index(t), kr.index(t), _tile_entries(table_row, n0, hi, _COPY128, PAGE_SIZE),
+                        _tile_entries(table_row, n0, hi, _COPY64, PAGE_SIZE), n0, hi, num_pages, PAGE_SIZE))
                 async_copy.commit_group()
         tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         for i in range(n_tiles):
@@ -515,7 +515,7 @@ if HOPPER_KERNEL_REASON is None:
                     _mx_expand_tile(codes, kt.index(1 - buf), kr.index(1 - buf))
                     codes, bad1 = _mx_load_tile(kv_ptr, kscale_ptr, kscale_stride, next128, next64, n0 + 128, hi,
                                                 num_pages, PAGE_SIZE, ROWS32)
-                    bad = bad | bad1
+                    first_bad = gl.minimum(first_bad, bad1)
                     if ROWS32:  # tile i + 3 into L2 for the registers' load of it next iteration (contiguous rows;
                         # not MTP, whose ragged kernel spills with it)
                         _l2_prefetch_tile(kv_ptr, kscale_ptr, kscale_stride, table_row, n0 + 192, hi, num_pages,
@@ -577,8 +577,8 @@ if HOPPER_KERNEL_REASON is None:
             gl.thread_barrier()  # every warp is done with the tile's buffer and P
             if not MXFP4:
                 if i + 2 < n_tiles:
-                    bad = bad | _issue_tile(kv_ptr, tile, kr.index(buf), next128, next64, n0 + 128, hi,
-                                            num_pages, PAGE_SIZE)
+                    first_bad = gl.minimum(first_bad, _issue_tile(kv_ptr, tile, kr.index(buf), next128, next64,
+                                                                  n0 + 128, hi, num_pages, PAGE_SIZE))
                 async_copy.commit_group()
         if not MXFP4:
             async_copy.wait_group(0)
@@ -589,6 +589,8 @@ if HOPPER_KERNEL_REASON is None:
         h = gl.arange(0, 16, layout=cols)
         at = h[None, :] * V_DIM + (r if BF16 else _dim_of(r))[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
+        # a row is bad where it would have seen that position: a causal token that stops before it keeps its value
+        bad = (first_bad < (gl.minimum(limit, hi) if CAUSAL else limit * 0 + hi)).to(gl.int32)
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
             if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
                 _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,

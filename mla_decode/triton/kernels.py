@@ -94,18 +94,18 @@ if triton is not None:
     def _tile_rows(table_row, n0, hi, num_pages, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
         """Where positions n0 .. n0 + BLOCK_N - 1 of a sequence lie, ragged or paged row by row: cache row
         base + offs[r] for tile row r (base an int64 scalar, offs (BLOCK_N,): consecutive rows keep the 64-bit part
-        scalar), which rows to read (before hi, on a page in [0, num_pages)), and 1 where a page outside it was met
-        (never followed)."""
+        scalar), which rows to read (before hi, on a page in [0, num_pages)), and the first position on a page
+        outside it (never followed; hi if none)."""
         r = tl.arange(0, BLOCK_N)
         in_seq = n0 + r < hi
         if PAGE_SIZE == 0:
-            return tl.cast(n0, tl.int64), r, in_seq, 0  # ragged positions are rows
+            return tl.cast(n0, tl.int64), r, in_seq, hi  # ragged positions are rows
         else:
             pos = n0 + r
             page = tl.load(table_row + pos // PAGE_SIZE, mask=in_seq, other=0)
             page_ok = (page >= 0) & (page < num_pages)
             rows = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-            return tl.zeros([], tl.int64), rows, in_seq & page_ok, tl.max((in_seq & ~page_ok).to(tl.int32), 0)
+            return tl.zeros([], tl.int64), rows, in_seq & page_ok, tl.min(tl.where(in_seq & ~page_ok, pos, hi), 0)
 
     @triton.jit
     def _mx_bytes(kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, COL0: tl.constexpr, WIDTH: tl.constexpr,
@@ -198,7 +198,7 @@ if triton is not None:
     def _store_chunk(ptr, acc, inv, valid, row_in, COL0: tl.constexpr, OUT_DTYPE: tl.constexpr,
                      PARTIAL_ROWS: tl.constexpr):
         """Writes the (128, BLOCK_H) O^T chunk acc * inv to ptr[r * 512 + COL0 + d] (query row r); NaN where not
-        valid; PARTIAL_ROWS: only the rows row_in."""
+        valid (a scalar, or (BLOCK_H,) by row); PARTIAL_ROWS: only the rows row_in."""
         d = COL0 + tl.arange(0, acc.shape[0])
         o = tl.where(valid, acc * inv[None, :], float("nan"))
         tl.store(ptr + tl.arange(0, acc.shape[1])[None, :] * V_DIM + d[:, None], o.to(OUT_DTYPE),
@@ -425,7 +425,7 @@ if triton is not None:
             K_DTYPE: tl.constexpr = DOT_DTYPE
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        bad = tl.zeros([BLOCK_H], tl.int32)  # > 0: a page outside the cache was met (its rows were not read)
+        first_bad = hi  # the first position on a page outside the cache (its rows were not read); hi if none
         acc0 = tl.zeros([128, BLOCK_H], tl.float32)
         acc1 = tl.zeros([128, BLOCK_H], tl.float32)
         acc2 = tl.zeros([128, BLOCK_H], tl.float32)
@@ -439,7 +439,7 @@ if triton is not None:
                 in_seq = first < hi
                 page = tl.load(table_row + first // PAGE_SIZE, mask=in_seq, other=0)
                 page_ok = (page >= 0) & (page < num_pages)
-                bad = bad | tl.max((in_seq & ~page_ok).to(tl.int32), 0)
+                first_bad = tl.minimum(first_bad, tl.min(tl.where(in_seq & ~page_ok, first, hi), 0))
                 tile_base = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_SIZE + first % PAGE_SIZE
                 for n0 in range(c0, tl.minimum(c0 + _PAGE_CHUNK * BLOCK_N, hi), BLOCK_N):
                     this = t == (n0 - c0) // BLOCK_N
@@ -454,8 +454,8 @@ if triton is not None:
         else:
             for n0 in range(lo, hi, BLOCK_N):
                 base, offs, row_ok, tile_bad = _tile_rows(table_row, n0, hi, num_pages, BLOCK_N, PAGE_SIZE)
-                if PAGE_SIZE > 0:  # ragged: no page to check, and no loop-carried flag to hold
-                    bad = bad | tile_bad
+                if PAGE_SIZE > 0:  # ragged: no page to check, and no loop-carried position to hold
+                    first_bad = tl.minimum(first_bad, tile_bad)
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                     kv_ptr, kscale_ptr, kscale_stride, base, offs, row_ok, n0, limit, q0, q1, q2, q3, q_rope, s_scale,
                     m_i, l_i, acc0, acc1, acc2, acc3, KV_FORMAT, K_DTYPE, DOT_DTYPE, USE_ASM, SCALED_SCORES,
@@ -463,15 +463,17 @@ if triton is not None:
 
         inv = tl.where(l_i > 0, out_scale / l_i, 0.0)  # an empty sequence or split gives zeros
         lse2 = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # base 2
+        # a row is bad where it would have seen that position: a causal token that stops before it keeps its value
+        bad = (first_bad < (tl.minimum(limit, hi) if CAUSAL else hi)).to(tl.int32)
         if BALANCED:  # a sequence of one piece is written here; the pieces of the others go to their item's slot
             if (tl.load(items_ptr + piece * _ITEM_FIELDS + 3) & 0xFFFF) == 1:
-                _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
+                _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (bad == 0), acc0, acc1,
                               acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
                 _store_partial(part_o_ptr, part_lse_ptr, tl.cast(piece, tl.int64), group, qrow, row_in, bad, acc0,
                                acc1, acc2, acc3, inv, lse2, ROWS, BLOCK_H, PARTIAL_ROWS)
         elif NUM_SPLITS == 1:
-            _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (tl.max(bad, 0) == 0), acc0, acc1,
+            _store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, valid & (bad == 0), acc0, acc1,
                           acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
         else:
             _store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + piece, group, qrow, row_in, bad, acc0, acc1,
