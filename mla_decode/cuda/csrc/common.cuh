@@ -167,6 +167,12 @@ __device__ __forceinline__ int row_cut(const DecodeCall& c, const QueryRows& row
   return row_cut(c, rows, e, r.len - r.hi);
 }
 
+// Whether a row that sees [lo, hi - cut) of a valid range comes out a number: it reaches no position at or past
+// bad, the first on a page outside the cache (PagedRows::bad; NO_BAD_PAGE where none).
+__device__ __forceinline__ bool row_ok(bool valid, int bad, int hi, int cut = 0) {
+  return valid && bad >= hi - cut;
+}
+
 // A CTA's work: piece `index` of the `count` pieces that cut unit rows.unit's positions, positions [lo, ...) (the
 // first: exact, or with fixed splits the plan's guess: the range is piece_range's); count 1: the CTA writes out,
 // else its partial at part_o's slot `part`.

@@ -243,7 +243,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // The first position on a page outside the cache, written before the loop's last barrier: a head is ok where it sees
   // none.
   const int bad_page = paged ? *paged_rows.bad : NO_BAD_PAGE;
-  const bool ok0 = valid && bad_page >= hi0, ok1 = valid && bad_page >= hi1;
+  const bool ok0 = row_ok(valid, bad_page, hi0), ok1 = row_ok(valid, bad_page, hi1);
   // Group `grp` holds dims base + 4*t4 + {0, 1, 2, 3} as (even c0, odd c0, even c1, odd c1) for head g (c2, c3: g + 8).
   const size_t part = piece.part;
   const bool direct = piece.count == 1;  // else a partial, merged below

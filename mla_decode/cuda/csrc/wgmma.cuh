@@ -783,13 +783,13 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   // The first position on a page outside the cache (rows: written before the loop's last barrier); row e is ok where
   // it sees none.
   const int bad_page = row_pages ? *paged_rows.bad : bad;
-  const bool ok = valid && bad_page >= hi;  // every row
+  const bool ok = row_ok(valid, bad_page, hi);  // every row
   const bool direct = piece.count == 1;  // else a partial, merged below
   if (tid < 32 && g == 0) {  // first: not queued behind the partial's stores. l carries 2^8
 #pragma unroll
     for (int e = 0; e < NE; ++e) {
       store_lse<H>(call, rows, piece.count, piece.part, heads[e], l[e] > 0.f ? m[e] + __log2f(l[e]) - P_BIAS : -INFINITY,
-                   ok || (valid && bad_page >= hi - cut_of[heads[e]]));
+                   row_ok(valid, bad_page, hi, cut_of[heads[e]]));
     }
   }
   // The output (or partial) goes through shared memory (the stages are free: no copies or products pending) so
@@ -822,7 +822,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 #pragma unroll 4
   for (int h = 0; h < stored; ++h) {
     float4 v = *reinterpret_cast<const float4*>(staged + h * OUT_ROW + col);
-    if (direct && !ok && !(valid && bad_page >= hi - cut_of[h])) v = make_float4(NAN, NAN, NAN, NAN);
+    if (direct && !ok && !row_ok(valid, bad_page, hi, cut_of[h])) v = make_float4(NAN, NAN, NAN, NAN);
     __nv_bfloat16* dst = direct ? call.out + rows.row0 * DV : call.part_o + piece.part * H * DV;
     store_bf16x4(dst + h * DV + col, v);
   }

@@ -52,13 +52,15 @@ struct alignas(16) WideRange {
 // The units a CTA walks, in shared memory (one chunk: unit blockIdx.y + k gridDim.y, or the part's piece k of the
 // chunk, is item k): their ranges, the stream position past each one's last pair (a unit without tiles takes none),
 // the positions past hi its last token sees (row_cut's tail), their first bad positions (PagedRows::bad) and
-// split_range's verdicts; and the stages' mbarriers.
+// split_range's verdicts; each row's row_cut (two sets: a unit's output reads them while the next unit's are
+// written; in shared memory, not registers, which the pair loop has none to spare for); and the stages' mbarriers.
 struct WideItems {
   WideRange range[WIDE_MAX_ITEMS];
   int end[WIDE_MAX_ITEMS];
   int tail[WIDE_MAX_ITEMS];
   int bad[WIDE_MAX_ITEMS];
   int valid[WIDE_MAX_ITEMS];
+  int cuts[2][WIDE_ROWS];
   uint64_t bars[WIDE_STAGES];
   // The item of stream position q, from the item k of an earlier one (positions past the last item: nitems).
   __device__ __forceinline__ int at(int k, int q, int nitems) const {
@@ -354,9 +356,10 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           asm volatile("prefetch.global.L2 [%0];" ::"l"(next_q + line * 128));
       }
       float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max and this thread's share of the sum
-      // The positions before hi that heads h0 and h1 do not see (row_cut).
-      const int tail = items.tail[k];
-      const int cut0 = row_cut(call, piece.rows, h0, tail), cut1 = row_cut(call, piece.rows, h1, tail);
+      // The positions before hi that each row does not see (row_cut; row 0's is the largest), read after the first
+      // pair's barrier (or the sums' barrier).
+      int* const cut = items.cuts[k & 1];
+      if (tid < H) cut[tid] = row_cut(call, piece.rows, tid, items.tail[k]);
       // FP8: O^T, [64-dim block][accumulator]: dims 256*wg + 64*mb + 16*warp + 2g (+1 for rows g + 8). BF16: O, acc[0]
       // in wgmma_bf16_n256_mn's layout (heads h0 and h1, dims 256*wg + 8j + 2 t4 + {0, 1}).
       float acc[BF ? 1 : 4][BF ? 4 * H / 2 : H / 2];
@@ -398,11 +401,11 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           if (PAGED) put_rows(ka, ra, q + 2, next_entry);
           // Softmax over the tile's 64 rows, log2 domain; rows past hi (less the head's cut) are masked. s[i]: head
           // i & 2 ? h1 : h0, row 32 wg + 8 (i / 4) + 2 t4 + (i & 1).
-          const int in_tile = range.hi - range.lo - q * BN;
+          const int in_tile = range.hi - range.lo - q * BN, in0 = in_tile - cut[h0], in1 = in_tile - cut[h1];
           float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
           for (int i = 0; i < H / 4; ++i) {
-            const bool in = 32 * wg + 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile - (i & 2 ? cut1 : cut0);
+            const bool in = 32 * wg + 8 * (i >> 2) + 2 * t4 + (i & 1) < (i & 2 ? in1 : in0);
             s[i] = in ? s[i] * call.qk_scale : -INFINITY;
             if (i & 2) mx1 = fmaxf(mx1, s[i]);
             else mx0 = fmaxf(mx0, s[i]);
@@ -478,13 +481,14 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           // Online softmax over the pair's 128 rows, log2 domain; rows past hi are masked. The warpgroups' tile maxima
           // meet through shared memory at the barrier that completes P, and only where one moves a reference.
           const int in_tile = range.hi - range.lo - (2 * q + wg) * BN;  // columns < in_tile are rows before hi
-          if (in_tile - max(cut0, cut1) >= BN) {
+          if (in_tile >= BN + cut[0]) {
       #pragma unroll
             for (int i = 0; i < H / 2; ++i) s[i] *= i & 2 ? qsc1 : qsc0;
           } else {  // less the head's cut
+            const int in0 = in_tile - cut[h0], in1 = in_tile - cut[h1];
       #pragma unroll
             for (int i = 0; i < H / 2; ++i) {
-              const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < in_tile - (i & 2 ? cut1 : cut0);
+              const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < (i & 2 ? in1 : in0);
               s[i] = in ? s[i] * (i & 2 ? qsc1 : qsc0) : -INFINITY;
             }
           }
@@ -595,8 +599,8 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
       const QueryRows rows = query_rows<H>(call, unit);
       // The first position on a page outside the cache: a row is ok where it sees none.
       const int bad_page = PAGED ? items.bad[k] : NO_BAD_PAGE;
-      const bool valid = items.valid[k], ok = valid && bad_page >= range.hi;  // ok: every row
-      const bool ok0 = valid && bad_page >= range.hi - cut0, ok1 = valid && bad_page >= range.hi - cut1;
+      const bool valid = items.valid[k], ok = row_ok(valid, bad_page, range.hi);  // ok: every row
+      const bool ok0 = row_ok(valid, bad_page, range.hi, cut[h0]), ok1 = row_ok(valid, bad_page, range.hi, cut[h1]);
       const size_t part = piece.part;
       if (wg == 0 && t4 == 0) {  // FP8: l carries 2^WIDE_P_BIAS
         const float l[2] = {sum[h0] + sum[H + h0], sum[h1] + sum[H + h1]}, m[2] = {m0, m1};
@@ -628,8 +632,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           if (heads[e] >= stored) continue;
           const int a = (e & 1) + (e >> 1) * 4;
           const float l = sum[heads[e]] + sum[H + heads[e]];
-          const bool poison = pieces == 1 && !ok &&
-                              !(valid && bad_page >= range.hi - row_cut(call, rows, heads[e], tail));
+          const bool poison = pieces == 1 && !ok && !row_ok(valid, bad_page, range.hi, cut[heads[e]]);
           const float scale = poison ? NAN : l > 0.f ? __fdividef(kv_scale, l) : 0.f;  // no rows: zeros
 #pragma unroll
           for (int mb = 0; mb < 4; ++mb) {
