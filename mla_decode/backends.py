@@ -79,7 +79,7 @@ class Backend(NamedTuple):
 BACKEND_REGISTRY = (
     Backend("aiter", on_rocm, aiter_unusable_reason, aiter_auto_reason, AiterDecode, ("variant", "kv_seq_len")),
     Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode,
-            ("unit_rows", "schedule", "min_share", "cut")),
+            ("unit_rows", "schedule", "min_share", "cut", "slack")),
     Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
             TritonDecode, ("target", "plan", "schedule", "min_share")),
     Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),

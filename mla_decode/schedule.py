@@ -116,18 +116,22 @@ def part_first(schedule: Schedule) -> torch.Tensor:
 
 
 def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS, min_share: int = 1,
-                  max_items: int | None = None) -> torch.Tensor:
+                  max_items: int | None = None, slack: int = 0) -> torch.Tensor:
     """The fill cut of a batch of `lengths` (batch,) into `parts` parts, as the cuda schedule kernel makes it when its
     plan's cut is "fill": each part holds `payload` = make_schedule's share (max(ceil(total / parts), min_share), total
-    being the line's length) + PIECE_COST units. Parts are filled in turn: a sequence (its rest) goes whole into the
-    part where its tiles and PIECE_COST fit; else, where more than PIECE_COST is left, the part takes what fits and the
-    rest goes on in the next part; else the next part starts it. So a sequence is cut only where the share ends inside
-    it, its pieces lie in consecutive parts (piece j in the part of piece 0, plus j), a piece of a cut sequence holds
-    more than nothing but its last, and a batch of equal sequences that divides into the parts is not cut at all, where
-    the line cuts every one. The last part takes whatever is left (the walk never leaves any: each part but the last
-    takes at least ceil(total / parts) units net of its own cut).
+    being the line's length) + PIECE_COST units, and up to `slack` units more to keep a sequence whole. Parts are
+    filled in turn: a sequence (its rest) goes whole into the part where its tiles and PIECE_COST fit within payload +
+    slack; else, where more than PIECE_COST of the payload is left, the part takes what fits and the rest goes on in
+    the next part; else the next part starts it. So a sequence is cut only where the share ends inside it, its pieces
+    lie in consecutive parts (piece j in the part of piece 0, plus j), a piece of a cut sequence holds more than
+    nothing but its last, and a batch of equal sequences that divides into the parts, or overfills them by at most
+    slack, is not cut at all, where the line cuts every one (slack trades a part that long for the partials and the
+    merge of a cut). The last part takes whatever is left (the walk never leaves any: each part but the last takes at
+    least ceil(total / parts) units net of its own cut).
     Returns (max_items * 4 + parts + 1,) int32 (max_items: parts + batch by default): the pieces in order as
     schedule_items lists them, padding {-1, 0, 0, 0}, then part_first (parts + 1,)."""
+    if slack < 0:
+        raise ValueError(f"slack: expected >= 0, got {slack}")
     line = make_schedule(lengths, parts, capacity, tile_rows, min_share)  # the share, as both cuts' kernels take it
     tiles = line.tiles.tolist()
     max_items = parts + len(tiles) if max_items is None else max_items
@@ -138,7 +142,7 @@ def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
     for b, left in enumerate(tiles):
         first, lo = len(items), 0
         while True:
-            if room is None or room >= left + PIECE_COST:  # the rest fits
+            if room is None or room + slack >= left + PIECE_COST:  # the rest fits
                 items.append([b, lo, lo + left])
                 room = None if room is None else room - left - PIECE_COST
                 break

@@ -64,7 +64,7 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
         [2, 2, 1] if capability == B.WGMMA_CAPABILITY else [1, 1, 1])
     assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert B.library(capability) is lib  # built once, then reused
-    assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 33
+    assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 34
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
     lib.mla_decode_call_layout(layout)  # the C struct the launcher reads, field by field, then its size
     fields = [getattr(B.DecodeCall, name).offset for name, _ in B.DecodeCall._fields_]
@@ -84,9 +84,9 @@ def field_shifted(layout: list[int], field: int, by: int) -> list[int]:
 @pytest.mark.parametrize("layout,named", [
     (field_shifted(LAYOUT, 4, 8), r"field 4 \(seqs\) lies at byte 40 there, 32 here"),
     (field_shifted(field_shifted(LAYOUT, 22, 4), 24, -4), r"field 22 \(qk_scale\) lies at byte"),
-    (LAYOUT[:32] + LAYOUT[-1:], r"32 fields, not 33 \(the first unmatched: cut\)"),
-    (LAYOUT[:33] + [188, 192], r"34 fields, not 33 \(the first unmatched: its field 33\)"),
-    (LAYOUT[:33] + [200], "its size is 200 bytes there, 192 here"),
+    (LAYOUT[:33] + LAYOUT[-1:], r"33 fields, not 34 \(the first unmatched: slack\)"),
+    (LAYOUT[:34] + [192, 200], r"35 fields, not 34 \(the first unmatched: its field 34\)"),
+    (LAYOUT[:34] + [200], "its size is 200 bytes there, 192 here"),
     (None, "does not report its DecodeCall's layout"),
 ], ids=["offset", "first-of-two", "fewer", "more", "size", "no-export"])
 def test_a_library_whose_decode_call_differs_is_refused_naming_the_field(layout, named):
@@ -627,3 +627,26 @@ def test_a_schedule_of_another_plan_is_refused():
         with pytest.raises(ValueError, match="schedule: expected this balanced plan's make_schedule"):
             D.expect_schedule(bad, want)
 
+
+
+@pytest.mark.parametrize("kv_dtype,num_heads,options,slack", [
+    (torch.float8_e4m3fn, 128, {}, 8), (torch.bfloat16, 128, {}, 4), (torch.float8_e4m3fn, 16, {}, 0),
+    (torch.bfloat16, 16, {}, 0), (torch.float8_e4m3fn, 128, {"slack": 3}, 3), (torch.bfloat16, 16, {"slack": 0}, 0)])
+def test_the_fill_cut_s_slack_follows_the_unit_and_the_option(fake_nvidia_gpu, monkeypatch, kv_dtype, num_heads,
+                                                               options, slack):
+    """The balanced plan's DecodeCall carries the slack of its units' format and rows (plan.FILL_SLACK: 64-row FP8
+    and BF16 units), or the backend option's."""
+    hopper = standin_library("lib_90a", mla_supports_bf16=lambda: 1, mla_bf16_ctas_per_sm=lambda: 1,
+                             mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 1 if rows == 64 else 2)
+    monkeypatch.setattr(D, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(D, "library", lambda capability, precise=False: hopper)
+    problem = S.make_problem(128, kv_dtype, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=256,
+                             num_heads=num_heads, max_seqlen=16384)
+    decode = D.CudaDecode(problem, **options)
+    assert (decode.call.unit_rows, decode.call.slack) == (64 if num_heads == 128 else 16, slack)
+
+
+def test_a_negative_slack_is_refused_naming_the_option(fake_nvidia_gpu):
+    problem = S.make_problem(8, torch.float8_e4m3fn, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=4)
+    with pytest.raises(ValueError, match="backend_options: slack -1: expected an int >= 0"):
+        D.CudaDecode(problem, slack=-1)

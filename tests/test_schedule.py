@@ -244,39 +244,46 @@ def fill_payload(tiles: torch.Tensor, parts: int, min_share: int) -> int:
     return max(-(-(int(tiles.sum()) + PIECE_COST * tiles.shape[0]) // parts), min_share) + PIECE_COST
 
 
-@pytest.mark.parametrize("min_share", [1, 16])
+@pytest.mark.parametrize("min_share,slack", [(1, 0), (16, 0), (1, 5), (1, 40)])
 @pytest.mark.parametrize("batch,kind,parts", CASES)
-def test_the_fill_cut_reads_every_tile_once_within_each_part(batch, kind, parts, min_share):
+def test_the_fill_cut_reads_every_tile_once_within_each_part(batch, kind, parts, min_share, slack):
+    """Every tile once, and no part past its payload and the slack."""
     lengths = spread(batch, kind, seed=batch + parts)
-    flat = fill_schedule(lengths, parts, CAPACITY, min_share=min_share)
+    flat = fill_schedule(lengths, parts, CAPACITY, min_share=min_share, slack=slack)
     assert flat.shape == ((parts + batch) * 4 + parts + 1,) and flat.dtype == torch.int32
     tiles = sequence_tiles(lengths, CAPACITY)
     items = flat[:-(parts + 1)].view(-1, 4)
     assert all(bool((count == 1).all()) for count in item_coverage(items, tiles))
     assert int((items[:, 0] >= 0).sum()) <= parts + batch - 1
-    assert fill_misfits(flat, tiles, parts, fill_payload(tiles, parts, min_share)) == []
+    assert fill_misfits(flat, tiles, parts, fill_payload(tiles, parts, min_share) + slack) == []
 
 
-@pytest.mark.parametrize("batch,kv,parts,pieces", [(128, 4096, 132, 128), (128, 4096, 264, 256), (32, 3008, 264, 256)])
-def test_the_fill_cut_keeps_equal_sequences_whole_where_they_fit(batch, kv, parts, pieces):
-    """Equal sequences: none cut where the batch fits the parts (128 on 132), else each cut once or as the share
-    falls; the line cut makes a piece more of most (128 x 4k on 264 parts: 3 pieces, the last of 1 tile)."""
+@pytest.mark.parametrize("batch,kv,parts,slack,pieces", [
+    (128, 4096, 132, 0, 128), (128, 4096, 264, 0, 256), (32, 3008, 264, 0, 256),
+    # 64-row units at 128 heads: 66 parts of 127 + 1 units, two sequences of 65 each overfill one by 2
+    (128, 4096, 66, 0, 191), (128, 4096, 66, 1, 191), (128, 4096, 66, 2, 128),
+    (128, 16384, 66, 0, 193), (128, 16384, 66, 13, 190), (128, 16384, 66, 14, 128)])
+def test_the_fill_cut_keeps_equal_sequences_whole_where_they_fit(batch, kv, parts, slack, pieces):
+    """Equal sequences: none cut where the batch fits the parts (128 on 132), or overfills them by at most the slack;
+    else each cut once or as the share falls; the line cut makes a piece more of most (128 x 4k on 264 parts: 3
+    pieces, the last of 1 tile)."""
     lengths = torch.full((batch,), kv, dtype=torch.int32)
-    items = fill_schedule(lengths, parts, CAPACITY)[:-(parts + 1)].view(-1, 4)
+    items = fill_schedule(lengths, parts, CAPACITY, slack=slack)[:-(parts + 1)].view(-1, 4)
     assert int((items[:, 0] >= 0).sum()) == pieces
 
 
 # Negative controls: each check above fails on a planted bug.
 
 
-@pytest.mark.parametrize("fault", ["payload", "order", "scattered"])
+@pytest.mark.parametrize("fault", ["payload", "slack", "order", "scattered"])
 def test_a_wrong_fill_cut_fails_its_checks(fault, monkeypatch):
     lengths = spread(32, "one-long", 1)
     tiles = sequence_tiles(lengths, CAPACITY)
     payload = fill_payload(tiles, 132, 1)
     if fault == "payload":  # parts filled one unit past their payload
         monkeypatch.setattr(sched, "PIECE_COST", PIECE_COST - 1)
-    flat = fill_schedule(lengths, 132, CAPACITY)
+    # a slack the bound does not allow: sequences kept whole past the payload
+    flat = fill_schedule(lengths, 132, CAPACITY, slack=8 if fault == "slack" else 0)
     starts = flat[-133:]
     if fault == "order":
         starts[5], starts[6] = starts[6].clone(), starts[5].clone()

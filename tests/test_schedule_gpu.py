@@ -36,32 +36,34 @@ def backend_plan(backend: str, case, precision: str = "fast", **options):
 
 
 @pytest.mark.parametrize("cut", CUTS)
-@pytest.mark.parametrize("min_share", [1, 7])
+@pytest.mark.parametrize("min_share,slack", [(1, 0), (7, 0), (1, 14)])
 @pytest.mark.parametrize("spread", sorted(SPREADS))
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_share, cut):
+def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_share, slack, cut):
+    """The kernel's pieces are the reference's, bit for bit (the line cut takes no slack)."""
     lens = SPREADS[spread]
     case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
-    plan = backend_plan("cuda", case, min_share=min_share, cut=cut)
+    plan = backend_plan("cuda", case, min_share=min_share, cut=cut, slack=slack)
     made = plan.schedule(case.cache_seqlens)
     capacity = case.block_table.shape[1] * page_size
     lengths, parts, max_items = case.cache_seqlens.cpu(), plan.impl.parts, plan.impl.max_items
     if cut == "fill":
-        want = fill_schedule(lengths, parts, capacity, min_share=min_share, max_items=max_items)
+        want = fill_schedule(lengths, parts, capacity, min_share=min_share, max_items=max_items, slack=slack)
     else:
         s = make_schedule(lengths, parts, capacity, min_share=min_share)
         want = torch.cat([schedule_items(s, max_items).flatten(), part_first(s)])
     assert torch.equal(made.items.cpu(), want)
     kv, _, indptr = ragged_twin(case)  # the ragged plan cuts the same pieces from kv_indptr
     ragged = mla_decode.plan_ragged(len(lens), kv.dtype, "cuda", max(lens), backend="cuda",
-                                    backend_options={"schedule": "balanced", "min_share": min_share, "cut": cut})
+                                    backend_options={"schedule": "balanced", "min_share": min_share, "cut": cut,
+                                                     "slack": slack})
     assert ragged.impl.parts == plan.impl.parts
     assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
 
 
-# The cut's options beside the plan's defaults (the fill cut): the line cut, and a least share that cuts fewer,
-# larger pieces
-CUT_OPTIONS = {"default": {}, "line": {"cut": "line"}, "least-share": {"min_share": 9}}
+# The cut's options beside the plan's defaults (the fill cut): the line cut, a least share that cuts fewer, larger
+# pieces, and a slack that keeps more sequences whole in longer parts
+CUT_OPTIONS = {"default": {}, "line": {"cut": "line"}, "least-share": {"min_share": 9}, "slack": {"slack": 30}}
 
 
 @pytest.mark.parametrize("options", sorted(CUT_OPTIONS))
@@ -75,6 +77,8 @@ def test_balanced_decodes_meet_the_truth(spread, kernel, num_heads, q_len, optio
         pytest.skip("one shape of the precise kernel: its units are 16 rows, like the first")
     if options == "least-share" and (kernel != ("fp8", "fast") or q_len != 1):
         pytest.skip("a least share: the 16- and 64-row FP8 fast kernels (the cut is the kernels' input alone)")
+    if options == "slack" and kernel not in (("fp8", "fast"), ("bf16", "fast")):
+        pytest.skip("a slack: the FP8 and BF16 fast kernels (the cut is the kernels' input alone)")
     case = make_paged_case(kv_format, 64 if spread != "edges" else 16, SPREADS[spread], seed=len(spread),
                            device="cuda", q_len=q_len, num_heads=num_heads)
     plan = backend_plan("cuda", case, precision, **CUT_OPTIONS[options])

@@ -32,7 +32,7 @@ class DecodeCall(ctypes.Structure):
                 + [("qk_scale", ctypes.c_float), ("unit_rows", ctypes.c_int), ("page_mul", ctypes.c_uint),
                    ("page_shift", ctypes.c_int), ("guess_rows", ctypes.c_int), ("items", ctypes.c_void_p)]
                 + [(name, ctypes.c_int) for name in ("schedule", "parts", "max_items", "min_share",
-                                                     "cut")])
+                                                     "cut", "slack")])
 
 
 class DecodeCallMismatch(RuntimeError):

@@ -19,6 +19,7 @@ from .plan import (
     DeviceFacts,
     LaunchKey,
     balanced_parts,
+    fill_slack,
     page_divisor,
     plan_splits,
     plan_unit_rows,
@@ -143,14 +144,15 @@ class CudaDecode:
     default (plan.SCHEDULE): the work-balanced schedule of schedule.cuh, made on the GPU from the lengths, persistent
     CTAs over its parts and a combine kernel after them; or "fixed": num_splits equal splits a unit, faster on a
     uniform batch: BENCHMARKS.md; min_share, its least share in KV tiles; cut, how it cuts: "fill" (the default) or
-    "line", mla_decode.schedule.CUTS), and a DecodeCall with the plan's fields set. The workspace (the pieces'
-    partials, part_o (pieces, unit_rows, 512) bf16 and part_lse (pieces, unit_rows) fp32, the fixed splits' per-unit
-    counters (units,) int32 and the balanced schedule (schedule_words,) int32) is made once per (thread, stream) that
-    runs the plan. run() sets the inputs' fields and makes one ctypes call: no host read; no allocation after a
-    stream's first run."""
+    "line", mla_decode.schedule.CUTS; slack, the fill cut's overfill of a part that keeps a sequence whole, in KV
+    tiles (default plan.fill_slack)), and a DecodeCall with the plan's fields set. The workspace
+    (the pieces' partials, part_o (pieces, unit_rows, 512) bf16 and part_lse (pieces, unit_rows) fp32, the fixed
+    splits' per-unit counters (units,) int32 and the balanced schedule (schedule_words,) int32) is made once per
+    (thread, stream) that runs the plan. run() sets the inputs' fields and makes one ctypes call: no host read; no
+    allocation after a stream's first run."""
 
     def __init__(self, problem: "Problem", unit_rows: int | None = None, schedule: str = SCHEDULE,
-                 min_share: int = MIN_SHARE, cut: str = CUT):
+                 min_share: int = MIN_SHARE, cut: str = CUT, slack: int | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"backend_options: schedule {schedule!r}: expected one of {SCHEDULES}")
         if not isinstance(min_share, int) or min_share < 1:
@@ -158,6 +160,9 @@ class CudaDecode:
                              "schedule's least share, in KV tiles)")
         if cut not in CUTS:
             raise ValueError(f"backend_options: cut {cut!r}: expected one of {CUTS}")
+        if slack is not None and (not isinstance(slack, int) or slack < 0):
+            raise ValueError(f"backend_options: slack {slack!r}: expected an int >= 0 (the fill cut's overfill of a "
+                             "part that keeps a sequence whole, in KV tiles)")
         device, batch = problem.device, problem.batch
         precise = problem.precision == "precise"
         facts = device_facts(device, precise)
@@ -192,7 +197,8 @@ class CudaDecode:
                                qk_scale=problem.qk_scale, unit_rows=rows, page_mul=page_mul, page_shift=page_shift,
                                guess_rows=guess_rows, schedule=SCHEDULE_IN_CALL if balanced else 0,
                                parts=self.parts, max_items=self.max_items, min_share=min_share,
-                               cut=CUTS.index(cut))
+                               cut=CUTS.index(cut),
+                               slack=fill_slack(problem.kv_format, rows) if slack is None else slack)
         self.units, self.rows = units, rows
         self._workspaces: dict[tuple[int, int], Workspace] = {}
         self._lock = threading.Lock()

@@ -40,6 +40,16 @@ MIN_SHARE = 1
 # The balanced schedule's cuts (DecodeCall's cut; mla_decode.schedule.CUTS): "line", equal shares anywhere, or
 # "fill", parts filled in turn, a sequence whole where it fits; and the plan's default
 CUTS, CUT = ("line", "fill"), "fill"
+# The fill cut's slack (DecodeCall's slack): the KV tiles a part may run past its share to keep a sequence whole, by
+# (cache format, unit rows); 0 where not named. A cut sequence writes a partial of 64 rows from each piece and a merge
+# reads them, which costs more than a few tiles' walk; a BF16 tile costs about twice an FP8 one. Smaller units lose
+# more to a longer part than they save (the sweep: docs/2026-12-07-fill-slack.md)
+FILL_SLACK = {("fp8", 64): 8, ("bf16", 64): 4}
+
+
+def fill_slack(kv_format: str, rows: int) -> int:
+    """The plan's slack for units of `rows` query rows over a `kv_format` cache (FILL_SLACK)."""
+    return FILL_SLACK.get((kv_format, rows), 0)
 
 
 class DeviceFacts(NamedTuple):

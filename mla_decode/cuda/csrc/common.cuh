@@ -59,6 +59,7 @@ struct DecodeCall {
   int schedule, parts, max_items;
   int min_share;  // the balanced schedule's least share in cost units: a short batch is cut into fewer, larger pieces
   int cut;        // the balanced schedule's cut: LINE_CUT, equal shares anywhere; FILL_CUT, parts filled in turn
+  int slack;      // the fill cut's overfill of a part, in cost units, that keeps a sequence whole
 };
 
 // A sequence's q_len x num_heads query rows, token-major as q and out lie them (row f = t * num_heads + h), in units

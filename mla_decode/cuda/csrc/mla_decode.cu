@@ -241,7 +241,7 @@ static cudaError_t launch_wide(int dev, const DecodeCall& a, int max_window, int
 
 // DecodeCall's layout for the ctypes side to check: offsets[i] = the byte offset of field i (in declaration order),
 // offsets[DECODE_CALL_FIELDS] = its size.
-constexpr int DECODE_CALL_FIELDS = 33;
+constexpr int DECODE_CALL_FIELDS = 34;
 extern "C" int mla_decode_call_fields() { return DECODE_CALL_FIELDS; }
 extern "C" void mla_decode_call_layout(int* offsets) {
   const size_t layout[DECODE_CALL_FIELDS + 1] = {
@@ -256,7 +256,7 @@ extern "C" void mla_decode_call_layout(int* offsets) {
       offsetof(DecodeCall, page_mul), offsetof(DecodeCall, page_shift), offsetof(DecodeCall, guess_rows),
       offsetof(DecodeCall, items), offsetof(DecodeCall, schedule), offsetof(DecodeCall, parts),
       offsetof(DecodeCall, max_items), offsetof(DecodeCall, min_share), offsetof(DecodeCall, cut),
-      sizeof(DecodeCall)};
+      offsetof(DecodeCall, slack), sizeof(DecodeCall)};
   for (int i = 0; i <= DECODE_CALL_FIELDS; ++i) offsets[i] = static_cast<int>(layout[i]);
 }
 
@@ -274,7 +274,7 @@ static bool schedule_ok(const DecodeCall& c) {
   if (c.schedule == mla::FIXED_SPLITS) return true;
   return (c.schedule == mla::SCHEDULE_IN_CALL || c.schedule == mla::SCHEDULE_GIVEN) && c.items && c.parts >= 1 &&
          c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1 && c.min_share >= 1 &&
-         (c.cut == mla::LINE_CUT || c.cut == mla::FILL_CUT);
+         (c.cut == mla::LINE_CUT || c.cut == mla::FILL_CUT) && c.slack >= 0;
 }
 
 // The balanced grid's merge (merge.cuh's combine_kernel) on c.stream, in units of the call's rows.

@@ -107,19 +107,20 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const Dec
 }
 
 // The fill cut (schedule.py's fill_schedule, its reference): parts filled in turn with payload = max(ceil(total /
-// parts), min_share) + PIECE_COST units, a sequence whole where it fits, else cut where more than PIECE_COST is left,
-// every piece charged PIECE_COST; the last part takes what is left. The walk is serial (where a part ends depends on
-// every part before it): one thread walks each round's FILL_ROUND sequences, whose tiles the CTA stages in shared
-// memory, and patches each sequence's pieces with their count once it has them all. The same items and part_first
-// as schedule_kernel's, so the decode and combine kernels read either.
+// parts), min_share) + PIECE_COST units, a sequence whole where it fits within payload + c.slack, else cut where more
+// than PIECE_COST of the payload is left, every piece charged PIECE_COST; the last part takes what is left. The walk
+// is serial (where a part ends depends on every part before it): one thread walks each round's FILL_ROUND
+// sequences, whose tiles the CTA stages in shared memory, and patches each sequence's pieces with their count once it
+// has them all. The same items and part_first as schedule_kernel's, so the decode and combine kernels read either.
 __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) fill_schedule_kernel(const DecodeCall c) {
   __shared__ long long scratch_cost[32];
   __shared__ int tiles[FILL_ROUND];
   __shared__ int listed;
   const long long payload = cut_share(c, scratch_cost) + PIECE_COST;
   int* const starts = const_cast<int*>(part_first(c));
-  int part = 0, item = 0;                        // thread 0's walk: the part being filled, the next item
-  long long room = c.parts > 1 ? payload : -1;  // what the part has left; -1: the last part, which takes the rest
+  int part = 0, item = 0;        // thread 0's walk: the part being filled, the next item
+  long long room = payload;      // what the part's payload has left (below 0 where slack let it overfill)
+  bool last = c.parts == 1;      // the last part takes the rest
   for (int b0 = 0; b0 < c.batch; b0 += FILL_ROUND) {
     __syncthreads();  // the last round's walk is done with `tiles`
     for (int i = threadIdx.x; i < FILL_ROUND && b0 + i < c.batch; i += blockDim.x) tiles[i] = sequence_tiles(c, b0 + i);
@@ -129,9 +130,9 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) fill_schedule_kernel(cons
       int left = tiles[b - b0], lo = 0;
       const int first = item;
       while (true) {
-        if (room < 0 || room >= left + PIECE_COST) {  // the rest fits
+        if (last || room + c.slack >= left + PIECE_COST) {  // the rest fits
           c.items[item++] = make_int4(b, lo, lo + left, 0);
-          if (room >= 0) room -= left + PIECE_COST;
+          room -= left + PIECE_COST;
           break;
         }
         if (room > PIECE_COST) {  // the part takes what fits
@@ -141,7 +142,8 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) fill_schedule_kernel(cons
           left -= take;
         }
         starts[++part] = item;  // the next part
-        room = part < c.parts - 1 ? payload : -1;
+        room = payload;
+        last = part == c.parts - 1;
       }
       const int count = item - first;
       for (int j = 0; j < count; ++j) c.items[first + j].w = j << 16 | count;
