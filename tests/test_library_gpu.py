@@ -443,9 +443,8 @@ def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, kv_for
     assert out_error < out_bound / 2 and lse_error < lse_bound / 4, f"out {out_error:.2e}, lse {lse_error:.2e}"
 
 
-# (unit rows, q_len, heads): units of a sequence's query rows that span its tokens; BF16 also takes 64-row units
-# of 32 rows a sequence, half masked
-SPANNING_UNITS = [(64, 2, 32), (64, 4, 16), (64, 2, 16), (32, 2, 16), (16, 2, 8), (16, 3, 8)]
+# (unit rows, q_len, heads): units of a sequence's query rows that span its tokens
+SPANNING_UNITS = [(64, 2, 32), (64, 4, 16), (32, 2, 16), (16, 2, 8), (16, 3, 8)]
 SPANNING_LENS = [4097, 65, 64, 130, 3, 1, 0]
 
 
@@ -465,8 +464,6 @@ def test_gpu_cuda_units_that_span_tokens(monkeypatch, kv_format, rows, q_len, nu
     pytest.importorskip("mla_decode.cuda")
     if rows > 16 and not _hopper_takes_32_rows("fast"):
         pytest.skip("units of 32 and 64 rows are the Hopper kernel's")
-    if q_len * num_heads % rows and kv_format != "bf16":
-        pytest.skip("masked 64-row units are the BF16 cache's")
     if splits is not None:
         monkeypatch.setattr(P, "cuda_plan", lambda *args: splits)
     lens = SPANNING_LENS
