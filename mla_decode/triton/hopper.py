@@ -589,7 +589,8 @@ if HOPPER_KERNEL_REASON is None:
         h = gl.arange(0, 16, layout=cols)
         at = h[None, :] * V_DIM + (r if BF16 else _dim_of(r))[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
-        # a row is bad where it would have seen that position: a causal token that stops before it keeps its value
+        # a row is bad where it would have seen that position: a causal token that stops before it keeps its value.
+        # limit * 0 + hi: hi as a (16,) row vector in `cols`, the layout of the rows' flags
         bad = (first_bad < (gl.minimum(limit, hi) if CAUSAL else limit * 0 + hi)).to(gl.int32)
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
             if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
