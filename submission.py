@@ -1213,18 +1213,22 @@ def part_first(schedule: Schedule) -> torch.Tensor:
 
 
 def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS, min_share: int = 1,
-                  max_items: int | None = None) -> torch.Tensor:
+                  max_items: int | None = None, slack: int = 0) -> torch.Tensor:
     """The fill cut of a batch of `lengths` (batch,) into `parts` parts, as the cuda schedule kernel makes it when its
     plan's cut is "fill": each part holds `payload` = make_schedule's share (max(ceil(total / parts), min_share), total
-    being the line's length) + PIECE_COST units. Parts are filled in turn: a sequence (its rest) goes whole into the
-    part where its tiles and PIECE_COST fit; else, where more than PIECE_COST is left, the part takes what fits and the
-    rest goes on in the next part; else the next part starts it. So a sequence is cut only where the share ends inside
-    it, its pieces lie in consecutive parts (piece j in the part of piece 0, plus j), a piece of a cut sequence holds
-    more than nothing but its last, and a batch of equal sequences that divides into the parts is not cut at all, where
-    the line cuts every one. The last part takes whatever is left (the walk never leaves any: each part but the last
-    takes at least ceil(total / parts) units net of its own cut).
+    being the line's length) + PIECE_COST units, and up to `slack` units more to keep a sequence whole. Parts are
+    filled in turn: a sequence (its rest) goes whole into the part where its tiles and PIECE_COST fit within payload +
+    slack; else, where more than PIECE_COST of the payload is left, the part takes what fits and the rest goes on in
+    the next part; else the next part starts it. So a sequence is cut only where the share ends inside it, its pieces
+    lie in consecutive parts (piece j in the part of piece 0, plus j), a piece of a cut sequence holds more than
+    nothing but its last, and a batch of equal sequences that divides into the parts, or overfills them by at most
+    slack, is not cut at all, where the line cuts every one (slack trades a part that long for the partials and the
+    merge of a cut). The last part takes whatever is left (the walk never leaves any: each part but the last takes at
+    least ceil(total / parts) units net of its own cut).
     Returns (max_items * 4 + parts + 1,) int32 (max_items: parts + batch by default): the pieces in order as
     schedule_items lists them, padding {-1, 0, 0, 0}, then part_first (parts + 1,)."""
+    if slack < 0:
+        raise ValueError(f"slack: expected >= 0, got {slack}")
     line = make_schedule(lengths, parts, capacity, tile_rows, min_share)  # the share, as both cuts' kernels take it
     tiles = line.tiles.tolist()
     max_items = parts + len(tiles) if max_items is None else max_items
@@ -1235,7 +1239,7 @@ def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
     for b, left in enumerate(tiles):
         first, lo = len(items), 0
         while True:
-            if room is None or room >= left + PIECE_COST:  # the rest fits
+            if room is None or room + slack >= left + PIECE_COST:  # the rest fits
                 items.append([b, lo, lo + left])
                 room = None if room is None else room - left - PIECE_COST
                 break
@@ -1834,7 +1838,8 @@ if HOPPER_KERNEL_REASON is None:
         h = gl.arange(0, 16, layout=cols)
         at = h[None, :] * V_DIM + (r if BF16 else _dim_of(r))[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
-        # a row is bad where it would have seen that position: a causal token that stops before it keeps its value
+        # a row is bad where it would have seen that position: a causal token that stops before it keeps its value.
+        # limit * 0 + hi: hi as a (16,) row vector in `cols`, the layout of the rows' flags
         bad = (first_bad < (gl.minimum(limit, hi) if CAUSAL else limit * 0 + hi)).to(gl.int32)
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
             if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
@@ -2920,7 +2925,7 @@ class Backend(NamedTuple):
 BACKEND_REGISTRY = (
     Backend("aiter", on_rocm, aiter_unusable_reason, aiter_auto_reason, AiterDecode, ("variant", "kv_seq_len")),
     Backend("cuda", on_nvidia, cuda_unusable_reason, cuda_auto_reason, cuda_decode,
-            ("unit_rows", "schedule", "min_share", "cut")),
+            ("unit_rows", "schedule", "min_share", "cut", "slack")),
     Backend("triton", lambda device: device.type == "cuda", triton_unusable_reason, triton_unusable_reason,
             TritonDecode, ("target", "plan", "schedule", "min_share")),
     Backend("torch", lambda device: True, torch_unusable_reason, torch_unusable_reason, TorchDecode, ()),
