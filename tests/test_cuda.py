@@ -628,7 +628,6 @@ def test_a_schedule_of_another_plan_is_refused():
             D.expect_schedule(bad, want)
 
 
-
 @pytest.mark.parametrize("kv_dtype,num_heads,options,slack", [
     (torch.float8_e4m3fn, 128, {}, 8), (torch.bfloat16, 128, {}, 4), (torch.float8_e4m3fn, 16, {}, 0),
     (torch.bfloat16, 16, {}, 0), (torch.float8_e4m3fn, 128, {"slack": 3}, 3), (torch.bfloat16, 16, {"slack": 0}, 0)])
