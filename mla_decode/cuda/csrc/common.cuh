@@ -205,28 +205,32 @@ __device__ __forceinline__ const int* part_first(const DecodeCall& c) {
   return reinterpret_cast<const int*>(c.items + c.max_items);
 }
 
-// Item k's piece of group blockIdx.y's unit (the balanced grid is (parts, groups)); its partial at slot k * groups +
-// group, so a sequence's pieces (consecutive items) lie groups slots apart.
+// The balanced grid is (groups, parts): a part's groups, which read the same tiles, are neighbours in launch order.
+__device__ __forceinline__ int balanced_part() { return blockIdx.y; }
+__device__ __forceinline__ int balanced_group() { return blockIdx.x; }
+
+// Item k's piece of group balanced_group()'s unit; its partial at slot k * groups + group, so a sequence's pieces
+// (consecutive items) lie groups slots apart.
 template <int H>
 __device__ __forceinline__ Piece item_piece(const DecodeCall& c, int k) {
   const int4 item = c.items[k];  // {b, first tile, end tile, index << 16 | count}
   const int groups = unit_groups(c, H);
   Piece p;
-  p.rows = query_rows<H>(c, item.x * groups + blockIdx.y);
+  p.rows = query_rows<H>(c, item.x * groups + balanced_group());
   p.index = item.w >> 16;
   p.count = item.w & 0xffff;
   p.lo = item.y * BN;
   p.tile_hi = item.z;
-  p.part = static_cast<size_t>(k) * groups + blockIdx.y;
+  p.part = static_cast<size_t>(k) * groups + balanced_group();
   return p;
 }
 
-// A persistent CTA of the balanced grid walks its part's pieces (part blockIdx.x) in line order, decode(piece) each;
+// A persistent CTA of the balanced grid walks its part's pieces (balanced_part()) in line order, decode(piece) each;
 // a barrier between pieces frees the shared memory. A part's work is one share of the batch, so every CTA of the
 // resident grid has about the same.
 template <int H, typename Decode>
 __device__ __forceinline__ void for_each_piece(const DecodeCall& c, Decode&& decode) {
-  const int first = __ldg(part_first(c) + blockIdx.x), end = __ldg(part_first(c) + blockIdx.x + 1);
+  const int part = balanced_part(), first = __ldg(part_first(c) + part), end = __ldg(part_first(c) + part + 1);
   for (int k = first; k < end; ++k) {
     if (k > first) __syncthreads();
     decode(item_piece<H>(c, k));

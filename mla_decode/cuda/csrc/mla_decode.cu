@@ -15,7 +15,7 @@
 // bf16, its normalised partial output, and part_lse (units * num_splits, unit_rows) fp32, their log2-sum-exp; the CTAs
 // of a unit meet at a barrier (`sync`: per unit a count of arrivals over all launches, zero before the first) and each
 // merges 1 / num_splits of the unit's outputs. The grid is launched cooperatively, so all its CTAs are resident and
-// the wait cannot hang. With the balanced schedule (schedule.cuh) the grid is (parts, groups): each CTA walks its
+// the wait cannot hang. With the balanced schedule (schedule.cuh) the grid is (groups, parts): each CTA walks its
 // part's pieces, and combine_kernel (merge.cuh) merges the sequences of several pieces after it.
 
 #if MLA_WGMMA
@@ -135,7 +135,7 @@ static int wide_ctas(int units, int) { return units; }
 // cache, read once per launch, is marked streaming in L2 for the launch (an access policy window over its first
 // max_window bytes; none where the device has no windows): its lines are evicted before others, which helps where the
 // cache and the split partials written after it overflow L2 (docs/design-notes.md, "The kernels' measured choices").
-// BAL: the balanced schedule's grid (parts, groups), launched plainly: no CTA waits for another.
+// BAL: the balanced schedule's grid (groups, parts), launched plainly: no CTA waits for another.
 template <int STAGES, int KV, int LAYOUT, int H, bool BAL>
 static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, int sms) {
   constexpr bool PAGED = LAYOUT != mla::RAGGED;
@@ -164,7 +164,7 @@ static cudaError_t launch_split(int dev, const DecodeCall& a, int max_window, in
   }
   cudaLaunchConfig_t cfg = {};
   const int groups = mla::unit_groups(a, H), units = a.batch * groups;
-  if constexpr (BAL) cfg.gridDim = dim3(a.parts, groups);
+  if constexpr (BAL) cfg.gridDim = dim3(groups, a.parts);
   else cfg.gridDim = dim3(a.num_splits, wide && a.num_splits == 1 ? wide_ctas(units, sms) : units);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;

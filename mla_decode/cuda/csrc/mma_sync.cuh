@@ -279,8 +279,8 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
   if (!BALANCED && !direct) merge_splits<H>(call, base, rows, piece.index, valid);
 }
 
-// KV: KV_FP8 (the launcher instantiates no other). BALANCED: the balanced schedule's grid (parts,
-// groups), each CTA walking its part's pieces (for_each_piece); else fixed splits.
+// KV: KV_FP8 (the launcher instantiates no other). BALANCED: the balanced schedule's grid (groups,
+// parts), each CTA walking its part's pieces (for_each_piece); else fixed splits.
 template <int STAGES, int KV, bool PAGED, bool BALANCED>
 __global__ void __launch_bounds__(NTHREADS, 1)
 split_kernel(const DecodeCall call) {

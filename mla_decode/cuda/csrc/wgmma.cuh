@@ -832,7 +832,7 @@ __device__ __forceinline__ void decode_piece(const DecodeCall& call, const Piece
 }
 
 // H: the CTA's query rows (a unit, QueryRows), 16 or 32, the N side of both products. BALANCED: the grid is
-// the balanced schedule's (parts, groups), each CTA walking its part's pieces (for_each_piece); else fixed splits.
+// the balanced schedule's (groups, parts), each CTA walking its part's pieces (for_each_piece); else fixed splits.
 template <int STAGES, int KV, int LAYOUT, int H, bool BALANCED>
 __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 split_kernel(const DecodeCall call) {

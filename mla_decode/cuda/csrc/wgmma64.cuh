@@ -171,7 +171,7 @@ __device__ __forceinline__ void wgmma_bf16_n256_mn(float* d, uint64_t da, uint64
                : "l"(da), "l"(db));
 }
 
-// BF: the BF16 cache (else FP8). BAL: the balanced schedule's grid (parts, groups): a CTA walks its part's pieces
+// BF: the BF16 cache (else FP8). BAL: the balanced schedule's grid (groups, parts): a CTA walks its part's pieces
 // (item_piece), merged by combine_kernel after the grid.
 template <bool BF, bool PAGED, bool BAL>
 __global__ void __launch_bounds__(WIDE_THREADS, WIDE_CTAS_PER_SM)
@@ -199,8 +199,8 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   const int units = call.batch * unit_groups(call, H);
   int first_item = 0, total_items;  // the CTA's items: the balanced part's pieces from item first_item, or units
   if constexpr (BAL) {
-    first_item = __ldg(part_first(call) + blockIdx.x);
-    total_items = __ldg(part_first(call) + blockIdx.x + 1) - first_item;
+    first_item = __ldg(part_first(call) + balanced_part());
+    total_items = __ldg(part_first(call) + balanced_part() + 1) - first_item;
   } else {
     total_items = (units - static_cast<int>(blockIdx.y) + gridDim.y - 1) / gridDim.y;
   }
