@@ -249,15 +249,12 @@ __device__ __forceinline__ void combine_slice(const DecodeCall& c, float* lse, i
     c.lse[row_lse(c, rows, h)] = ok ? (sum > 0.f ? (mx + __log2f(sum)) * LN2 : -INFINITY) : NAN;
 }
 
-template <int H>
-__device__ __forceinline__ void combine_pieces(const DecodeCall& c, float* lse, int k0, int b, int count,
-                                               int slice) {
-  if (count <= 2 * combine_slices(count)) return combine_slice<H, 2>(c, lse, k0, b, count, slice);
-  combine_slice<H, 8>(c, lse, k0, b, count, slice);
-}
+// 8 CTAs an SM, 64 registers a thread: the grid (parts x groups x H / COMBINE_WARPS CTAs, 2,112 at 128 heads) runs in
+// half the waves of one at 128 registers, which held 8 pieces' loads in flight (docs/2026-12-07-cut-cost.md).
+constexpr int COMBINE_CTAS_PER_SM = 8, COMBINE_AHEAD = 2;
 
 template <int H>
-__global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const DecodeCall c) {
+__global__ void __launch_bounds__(COMBINE_WARPS * 32, COMBINE_CTAS_PER_SM) combine_kernel(const DecodeCall c) {
   __shared__ float lses[COMBINE_WARPS][MAX_PIECES];  // a sequence has at most `parts` pieces
   const int* const starts = part_first(c);
   const int first = __ldg(starts + blockIdx.x), last = __ldg(starts + blockIdx.x + 1) - 1;
@@ -266,9 +263,11 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) combine_kernel(const Decod
   const int4 head = c.items[first], tail = c.items[last];
   const int j = head.w >> 16, head_count = head.w & 0xffff, tail_count = tail.w & 0xffff;
   // the part's first piece, piece j >= 1 of a sequence begun in part p - j: slice j of that sequence's merge
-  if (j >= 1 && j < combine_slices(head_count)) combine_pieces<H>(c, lse, first - j, head.x, head_count, j);
+  if (j >= 1 && j < combine_slices(head_count))
+    combine_slice<H, COMBINE_AHEAD>(c, lse, first - j, head.x, head_count, j);
   // its last piece, the first of several: slice 0
-  if ((tail.w >> 16) == 0 && tail_count > 1) combine_pieces<H>(c, lse, last, tail.x, tail_count, 0);
+  if ((tail.w >> 16) == 0 && tail_count > 1)
+    combine_slice<H, COMBINE_AHEAD>(c, lse, last, tail.x, tail_count, 0);
 }
 
 }  // namespace mla
