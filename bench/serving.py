@@ -460,6 +460,9 @@ METHODS = (
            "schedule (backend option schedule)", _ours("cuda", "fp8", schedule="balanced")),
     Method("cuda-fp8-balanced-line", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
            "schedule with the line cut (backend option cut)", _ours("cuda", "fp8", schedule="balanced", cut="line")),
+    *(Method(f"cuda-{fmt}-balanced-pack", "ours", fmt, f"mla_decode plan, backend cuda, {fmt.upper()} cache, the "
+             "work-balanced schedule with the pack cut (backend option cut)",
+             _ours("cuda", fmt, schedule="balanced", cut="pack")) for fmt in ("fp8", "bf16")),
     Method("cuda-fp8-balanced-least16", "ours", "fp8", "mla_decode plan, backend cuda, FP8 cache, the work-balanced "
            "schedule with a least share of 16 tiles (backend option min_share)",
            _ours("cuda", "fp8", schedule="balanced", min_share=16)),

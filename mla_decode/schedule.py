@@ -18,6 +18,8 @@ A length outside [0, capacity] is invalid: it costs its fixed units alone (no ti
 makes its rows NaN.
 """
 
+import bisect
+import math
 from typing import NamedTuple
 
 import torch
@@ -27,9 +29,11 @@ SEQUENCE_COST = 1  # a sequence's fixed cost in tiles (Q staged, the output writ
 # How a plan cuts the work (the cuda and triton backends' option): "balanced", this module's schedule, or "fixed",
 # the same number of equal splits for every sequence, sized by the plan's longest
 SCHEDULES = ("fixed", "balanced")
-# How a balanced schedule cuts its line: "line", equal shares anywhere (make_schedule); or "fill", parts filled in
-# turn, a sequence whole where it fits and each piece charged PIECE_COST (fill_schedule: the cuda backend's option)
-CUTS = ("line", "fill")
+# How a balanced schedule cuts its line: "line", equal shares anywhere (make_schedule); "fill", parts filled in turn,
+# a sequence whole where it fits and each piece charged PIECE_COST (fill_schedule); or "pack", the fill from the
+# longest sequence that fits whole (pack_schedule). The cuda backend's option
+CUTS = ("line", "fill", "pack")
+PACK_MAX_BATCH = 4096  # the pack cut's largest batch: its schedule kernel sorts the batch in shared memory
 PIECE_COST = SEQUENCE_COST  # the fill cut's fixed cost of every piece, in tiles (its Q, its partial or output)
 
 
@@ -115,6 +119,52 @@ def part_first(schedule: Schedule) -> torch.Tensor:
 
 
 
+class _Walk:
+    """The fill and pack cuts' walk: parts filled in turn with `payload` units each (the last takes the rest), items
+    listed as the parts take them."""
+
+    def __init__(self, parts: int, payload: int, slack: int):
+        self.parts, self.payload, self.slack = parts, payload, slack
+        self.items: list[list[int]] = []
+        self.starts = [0]  # starts[p]: part p's first item
+        self.room = payload if parts > 1 else None  # None: the last part, which takes the rest
+
+    def fits(self, tiles: int) -> bool:
+        """Whether `tiles` and PIECE_COST fit the part within payload + slack."""
+        return self.room is None or self.room + self.slack >= tiles + PIECE_COST
+
+    def next_part(self) -> None:
+        self.starts.append(len(self.items))
+        self.room = self.payload if len(self.starts) < self.parts else None
+
+    def place(self, b: int, left: int) -> None:
+        """Sequence b's `left` tiles from this part on: whole where they fit, else what fits (where more than
+        PIECE_COST of the payload is left) and the rest from the next part; its pieces then get their index and
+        count."""
+        first, lo = len(self.items), 0
+        while True:
+            if self.fits(left):
+                self.items.append([b, lo, lo + left])
+                self.room = None if self.room is None else self.room - left - PIECE_COST
+                break
+            if self.room > PIECE_COST:
+                take = self.room - PIECE_COST
+                self.items.append([b, lo, lo + take])
+                lo, left = lo + take, left - take
+            self.next_part()
+        count = len(self.items) - first
+        for j in range(count):
+            self.items[first + j].append(j << 16 | count)
+
+    def flat(self, max_items: int) -> torch.Tensor:
+        """(max_items * 4 + parts + 1,) int32: the items, padding {-1, 0, 0, 0}, then part_first (parts + 1,)."""
+        starts = self.starts + [len(self.items)] * (self.parts + 1 - len(self.starts))
+        flat = torch.tensor([-1, 0, 0, 0], dtype=torch.int32).repeat(max_items, 1)
+        if self.items:
+            flat[:len(self.items)] = torch.tensor(self.items, dtype=torch.int32)
+        return torch.cat([flat.flatten(), torch.tensor(starts, dtype=torch.int32)])
+
+
 def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS, min_share: int = 1,
                   max_items: int | None = None, slack: int = 0) -> torch.Tensor:
     """The fill cut of a batch of `lengths` (batch,) into `parts` parts, as the cuda schedule kernel makes it when its
@@ -134,29 +184,39 @@ def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
         raise ValueError(f"slack: expected >= 0, got {slack}")
     line = make_schedule(lengths, parts, capacity, tile_rows, min_share)  # the share, as both cuts' kernels take it
     tiles = line.tiles.tolist()
-    max_items = parts + len(tiles) if max_items is None else max_items
-    payload = line.share + PIECE_COST
-    items: list[list[int]] = []
-    starts = [0]  # starts[p]: part p's first item
-    room = payload if parts > 1 else None  # None: the last part, which takes the rest
+    walk = _Walk(parts, line.share + PIECE_COST, slack)
     for b, left in enumerate(tiles):
-        first, lo = len(items), 0
-        while True:
-            if room is None or room + slack >= left + PIECE_COST:  # the rest fits
-                items.append([b, lo, lo + left])
-                room = None if room is None else room - left - PIECE_COST
-                break
-            if room > PIECE_COST:  # the part takes what fits
-                take = room - PIECE_COST
-                items.append([b, lo, lo + take])
-                lo, left = lo + take, left - take
-            starts.append(len(items))  # the next part
-            room = payload if len(starts) < parts else None
-        count = len(items) - first
-        for j in range(count):
-            items[first + j].append(j << 16 | count)
-    starts += [len(items)] * (parts + 1 - len(starts))
-    flat = torch.tensor([-1, 0, 0, 0], dtype=torch.int32).repeat(max_items, 1)
-    if items:
-        flat[:len(items)] = torch.tensor(items, dtype=torch.int32)
-    return torch.cat([flat.flatten(), torch.tensor(starts, dtype=torch.int32)])
+        walk.place(b, left)
+    return walk.flat(parts + len(tiles) if max_items is None else max_items)
+
+
+def pack_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS, min_share: int = 1,
+                  max_items: int | None = None, slack: int = 0) -> torch.Tensor:
+    """The pack cut, as the cuda schedule kernel makes it when its plan's cut is "pack": the fill cut's parts, payload
+    and slack, but each part takes, of the sequences not yet placed, the longest whose tiles and PIECE_COST fit whole
+    within payload + slack (ties: the lower index). Where none fits and more than PIECE_COST of the payload is left,
+    the longest left is cut as the fill cuts it (what fits here, the rest from the next part on); else the next part
+    starts. A batch of uneven lengths then has few sequences cut (a part ends in a cut only where no sequence left
+    fits its room), every piece of a cut sequence still in consecutive parts. Sequences are listed in the order they
+    are placed, not the batch's; lengths past PACK_MAX_BATCH are refused (the kernel sorts them in shared memory).
+    Returns fill_schedule's layout."""
+    if slack < 0:
+        raise ValueError(f"slack: expected >= 0, got {slack}")
+    if lengths.shape[0] > PACK_MAX_BATCH:
+        raise ValueError(f"lengths: the pack cut takes at most {PACK_MAX_BATCH} sequences, got {lengths.shape[0]}")
+    line = make_schedule(lengths, parts, capacity, tile_rows, min_share)
+    tiles = line.tiles.tolist()
+    walk = _Walk(parts, line.share + PIECE_COST, slack)
+    left = sorted(range(len(tiles)), key=lambda b: (-tiles[b], b))  # not placed yet, longest first
+    while left:
+        limit = math.inf if walk.room is None else walk.room + walk.slack - PIECE_COST  # the most tiles that fit
+        i = bisect.bisect_left(left, -limit, key=lambda b: -tiles[b])  # the first of at most `limit` tiles
+        if i < len(left):
+            b = left.pop(i)
+            walk.place(b, tiles[b])
+        elif walk.room > PIECE_COST:
+            b = left.pop(0)
+            walk.place(b, tiles[b])
+        else:
+            walk.next_part()
+    return walk.flat(parts + len(tiles) if max_items is None else max_items)

@@ -635,17 +635,37 @@ def test_the_fill_cut_s_slack_follows_the_unit_and_the_option(fake_nvidia_gpu, m
                                                                options, slack):
     """The balanced plan's DecodeCall carries the slack of its units' format and rows (plan.FILL_SLACK: 64-row FP8
     and BF16 units), or the backend option's."""
+    problem = S.make_problem(128, kv_dtype, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=256,
+                             num_heads=num_heads, max_seqlen=16384)
+    decode = hopper_decode(monkeypatch, problem, **options)
+    assert (decode.call.unit_rows, decode.call.slack) == (64 if num_heads == 128 else 16, slack)
+
+
+def hopper_decode(monkeypatch, problem, **options) -> "D.CudaDecode":
+    """The plan on a Hopper GPU's stand-in library (BF16, units of 16 to 64 rows)."""
     hopper = standin_library("lib_90a", mla_supports_bf16=lambda: 1, mla_bf16_ctas_per_sm=lambda: 1,
                              mla_max_unit_rows=lambda: 64, mla_unit_ctas_per_sm=lambda rows: 1 if rows == 64 else 2)
     monkeypatch.setattr(D, "capability", lambda device: (9, 0))
     monkeypatch.setattr(D, "library", lambda capability, precise=False: hopper)
-    problem = S.make_problem(128, kv_dtype, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=256,
-                             num_heads=num_heads, max_seqlen=16384)
-    decode = D.CudaDecode(problem, **options)
-    assert (decode.call.unit_rows, decode.call.slack) == (64 if num_heads == 128 else 16, slack)
+    return D.CudaDecode(problem, **options)
 
 
 def test_a_negative_slack_is_refused_naming_the_option(fake_nvidia_gpu):
     problem = S.make_problem(8, torch.float8_e4m3fn, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=4)
     with pytest.raises(ValueError, match="backend_options: slack -1: expected an int >= 0"):
         D.CudaDecode(problem, slack=-1)
+
+
+@pytest.mark.parametrize("cut", ["line", "fill", "pack"])
+def test_the_cut_option_reaches_the_call(fake_nvidia_gpu, monkeypatch, cut):
+    problem = S.make_problem(8, torch.float8_e4m3fn, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=4)
+    assert hopper_decode(monkeypatch, problem, cut=cut).call.cut == ("line", "fill", "pack").index(cut)
+
+
+def test_the_pack_cut_refuses_a_batch_past_its_sort(fake_nvidia_gpu, monkeypatch):
+    """The pack cut's kernel sorts the batch in shared memory: a larger batch is refused before any launch, naming the
+    option and the way out."""
+    problem = S.make_problem(4097, torch.float8_e4m3fn, fake_nvidia_gpu, layout="paged", page_size=64, max_pages=4)
+    with pytest.raises(ValueError, match="cut 'pack' takes batches of at most 4096 sequences, got 4097: pass cut"):
+        hopper_decode(monkeypatch, problem, cut="pack")
+    assert hopper_decode(monkeypatch, problem, cut="fill").call.cut == 1

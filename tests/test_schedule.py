@@ -17,6 +17,7 @@ from mla_decode.schedule import (
     Schedule,
     fill_schedule,
     make_schedule,
+    pack_schedule,
     part_first,
     schedule_items,
     sequence_tiles,
@@ -52,14 +53,15 @@ def coverage(s: Schedule) -> list[torch.Tensor]:
     return counts
 
 
-def item_coverage(items: torch.Tensor, tiles: torch.Tensor) -> list[torch.Tensor]:
+def item_coverage(items: torch.Tensor, tiles: torch.Tensor, order: list[int] | None = None) -> list[torch.Tensor]:
     """How many times each tile of each sequence is read across the listed pieces; each sequence's pieces are listed
-    together, in order, with their index and count."""
+    together, in order, with their index and count, and the sequences in `order` (default: the batch's; the pack cut
+    lists them as it places them)."""
     counts = [torch.zeros(int(t), dtype=torch.int64) for t in tiles]
     listed = [row for row in items.tolist() if row[0] >= 0]
     assert all(row[0] < 0 for row in items.tolist()[len(listed):])  # the pieces first, then the padding
     k = 0
-    for b in range(len(tiles)):
+    for b in range(len(tiles)) if order is None else order:
         count = listed[k][3] & 0xFFFF
         for j in range(count):
             seq, lo, hi, packed = listed[k + j]
@@ -68,6 +70,11 @@ def item_coverage(items: torch.Tensor, tiles: torch.Tensor) -> list[torch.Tensor
         k += count
     assert k == len(listed)
     return counts
+
+
+def listed_order(items: torch.Tensor) -> list[int]:
+    """The sequences in the order their first pieces are listed."""
+    return [int(row[0]) for row in items if row[0] >= 0 and row[3] >> 16 == 0]
 
 
 def part_units(s: Schedule, p: int) -> int:
@@ -244,18 +251,55 @@ def fill_payload(tiles: torch.Tensor, parts: int, min_share: int) -> int:
     return max(-(-(int(tiles.sum()) + PIECE_COST * tiles.shape[0]) // parts), min_share) + PIECE_COST
 
 
+FILL_CUTS = {"fill": fill_schedule, "pack": pack_schedule}  # the cuts that fill parts in turn, and their references
+
+
+@pytest.mark.parametrize("cut", sorted(FILL_CUTS))
 @pytest.mark.parametrize("min_share,slack", [(1, 0), (16, 0), (1, 5), (1, 40)])
 @pytest.mark.parametrize("batch,kind,parts", CASES)
-def test_the_fill_cut_reads_every_tile_once_within_each_part(batch, kind, parts, min_share, slack):
-    """Every tile once, and no part past its payload and the slack."""
+def test_the_fill_cuts_read_every_tile_once_within_each_part(batch, kind, parts, min_share, slack, cut):
+    """Every tile once, and no part past its payload and the slack; the fill cut lists the sequences in the batch's
+    order, the pack cut each sequence once in the order it placed them."""
     lengths = spread(batch, kind, seed=batch + parts)
-    flat = fill_schedule(lengths, parts, CAPACITY, min_share=min_share, slack=slack)
+    flat = FILL_CUTS[cut](lengths, parts, CAPACITY, min_share=min_share, slack=slack)
     assert flat.shape == ((parts + batch) * 4 + parts + 1,) and flat.dtype == torch.int32
     tiles = sequence_tiles(lengths, CAPACITY)
     items = flat[:-(parts + 1)].view(-1, 4)
-    assert all(bool((count == 1).all()) for count in item_coverage(items, tiles))
+    order = listed_order(items)
+    assert sorted(order) == list(range(batch)) and (cut == "pack" or order == list(range(batch)))
+    assert all(bool((count == 1).all()) for count in item_coverage(items, tiles, order))
     assert int((items[:, 0] >= 0).sum()) <= parts + batch - 1
     assert fill_misfits(flat, tiles, parts, fill_payload(tiles, parts, min_share) + slack) == []
+
+
+def cut_sequences(flat: torch.Tensor, parts: int) -> int:
+    items = flat[:-(parts + 1)].view(-1, 4)
+    return int(((items[:, 0] >= 0) & (items[:, 3] >> 16 == 1)).sum())
+
+
+@pytest.mark.parametrize("batch,parts,slack", [(128, 66, 0), (128, 66, 8), (128, 33, 0), (256, 132, 0)])
+def test_the_pack_cut_cuts_few_sequences_of_an_uneven_batch(batch, parts, slack):
+    """Normal(4k, 2k) lengths, two or more sequences a part (64-row units at 128 heads: 66 or 33 parts): the pack cut
+    places whole sequences where the fill cut cuts one at nearly every part's end (22 of 128 cut against 60, 4 against
+    52 with slack 8); its fullest part stays within the payload and the slack (the test above)."""
+    lengths = spread(batch, "normal", seed=7)
+    fill = cut_sequences(fill_schedule(lengths, parts, CAPACITY, slack=slack), parts)
+    pack = cut_sequences(pack_schedule(lengths, parts, CAPACITY, slack=slack), parts)
+    assert pack * 2 < fill, (pack, fill)
+
+
+def test_the_pack_cut_places_the_longest_sequence_that_fits():
+    """Tiles [5, 7, 1, 3] on 3 parts of payload 8 (share 7 and a piece's unit): the first part takes the 7; the second
+    the 5, then the 1 that fits its room of 2, not the 3 sorted before it; the last the 3. Tiles [5, 7, 3, 3] (payload
+    9): the second part has 3 units left after the 5, where no 3 fits whole, so it cuts the longest left, sequence 2,
+    whose rest starts the last part."""
+    def pack(tiles):
+        flat = pack_schedule(torch.tensor(tiles, dtype=torch.int32) * TILE_ROWS, 3, CAPACITY)
+        return flat[:-4].view(-1, 4).tolist()[:5], flat[-4:].tolist()
+
+    assert pack([5, 7, 1, 3]) == ([[1, 0, 7, 1], [0, 0, 5, 1], [2, 0, 1, 1], [3, 0, 3, 1], [-1, 0, 0, 0]], [0, 1, 3, 4])
+    assert pack([5, 7, 3, 3]) == ([[1, 0, 7, 1], [0, 0, 5, 1], [2, 0, 2, 2], [2, 2, 3, 1 << 16 | 2], [3, 0, 3, 1]],
+                                  [0, 1, 3, 5])
 
 
 @pytest.mark.parametrize("batch,kv,parts,slack,pieces", [
@@ -345,3 +389,4 @@ def test_the_cuda_plan_knows_the_schedule_module_cuts():
     """The cuda package keeps its own copy of the cuts it takes (it imports nothing of mla_decode at run time)."""
     from mla_decode.cuda import plan as cuda_plan
     assert cuda_plan.CUTS == sched.CUTS and cuda_plan.SCHEDULES == sched.SCHEDULES and cuda_plan.CUT in sched.CUTS
+    assert cuda_plan.PACK_MAX_BATCH == sched.PACK_MAX_BATCH

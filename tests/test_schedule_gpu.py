@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mla_decode
-from mla_decode.schedule import CUTS, fill_schedule, make_schedule, part_first, schedule_items
+from mla_decode.schedule import CUTS, fill_schedule, make_schedule, pack_schedule, part_first, schedule_items
 from testkit.balanced import balanced_plan, plan_truth
 from testkit.paged import errors, make_paged_case, ragged_twin
 
@@ -27,6 +27,8 @@ SPREADS = {
     "lognormal": [int(x) for x in torch.exp(torch.randn(24, generator=torch.Generator().manual_seed(5)) * 1.3
                                             + 7.0).clamp(max=30000)],
 }
+# A wide batch for the schedule kernels alone: the pack cut sorts 4096 keys (the most it takes) over many rounds
+WIDE = [int(x) for x in torch.randint(0, 300, (2100,), generator=torch.Generator().manual_seed(6))]
 
 
 def backend_plan(backend: str, case, precision: str = "fast", **options):
@@ -37,18 +39,19 @@ def backend_plan(backend: str, case, precision: str = "fast", **options):
 
 @pytest.mark.parametrize("cut", CUTS)
 @pytest.mark.parametrize("min_share,slack", [(1, 0), (7, 0), (1, 14)])
-@pytest.mark.parametrize("spread", sorted(SPREADS))
+@pytest.mark.parametrize("spread", sorted(SPREADS) + ["wide"])
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_share, slack, cut):
     """The kernel's pieces are the reference's, bit for bit (the line cut takes no slack)."""
-    lens = SPREADS[spread]
+    lens = {**SPREADS, "wide": WIDE}[spread]
     case = make_paged_case("fp8", page_size, lens, seed=1, device="cuda")
     plan = backend_plan("cuda", case, min_share=min_share, cut=cut, slack=slack)
     made = plan.schedule(case.cache_seqlens)
     capacity = case.block_table.shape[1] * page_size
     lengths, parts, max_items = case.cache_seqlens.cpu(), plan.impl.parts, plan.impl.max_items
-    if cut == "fill":
-        want = fill_schedule(lengths, parts, capacity, min_share=min_share, max_items=max_items, slack=slack)
+    if cut != "line":
+        cut_of = {"fill": fill_schedule, "pack": pack_schedule}[cut]
+        want = cut_of(lengths, parts, capacity, min_share=min_share, max_items=max_items, slack=slack)
     else:
         s = make_schedule(lengths, parts, capacity, min_share=min_share)
         want = torch.cat([schedule_items(s, max_items).flatten(), part_first(s)])
@@ -61,9 +64,10 @@ def test_the_schedule_kernel_lists_the_reference_pieces(spread, page_size, min_s
     assert torch.equal(ragged.schedule(indptr).items.cpu(), want)
 
 
-# The cut's options beside the plan's defaults (the fill cut): the line cut, a least share that cuts fewer, larger
-# pieces, and a slack that keeps more sequences whole in longer parts
-CUT_OPTIONS = {"default": {}, "line": {"cut": "line"}, "least-share": {"min_share": 9}, "slack": {"slack": 30}}
+# The cut's options beside the plan's defaults (the fill cut): the line cut, the pack cut, a least share that cuts
+# fewer, larger pieces, and a slack that keeps more sequences whole in longer parts
+CUT_OPTIONS = {"default": {}, "line": {"cut": "line"}, "pack": {"cut": "pack"}, "least-share": {"min_share": 9},
+               "slack": {"slack": 30}}
 
 
 @pytest.mark.parametrize("options", sorted(CUT_OPTIONS))

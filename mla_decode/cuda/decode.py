@@ -14,6 +14,7 @@ from .plan import (
     CUTS,
     MAX_UNITS,
     MIN_SHARE,
+    PACK_MAX_BATCH,
     SCHEDULE,
     SCHEDULES,
     DeviceFacts,
@@ -143,9 +144,9 @@ class CudaDecode:
     """The cuda backend's plan for a problem: the kernel library, the unit rows, the schedule ("balanced", the
     default (plan.SCHEDULE): the work-balanced schedule of schedule.cuh, made on the GPU from the lengths, persistent
     CTAs over its parts and a combine kernel after them; or "fixed": num_splits equal splits a unit, faster on a
-    uniform batch: BENCHMARKS.md; min_share, its least share in KV tiles; cut, how it cuts: "fill" (the default) or
-    "line", mla_decode.schedule.CUTS; slack, the fill cut's overfill of a part that keeps a sequence whole, in KV
-    tiles (default plan.fill_slack)), and a DecodeCall with the plan's fields set. The workspace
+    uniform batch: BENCHMARKS.md; min_share, its least share in KV tiles; cut, how it cuts: "fill" (the default),
+    "pack" or "line", mla_decode.schedule.CUTS; slack, the fill and pack cuts' overfill of a part that keeps a
+    sequence whole, in KV tiles (default plan.fill_slack)), and a DecodeCall with the plan's fields set. The workspace
     (the pieces' partials, part_o (pieces, unit_rows, 512) bf16 and part_lse (pieces, unit_rows) fp32, the fixed
     splits' per-unit counters (units,) int32 and the balanced schedule (schedule_words,) int32) is made once per
     (thread, stream) that runs the plan. run() sets the inputs' fields and makes one ctypes call: no host read; no
@@ -160,6 +161,9 @@ class CudaDecode:
                              "schedule's least share, in KV tiles)")
         if cut not in CUTS:
             raise ValueError(f"backend_options: cut {cut!r}: expected one of {CUTS}")
+        if cut == "pack" and problem.batch > PACK_MAX_BATCH:
+            raise ValueError(f"backend_options: cut 'pack' takes batches of at most {PACK_MAX_BATCH} sequences, "
+                             f"got {problem.batch}: pass cut 'fill'")
         if slack is not None and (not isinstance(slack, int) or slack < 0):
             raise ValueError(f"backend_options: slack {slack!r}: expected an int >= 0 (the fill cut's overfill of a "
                              "part that keeps a sequence whole, in KV tiles)")

@@ -37,9 +37,11 @@ MAX_PIECES = 512  # MAX_PIECES in the source: the most parts a balanced schedule
 # The balanced schedule's least share, in its cost units (KV tiles, and one a sequence): a piece of fewer tiles costs
 # more in its restart (Q, the pipeline's first tiles, a partial and its merge) than a part fewer on it saves
 MIN_SHARE = 1
-# The balanced schedule's cuts (DecodeCall's cut; mla_decode.schedule.CUTS): "line", equal shares anywhere, or
-# "fill", parts filled in turn, a sequence whole where it fits; and the plan's default
-CUTS, CUT = ("line", "fill"), "fill"
+# The balanced schedule's cuts (DecodeCall's cut; mla_decode.schedule.CUTS): "line", equal shares anywhere; "fill",
+# parts filled in turn, a sequence whole where it fits; "pack", the fill from the longest sequence that fits whole (at
+# most PACK_MAX_BATCH sequences); and the plan's default
+CUTS, CUT = ("line", "fill", "pack"), "fill"
+PACK_MAX_BATCH = 4096  # PACK_MAX_BATCH in the source: the pack cut's schedule kernel sorts the batch in shared memory
 # The fill cut's slack (DecodeCall's slack): the KV tiles a part may run past its share to keep a sequence whole, by
 # (cache format, unit rows); 0 where not named. A cut sequence writes a partial of 64 rows from each piece and a merge
 # reads them, which costs more than a few tiles' walk; a BF16 tile costs about twice an FP8 one. Smaller units lose

@@ -36,7 +36,7 @@ __host__ __device__ constexpr int log2i(int n) { return n > 1 ? 1 + log2i(n / 2)
 // with groups = unit_groups; sync is unused (combine_kernel merges after the grid).
 enum KvFormat : int { KV_FP8 = 0, KV_MXFP4 = 1, KV_BF16 = 2 };  // DecodeCall's kv_format
 enum Schedule : int { FIXED_SPLITS = 0, SCHEDULE_IN_CALL = 1, SCHEDULE_GIVEN = 2 };
-enum Cut : int { LINE_CUT = 0, FILL_CUT = 1 };  // schedule.cuh: schedule_kernel and fill_schedule_kernel
+enum Cut : int { LINE_CUT = 0, FILL_CUT = 1, PACK_CUT = 2 };  // schedule.cuh's schedule_kernel, fill_, pack_
 struct DecodeCall {
   const __nv_bfloat16* q;
   const uint8_t* kv;
@@ -58,7 +58,8 @@ struct DecodeCall {
   int4* items;
   int schedule, parts, max_items;
   int min_share;  // the balanced schedule's least share in cost units: a short batch is cut into fewer, larger pieces
-  int cut;        // the balanced schedule's cut: LINE_CUT, equal shares anywhere; FILL_CUT, parts filled in turn
+  int cut;        // the balanced schedule's cut: LINE_CUT, equal shares anywhere; FILL_CUT, parts filled in turn;
+                  // PACK_CUT, filled from the longest sequence that fits
   int slack;      // the fill cut's overfill of a part, in cost units, that keeps a sequence whole
 };
 

@@ -274,7 +274,8 @@ static bool schedule_ok(const DecodeCall& c) {
   if (c.schedule == mla::FIXED_SPLITS) return true;
   return (c.schedule == mla::SCHEDULE_IN_CALL || c.schedule == mla::SCHEDULE_GIVEN) && c.items && c.parts >= 1 &&
          c.parts <= mla::MAX_PIECES && c.max_items == c.parts + c.batch && c.num_splits == 1 && c.min_share >= 1 &&
-         (c.cut == mla::LINE_CUT || c.cut == mla::FILL_CUT) && c.slack >= 0;
+         (c.cut == mla::LINE_CUT || c.cut == mla::FILL_CUT ||
+          (c.cut == mla::PACK_CUT && c.batch <= mla::PACK_MAX_BATCH)) && c.slack >= 0;
 }
 
 // The balanced grid's merge (merge.cuh's combine_kernel) on c.stream, in units of the call's rows.
@@ -297,6 +298,8 @@ static cudaError_t launch_schedule_kernel(const DecodeCall& c) {
   const cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
   if (c.cut == mla::FILL_CUT)
     mla::fill_schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, stream>>>(c);
+  else if (c.cut == mla::PACK_CUT)
+    mla::pack_schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, stream>>>(c);
   else
     mla::schedule_kernel<<<1, mla::SCHEDULE_THREADS, 0, stream>>>(c);
   return cudaGetLastError();

@@ -106,56 +106,158 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) schedule_kernel(const Dec
     starts[p] = item;
 }
 
+// The fill and pack cuts' walk (schedule.py's _Walk): parts filled in turn with `payload` units each, the last taking
+// the rest, items listed as the parts take them. Its state is uniform over the threads that walk; `writer` alone
+// stores items and part_first.
+struct FillWalk {
+  const DecodeCall& c;
+  int* starts;
+  long long payload, room;  // room: what the part's payload has left (below 0 where slack let it overfill)
+  int part, item;
+  bool last, writer;        // last: the last part, which takes the rest
+
+  __device__ __forceinline__ bool fits(int tiles) const { return last || room + c.slack >= tiles + PIECE_COST; }
+
+  __device__ __forceinline__ void next_part() {
+    ++part;
+    if (writer) starts[part] = item;
+    room = payload;
+    last = part == c.parts - 1;
+  }
+
+  // Sequence b's `left` tiles from this part on: whole where they fit, else what fits (where more than PIECE_COST of
+  // the payload is left) and the rest from the next part; then its pieces' index and count.
+  __device__ __forceinline__ void place(int b, int left) {
+    const int first = item;
+    int lo = 0;
+    while (true) {
+      if (fits(left)) {
+        if (writer) c.items[item] = make_int4(b, lo, lo + left, 0);
+        ++item;
+        room -= left + PIECE_COST;
+        break;
+      }
+      if (room > PIECE_COST) {
+        const int take = static_cast<int>(room - PIECE_COST);
+        if (writer) c.items[item] = make_int4(b, lo, lo + take, 0);
+        ++item;
+        lo += take;
+        left -= take;
+      }
+      next_part();
+    }
+    const int count = item - first;
+    if (writer)
+      for (int j = 0; j < count; ++j) c.items[first + j].w = j << 16 | count;
+  }
+};
+
+// After a walk: part_first's first entry and the parts past the walk's end (they take none), then the padding past
+// the listed items. Every thread of the CTA calls it; `walk` is the writer's.
+__device__ __forceinline__ void close_walk(const DecodeCall& c, const FillWalk* walk, int* listed) {
+  if (walk) {
+    walk->starts[0] = 0;
+    for (int p = walk->part + 1; p <= c.parts; ++p) walk->starts[p] = walk->item;
+    *listed = walk->item;
+  }
+  __syncthreads();
+  for (int k = *listed + threadIdx.x; k < c.max_items; k += blockDim.x) c.items[k] = make_int4(-1, 0, 0, 0);
+}
+
 // The fill cut (schedule.py's fill_schedule, its reference): parts filled in turn with payload = max(ceil(total /
 // parts), min_share) + PIECE_COST units, a sequence whole where it fits within payload + c.slack, else cut where more
 // than PIECE_COST of the payload is left, every piece charged PIECE_COST; the last part takes what is left. The walk
 // is serial (where a part ends depends on every part before it): one thread walks each round's FILL_ROUND
-// sequences, whose tiles the CTA stages in shared memory, and patches each sequence's pieces with their count once it
-// has them all. The same items and part_first as schedule_kernel's, so the decode and combine kernels read either.
+// sequences, whose tiles the CTA stages in shared memory. The same items and part_first as schedule_kernel's, so the
+// decode and combine kernels read either.
 __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) fill_schedule_kernel(const DecodeCall c) {
   __shared__ long long scratch_cost[32];
   __shared__ int tiles[FILL_ROUND];
   __shared__ int listed;
   const long long payload = cut_share(c, scratch_cost) + PIECE_COST;
-  int* const starts = const_cast<int*>(part_first(c));
-  int part = 0, item = 0;        // thread 0's walk: the part being filled, the next item
-  long long room = payload;      // what the part's payload has left (below 0 where slack let it overfill)
-  bool last = c.parts == 1;      // the last part takes the rest
+  FillWalk walk{c, const_cast<int*>(part_first(c)), payload, payload, 0, 0, c.parts == 1, threadIdx.x == 0};
   for (int b0 = 0; b0 < c.batch; b0 += FILL_ROUND) {
     __syncthreads();  // the last round's walk is done with `tiles`
     for (int i = threadIdx.x; i < FILL_ROUND && b0 + i < c.batch; i += blockDim.x) tiles[i] = sequence_tiles(c, b0 + i);
     __syncthreads();
     if (threadIdx.x != 0) continue;
-    for (int b = b0; b < min(b0 + FILL_ROUND, c.batch); ++b) {
-      int left = tiles[b - b0], lo = 0;
-      const int first = item;
-      while (true) {
-        if (last || room + c.slack >= left + PIECE_COST) {  // the rest fits
-          c.items[item++] = make_int4(b, lo, lo + left, 0);
-          room -= left + PIECE_COST;
-          break;
+    for (int b = b0; b < min(b0 + FILL_ROUND, c.batch); ++b) walk.place(b, tiles[b - b0]);
+  }
+  close_walk(c, threadIdx.x == 0 ? &walk : nullptr, &listed);
+}
+
+// The pack cut (schedule.py's pack_schedule, its reference): the fill cut's walk, each part taking the longest
+// sequence not yet placed whose tiles fit whole (ties: the lower index), and cutting the longest left only where none
+// fits and more than PIECE_COST of the payload is left. The CTA sorts the batch by tiles (at most PACK_MAX_BATCH
+// sequences, a bitonic sort in shared memory); warp 0 walks it, its lanes searching the sequences not yet placed 32
+// words of 32 at a time.
+constexpr int PACK_MAX_BATCH = 4096;
+constexpr int PACK_WORDS = PACK_MAX_BATCH / 32;
+
+__global__ void __launch_bounds__(SCHEDULE_THREADS, 1) pack_schedule_kernel(const DecodeCall c) {
+  __shared__ long long scratch_cost[32];
+  __shared__ unsigned long long keys[PACK_MAX_BATCH];  // tiles << 32 | ~b: sorted descending, longest first
+  __shared__ unsigned placed[PACK_WORDS];             // bit i: sorted sequence i is placed (or past the batch)
+  __shared__ int listed;
+  const long long payload = cut_share(c, scratch_cost) + PIECE_COST;
+  const int n = c.batch > 1 ? 1 << (32 - __clz(c.batch - 1)) : 1;  // the sort's length: a power of two
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    keys[i] = i < c.batch ? static_cast<unsigned long long>(sequence_tiles(c, i)) << 32 | ~static_cast<unsigned>(i)
+                          : 0ull;  // below every sequence's key: sorted past the batch
+  for (int w = threadIdx.x; w < PACK_WORDS; w += blockDim.x)
+    placed[w] = w * 32 >= c.batch ? ~0u : w * 32 + 32 <= c.batch ? 0u : ~0u << (c.batch - w * 32);
+  __syncthreads();
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int partner = i ^ j;
+        if (partner > i) {
+          const unsigned long long a = keys[i], b = keys[partner];
+          if (((i & k) == 0) == (a < b)) keys[i] = b, keys[partner] = a;  // descending where i & k == 0
         }
-        if (room > PIECE_COST) {  // the part takes what fits
-          const int take = static_cast<int>(room - PIECE_COST);
-          c.items[item++] = make_int4(b, lo, lo + take, 0);
-          lo += take;
-          left -= take;
-        }
-        starts[++part] = item;  // the next part
-        room = payload;
-        last = part == c.parts - 1;
       }
-      const int count = item - first;
-      for (int j = 0; j < count; ++j) c.items[first + j].w = j << 16 | count;
+      __syncthreads();
     }
   }
-  if (threadIdx.x == 0) {
-    starts[0] = 0;
-    for (int p = part + 1; p <= c.parts; ++p) starts[p] = item;  // the parts past the walk's end take none
-    listed = item;
+  const int lane = threadIdx.x & 31;
+  FillWalk walk{c, const_cast<int*>(part_first(c)), payload, payload, 0, 0, c.parts == 1, threadIdx.x == 0};
+  // The first sorted sequence from `from` on that is not placed, or c.batch: the warp's lanes look at 32 words at once.
+  auto first_left = [&](int from) {
+    for (int w0 = from >> 5; w0 < PACK_WORDS; w0 += 32) {
+      const int w = w0 + lane;
+      unsigned left = w < PACK_WORDS ? ~placed[w] : 0u;
+      if (w == from >> 5) left &= ~0u << (from & 31);
+      const unsigned words = __ballot_sync(0xffffffffu, left != 0u);
+      if (words) {
+        const int src = __ffs(words) - 1;
+        return ((w0 + src) << 5) + __ffs(__shfl_sync(0xffffffffu, left, src)) - 1;
+      }
+    }
+    return c.batch;
+  };
+  if (threadIdx.x < 32) {
+    for (int remaining = c.batch; remaining > 0;) {
+      // the first sorted sequence of at most `fit` tiles: a binary search over the descending tiles
+      const long long fit = walk.last ? (1ll << 40) : walk.room + c.slack - PIECE_COST;
+      int lo = 0, hi = c.batch;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (static_cast<long long>(keys[mid] >> 32) <= fit) hi = mid;
+        else lo = mid + 1;
+      }
+      int i = first_left(lo);
+      if (i == c.batch && walk.room > PIECE_COST) i = first_left(0);  // none fits whole: cut the longest left
+      if (i == c.batch) {
+        walk.next_part();
+        continue;
+      }
+      if (lane == 0) placed[i >> 5] |= 1u << (i & 31);
+      __syncwarp();
+      --remaining;
+      walk.place(~static_cast<unsigned>(keys[i]), static_cast<int>(keys[i] >> 32));
+    }
   }
-  __syncthreads();
-  for (int k = listed + threadIdx.x; k < c.max_items; k += blockDim.x) c.items[k] = make_int4(-1, 0, 0, 0);
+  close_walk(c, threadIdx.x == 0 ? &walk : nullptr, &listed);
 }
 
 }  // namespace mla
