@@ -122,8 +122,8 @@ def probe(row: str, kernels: bool, variants: list[dict]) -> None:
 
 def count(row: str, sms: int, variants: list[dict]) -> None:
     """The CPU references' cut of `row` for the plan's defaults and each option set (--count)."""
-    from mla_decode.cuda.plan import CUT, MIN_SHARE, balanced_parts
-    from mla_decode.schedule import PIECE_COST, fill_schedule, make_schedule, part_first, schedule_items
+    from mla_decode.cuda.plan import CUT, MIN_SHARE, balanced_parts, fill_slack
+    from mla_decode.schedule import PIECE_COST, fill_schedule, make_schedule, pack_schedule, part_first, schedule_items
     batch, heads, q_len, lens = parse_row(row)
     lens = torch.tensor(lens)
     rows = 64 if heads % 64 == 0 else 16
@@ -131,8 +131,10 @@ def count(row: str, sms: int, variants: list[dict]) -> None:
     cells = []
     for options in [{}, *variants]:
         cut, least = options.get("cut", CUT), options.get("min_share", MIN_SHARE)
-        if cut == "fill":
-            flat = fill_schedule(lens, parts, int(lens.max()), min_share=least)
+        if cut in ("fill", "pack"):  # the FP8 plan's slack, or the option's
+            walk = fill_schedule if cut == "fill" else pack_schedule
+            slack = options.get("slack", fill_slack("fp8", rows))
+            flat = walk(lens, parts, int(lens.max()), min_share=least, slack=slack)
             items, starts = flat[:-(parts + 1)].view(-1, 4), flat[-(parts + 1):]
         else:
             s = make_schedule(lens, parts, int(lens.max()), min_share=least)
