@@ -120,18 +120,25 @@ def part_first(schedule: Schedule) -> torch.Tensor:
 
 
 class _Walk:
-    """The fill and pack cuts' walk: parts filled in turn with `payload` units each (the last takes the rest), items
-    listed as the parts take them."""
+    """The fill and pack cuts' walk over a batch of `lengths`: parts filled in turn with payload = make_schedule's
+    share + PIECE_COST units each (the last takes the rest), items listed as the parts take them."""
 
-    def __init__(self, parts: int, payload: int, slack: int):
-        self.parts, self.payload, self.slack = parts, payload, slack
+    def __init__(self, lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int, min_share: int, slack: int):
+        if slack < 0:
+            raise ValueError(f"slack: expected >= 0, got {slack}")
+        line = make_schedule(lengths, parts, capacity, tile_rows, min_share)  # the share, as the cuts' kernels take it
+        self.tiles: list[int] = line.tiles.tolist()
+        self.parts, self.payload, self.slack = parts, line.share + PIECE_COST, slack
         self.items: list[list[int]] = []
         self.starts = [0]  # starts[p]: part p's first item
-        self.room = payload if parts > 1 else None  # None: the last part, which takes the rest
+        self.room = self.payload if parts > 1 else None  # None: the last part, which takes the rest
+
+    def most_tiles(self) -> float:
+        """The most tiles that fit the part whole, with PIECE_COST, within payload + slack (inf in the last part)."""
+        return math.inf if self.room is None else self.room + self.slack - PIECE_COST
 
     def fits(self, tiles: int) -> bool:
-        """Whether `tiles` and PIECE_COST fit the part within payload + slack."""
-        return self.room is None or self.room + self.slack >= tiles + PIECE_COST
+        return tiles <= self.most_tiles()
 
     def next_part(self) -> None:
         self.starts.append(len(self.items))
@@ -156,8 +163,10 @@ class _Walk:
         for j in range(count):
             self.items[first + j].append(j << 16 | count)
 
-    def flat(self, max_items: int) -> torch.Tensor:
-        """(max_items * 4 + parts + 1,) int32: the items, padding {-1, 0, 0, 0}, then part_first (parts + 1,)."""
+    def flat(self, max_items: int | None) -> torch.Tensor:
+        """(max_items * 4 + parts + 1,) int32 (max_items: parts + batch by default): the items, padding {-1, 0, 0,
+        0}, then part_first (parts + 1,)."""
+        max_items = self.parts + len(self.tiles) if max_items is None else max_items
         starts = self.starts + [len(self.items)] * (self.parts + 1 - len(self.starts))
         flat = torch.tensor([-1, 0, 0, 0], dtype=torch.int32).repeat(max_items, 1)
         if self.items:
@@ -180,14 +189,10 @@ def fill_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
     least ceil(total / parts) units net of its own cut).
     Returns (max_items * 4 + parts + 1,) int32 (max_items: parts + batch by default): the pieces in order as
     schedule_items lists them, padding {-1, 0, 0, 0}, then part_first (parts + 1,)."""
-    if slack < 0:
-        raise ValueError(f"slack: expected >= 0, got {slack}")
-    line = make_schedule(lengths, parts, capacity, tile_rows, min_share)  # the share, as both cuts' kernels take it
-    tiles = line.tiles.tolist()
-    walk = _Walk(parts, line.share + PIECE_COST, slack)
-    for b, left in enumerate(tiles):
+    walk = _Walk(lengths, parts, capacity, tile_rows, min_share, slack)
+    for b, left in enumerate(walk.tiles):
         walk.place(b, left)
-    return walk.flat(parts + len(tiles) if max_items is None else max_items)
+    return walk.flat(max_items)
 
 
 def pack_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: int = TILE_ROWS, min_share: int = 1,
@@ -200,17 +205,13 @@ def pack_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
     fits its room), every piece of a cut sequence still in consecutive parts. Sequences are listed in the order they
     are placed, not the batch's; lengths past PACK_MAX_BATCH are refused (the kernel sorts them in shared memory).
     Returns fill_schedule's layout."""
-    if slack < 0:
-        raise ValueError(f"slack: expected >= 0, got {slack}")
     if lengths.shape[0] > PACK_MAX_BATCH:
         raise ValueError(f"lengths: the pack cut takes at most {PACK_MAX_BATCH} sequences, got {lengths.shape[0]}")
-    line = make_schedule(lengths, parts, capacity, tile_rows, min_share)
-    tiles = line.tiles.tolist()
-    walk = _Walk(parts, line.share + PIECE_COST, slack)
+    walk = _Walk(lengths, parts, capacity, tile_rows, min_share, slack)
+    tiles = walk.tiles
     left = sorted(range(len(tiles)), key=lambda b: (-tiles[b], b))  # not placed yet, longest first
     while left:
-        limit = math.inf if walk.room is None else walk.room + walk.slack - PIECE_COST  # the most tiles that fit
-        i = bisect.bisect_left(left, -limit, key=lambda b: -tiles[b])  # the first of at most `limit` tiles
+        i = bisect.bisect_left(left, -walk.most_tiles(), key=lambda b: -tiles[b])  # the first that fits whole
         if i < len(left):
             b = left.pop(i)
             walk.place(b, tiles[b])
@@ -219,4 +220,4 @@ def pack_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
             walk.place(b, tiles[b])
         else:
             walk.next_part()
-    return walk.flat(parts + len(tiles) if max_items is None else max_items)
+    return walk.flat(max_items)

@@ -116,7 +116,11 @@ struct FillWalk {
   int part, item;
   bool last, writer;        // last: the last part, which takes the rest
 
-  __device__ __forceinline__ bool fits(int tiles) const { return last || room + c.slack >= tiles + PIECE_COST; }
+  // The most tiles that fit the part whole, with PIECE_COST, within payload + slack (all, in the last part).
+  __device__ __forceinline__ long long most_tiles() const {
+    return last ? 1ll << 62 : room + c.slack - PIECE_COST;
+  }
+  __device__ __forceinline__ bool fits(int tiles) const { return tiles <= most_tiles(); }
 
   __device__ __forceinline__ void next_part() {
     ++part;
@@ -237,8 +241,8 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS, 1) pack_schedule_kernel(cons
   };
   if (threadIdx.x < 32) {
     for (int remaining = c.batch; remaining > 0;) {
-      // the first sorted sequence of at most `fit` tiles: a binary search over the descending tiles
-      const long long fit = walk.last ? (1ll << 40) : walk.room + c.slack - PIECE_COST;
+      // the first sorted sequence that fits whole: a binary search over the descending tiles
+      const long long fit = walk.most_tiles();
       int lo = 0, hi = c.batch;
       while (lo < hi) {
         const int mid = (lo + hi) >> 1;
