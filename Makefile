@@ -20,7 +20,8 @@ torch:
 	$(PYTHON) -c "import torch" 2>/dev/null || \
 		$(PYTHON) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 
-# eval needs the runtime dependencies only (torch, numpy, pyyaml); test adds pytest, ruff, triton and kernelguard.
+# eval needs the runtime dependencies only (torch, numpy, pyyaml); test adds pytest (and pytest-xdist), ruff, triton
+# and kernelguard.
 eval: torch
 	$(PYTHON) -m pip install -q -e .
 	$(PYTHON) eval.py
@@ -28,10 +29,13 @@ eval: torch
 test-deps: torch
 	$(PYTHON) -m pip install -q -e ".[test]"
 
+# The CPU tests in TEST_WORKERS processes (pytest-xdist; auto: one a core).
+TEST_WORKERS ?= auto
+
 test: test-deps amd-check-run bundle-check
 	$(PYTHON) -m ruff check .
 	$(PYTHON) tools/presubmit.py submission.py
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS)
 
 # The inner loop: ruff, the bundle's freshness and the library's own tests (no AMD compile, no leaderboard gates).
 test-quick: test-deps bundle-check

@@ -2,6 +2,8 @@
 submission.py finds it. The kernels on a GPU, behind the `gpu` marker: tests/test_cuda_gpu.py."""
 
 import ctypes
+import fcntl
+import os
 import re
 import shutil
 import subprocess
@@ -31,6 +33,33 @@ def fresh_build(monkeypatch, tmp_path):
     return tmp_path
 
 
+@pytest.fixture(scope="session")
+def sources_cache(tmp_path_factory):
+    """A cache for the libraries of the package's own sources, one a session (under pytest-xdist, one for all its
+    workers: their base directories' parent)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "mla-cuda-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def shared_build(monkeypatch, sources_cache):
+    """The session's cache for the unedited sources: each library is nvcc's minute once, not once a test. A build
+    holds a lock on the cache, so a second worker waits for it and then loads the library."""
+    monkeypatch.setenv("MLA_CUDA_CACHE", str(sources_cache))
+    monkeypatch.setattr(B, "_LIBS", {})
+    build = B.build_library
+
+    def build_once(*args, **kwargs):
+        with open(sources_cache / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return build(*args, **kwargs)
+
+    monkeypatch.setattr(B, "build_library", build_once)
+    return sources_cache
+
+
 @pytest.fixture
 def edited_sources(monkeypatch, tmp_path):
     """edit(file, text, line=None): a copy of the sources with `text` inserted before 1-based `line` of `file` (appended
@@ -52,7 +81,7 @@ def edited_sources(monkeypatch, tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("capability,suffix,ctas_per_sm", [((9, 0), "sm90a", 2), ((8, 0), "sm80", 1)],
                          ids=["wgmma", "mma_sync"])
-def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix, ctas_per_sm):
+def test_source_builds_and_exports_the_launcher(shared_build, capability, suffix, ctas_per_sm):
     lib = B.library(capability)
     assert lib.mla_decode.restype is not None
     assert lib.mla_unit_ctas_per_sm(16) == ctas_per_sm  # which kernel the library holds
@@ -62,7 +91,7 @@ def test_source_builds_and_exports_the_launcher(fresh_build, capability, suffix,
     # the cooperative launch needs every CTA resident: the 64-row kernel's CTA takes an SM
     assert [lib.mla_unit_ctas_per_sm(rows) for rows in (16, 32, 64)] == (
         [2, 2, 1] if capability == B.WGMMA_CAPABILITY else [1, 1, 1])
-    assert len(list(fresh_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
+    assert len(list(shared_build.glob(f"libmla_decode_{suffix}_*.so"))) == 1
     assert B.library(capability) is lib  # built once, then reused
     assert lib.mla_decode_call_fields() == len(B.DecodeCall._fields_) == 34
     layout = (ctypes.c_int * (lib.mla_decode_call_fields() + 1))()
@@ -121,7 +150,7 @@ def test_the_load_refuses_a_library_whose_decode_call_differs_and_remembers(fres
 
 @needs_nvcc
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
-def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capability):
+def test_the_launcher_refuses_units_its_kernel_does_not_take(shared_build, capability):
     """mla_decode checks the unit's rows before it touches the GPU (so on the CPU too): 16, or 32 and (the FP8 and BF16
     caches) 64 in the wgmma build, at least one head (a token's last unit is masked past its heads), and a cache
     format the build reads (BF16: the wgmma build); otherwise cudaErrorInvalidValue (1)."""
@@ -138,7 +167,7 @@ def test_the_launcher_refuses_units_its_kernel_does_not_take(fresh_build, capabi
 
 @needs_nvcc
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["wgmma", "mma_sync"])
-def test_the_launcher_refuses_a_page_divisor_that_is_not_exact(fresh_build, capability):
+def test_the_launcher_refuses_a_page_divisor_that_is_not_exact(shared_build, capability):
     """A paged call whose page_mul and page_shift are not page_divisor's (off by one either way, or a shift too small
     for the page size) or whose guess_rows is negative is refused before the GPU is touched (cudaErrorInvalidValue,
     1); the same call with page_divisor's pair is not refused (it fails later: no batch, so nothing is launched)."""
@@ -536,7 +565,7 @@ def test_auto_on_nvidia_falls_back_to_triton_with_a_warning_when_the_kernel_cann
 @needs_nvcc
 @pytest.mark.parametrize("capability,mxfp4_backend", [((9, 0), "cuda"), ((8, 0), "triton")],
                          ids=["hopper", "ampere"])
-def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(fresh_build, monkeypatch, capability, mxfp4_backend):
+def test_auto_on_nvidia_picks_cuda_where_it_reads_the_format(shared_build, monkeypatch, capability, mxfp4_backend):
     """FP8: cuda on any NVIDIA GPU it builds for; MXFP4: cuda with the Hopper kernel, else triton; MLA_BACKEND=cuda
     with MXFP4 elsewhere fails naming why."""
     gpu = torch.device("cuda", 0)
