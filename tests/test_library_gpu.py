@@ -408,10 +408,10 @@ def _needs_units_of_64():
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
 def test_gpu_cuda_units_of_64_rows_through_every_split_count(monkeypatch, kv_format, page_size, num_heads, splits):
-    """The Hopper cuda kernel's 64-row units (split_kernel64: two warpgroups, one CTA an SM; FP8 on pairs of 64-row
-    tiles, BF16 both warpgroups on each tile) through every merge width (W = 16 .. 2 quads a thread at 2 .. 16
-    splits, W = 1 from 32, two threads a quad at 64): 3001 rows (47 tiles: an odd FP8 split leaves the second tile
-    of its last pair empty, NaN-poisoned rows
+    """The Hopper cuda kernel's 64-row units (split_kernel64: two warpgroups, one CTA an SM, on pairs of 64-row tiles;
+    BF16 the seesaw, each warpgroup taking both tiles' P into its half of O) through every merge width (W = 16 .. 2
+    quads a thread at 2 .. 16 splits, W = 1 from 32, two threads a quad at 64): 3001 rows (47 tiles: an odd split
+    leaves the second tile of its last pair empty, NaN-poisoned rows
     beyond it), one row and none (as many sequences as one CTA an SM holds at once), over pages of 16 (each copy
     looks its row up) and 64 (a tile's rows consecutive), 64 and 128 heads (1 and 2 units a token), against the
     float64 truth and, where the 16-row grid fits, against the same split plan in 16-row units. A pair's two tiles,
@@ -495,7 +495,8 @@ def test_gpu_cuda_units_that_span_tokens(monkeypatch, kv_format, rows, q_len, nu
 
 
 # split_kernel64's lazy running max (wgmma64.cuh's LAZY_MAX, in log2 units): a step's P (FP8: a pair of tiles; BF16:
-# a tile) is taken against the running max, which moves only where the step's max passes it by more than this.
+# a tile, the pair's first and then its second) is taken against the running max, which moves only where the step's
+# max passes it by more than this.
 LAZY_MAX = 2.0
 
 

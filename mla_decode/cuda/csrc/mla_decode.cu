@@ -103,13 +103,16 @@ static cudaError_t kv_maps(const DecodeCall& a, mla::WideMaps& maps) {
   const cuuint64_t rows = a.total_kv > 0 ? a.total_kv : 1;
   void* kv = const_cast<uint8_t*>(a.kv);
   const cuuint32_t steps[3] = {1, 1, 1};
-  if (a.kv_format == mla::KV_BF16) {  // (128 bytes, rows, 9 chunks of a row), boxes of all 9 chunks of 64 rows
+  if (a.kv_format == mla::KV_BF16) {  // (128 bytes, rows, 9 chunks of a row): boxes of 4 chunks (main) and 1 (rope)
     const cuuint64_t dims[3] = {128, rows, mla::BF_ROW / 128}, strides[2] = {mla::BF_ROW, 128};
-    const cuuint32_t box[3] = {128, mla::BN, mla::BF_ROW / 128};
-    const CUresult r = encode(&maps.main, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, kv, dims, strides, box, steps,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    maps.rope = maps.main;
+    CUresult r = CUDA_SUCCESS;
+    for (const cuuint32_t chunks : {4u, 1u}) {
+      const cuuint32_t box[3] = {128, mla::BN, chunks};
+      const CUresult e = encode(chunks == 4 ? &maps.main : &maps.rope, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, kv, dims,
+                                strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      if (e != CUDA_SUCCESS) r = e;
+    }
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
   }
   // main: (128 bytes, rows, 4 chunks of a row), boxes of all 4 chunks of 64 rows; rope: (576 bytes, rows), boxes of

@@ -144,15 +144,19 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t d
 // D += A (registers) * B (shared).
 template <int N>
 __device__ __forceinline__ void wgmma_ss_bf16(float* d, uint64_t da, uint64_t db, int accumulate) {
-  static_assert(N == 16 || N == 32, "m64n16k16 or m64n32k16");
+  static_assert(N == 16 || N == 32 || N == 64, "m64n16k16, m64n32k16 or m64n64k16");
   if constexpr (N == 16)
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " MLA_REGS8 ", %8, %9, p, 1, 1, 0, 0;\n}\n"
                  : MLA_ACC8(0) : "l"(da), "l"(db), "r"(accumulate));
-  else
+  else if constexpr (N == 32)
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " MLA_REGS16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
                  : MLA_ACC8(0), MLA_ACC8(8) : "l"(da), "l"(db), "r"(accumulate));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MLA_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : MLA_ACC8(0), MLA_ACC8(8), MLA_ACC8(16), MLA_ACC8(24) : "l"(da), "l"(db), "r"(accumulate));
 }
 
 template <int N>
@@ -167,6 +171,30 @@ __device__ __forceinline__ void wgmma_rs_bf16(float* d, const uint32_t* a, uint6
                  ", {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
                  : MLA_ACC8(0), MLA_ACC8(8) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
+// The 64-row BF16 unit's value products: O (64 x 256, fp32, 128 a thread: rows g and g + 8 of the warp's 16, columns
+// 8j + 2 t4 + {0, 1} at d[4j], d[4j + 1] and d[4j + 2], d[4j + 3]) += A (64 x 16 bf16: shared and K-major, or
+// registers) * B (16 x 256 bf16, shared, MN-major: trans-b).
+#define MLA_ACC128                                                                                                  \
+  MLA_ACC8(0), MLA_ACC8(8), MLA_ACC8(16), MLA_ACC8(24), MLA_ACC8(32), MLA_ACC8(40), MLA_ACC8(48), MLA_ACC8(56),     \
+      MLA_ACC8(64), MLA_ACC8(72), MLA_ACC8(80), MLA_ACC8(88), MLA_ACC8(96), MLA_ACC8(104), MLA_ACC8(112),            \
+      MLA_ACC8(120)
+#define MLA_REGS128                                                                                                 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"    \
+  "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,"   \
+  "%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,"   \
+  "%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,"   \
+  "%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
+__device__ __forceinline__ void wgmma_bf16_n256_mn(float* d, uint64_t da, uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " MLA_REGS128 ", %128, %129, 1, 1, 1, 0, 1;\n"
+               : MLA_ACC128 : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void wgmma_bf16_n256_rs_mn(float* d, const uint32_t* a, uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " MLA_REGS128
+               ", {%128,%129,%130,%131}, %132, 1, 1, 1, 1;\n"
+               : MLA_ACC128 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+#undef MLA_ACC128
+#undef MLA_REGS128
 #undef MLA_ACC8
 #undef MLA_REGS8
 #undef MLA_REGS16

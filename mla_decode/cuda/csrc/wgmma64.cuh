@@ -3,10 +3,12 @@
 // and two shuffles, and a thread's softmax works on 2 heads.
 // - FP8: each warpgroup scores one tile of a pair (m64n64k32); the value product keeps the heads on N (O^T = V^T P^T,
 //   A from registers), as split_kernel has it.
-// - BF16: a tile is 72 KB, so two stages hold one tile being read and the next in flight. Both warpgroups take the
-//   same tile: each scores its 32 rows (m64n32k16), then O[:, its 256 dims] += P V (m64n256k16, V as an MN-major B
-//   straight from the tile), the heads on M in both products. P (64 x 64 bf16) lies in the tile's rope block, each
-//   warpgroup's in the rope rows its own score product read.
+// - BF16 (a tile is 72 KB: two stages and Q fill the SM): a seesaw. Warpgroup w scores tile 2q + w of a pair
+//   (m64n64k16) and owns O[:, 256w .. 256w + 255]; each takes both tiles' P into its half of O (m64n256k16, V as an
+//   MN-major B straight from the tile): its own tile's from registers, the other's from that tile's rope block, dead
+//   after its scores. The running max passes from tile 2q's softmax to tile 2q + 1's and back through shared memory,
+//   so one warpgroup's softmax runs while the other's products do. A stage is reloaded by groups of 64-dim blocks,
+//   each as soon as its last reader retires, so the next pair's copies overlap this pair's products.
 #pragma once
 
 #include <cuda.h>
@@ -19,14 +21,18 @@ constexpr int WIDE_ROWS = 64;                   // query rows a CTA (a unit)
 constexpr int WIDE_THREADS = 256;               // two warpgroups
 constexpr int WIDE_WARPS = WIDE_THREADS / 32;
 constexpr int WIDE_CTAS_PER_SM = 1;             // 128 accumulators and 32 scores a thread: no room for a second
-// Each loop iteration takes a pair of 64-row tiles (warpgroup w scores tile 2q + w of the stream): 4 stages hold
-// the pair being read and the next one in flight.
+// Each loop iteration (a stream position) takes a pair of 64-row tiles: warpgroup w scores tile 2q + w of the stream.
+// FP8: 4 stages hold the pair being read and the next one in flight. BF16: the pair fills BF_STAGES = 2, tile 2q + s
+// in stage s.
 constexpr int WIDE_STAGES = 4;
-// BF16 (BF): a stream position is one tile, in stage q % BF_STAGES.
+constexpr int PAIR = 2;  // tiles a stream position
 template <bool BF>
 __host__ __device__ constexpr int wide_stages() { return BF ? BF_STAGES : WIDE_STAGES; }
-template <bool BF>
-__host__ __device__ constexpr int wide_step() { return BF ? 1 : 2; }  // tiles a stream position
+static_assert(BF_STAGES == PAIR, "a BF16 pair: one stage a tile");
+// BF16: stage s's tile is copied in two groups of 64-dim blocks, each by the warpgroup w that reads it last: blocks
+// 4w .. 4w + 3 (the values of w's half of O) and, where s != w, block 8 (the rope dims, then the other warpgroup's
+// P). Group (s, w) has the mbarrier bars[2 s + w], which each of w's threads arrives on (with the TMA's bytes).
+__host__ __device__ constexpr int group_blocks(int s, int w) { return 4 + (s != w); }
 // Per head, fp32: each warpgroup's tile max of the pair, the pair's rescale, each warpgroup's final sum (two sets: a
 // unit's output reads them while the next unit's are written), Q's scale.
 constexpr int WIDE_STATS = 8 * WIDE_ROWS;
@@ -68,19 +74,22 @@ struct WideItems {
     return k;
   }
 };
-// Shared memory: the stages, Q (64 x 576 e4m3, or bf16), P (FP8: 128 x 64 e4m3; BF16: in the stage), the per-head
-// stats, the paged rows and the units.
+// Shared memory: the stages, Q (64 x 576 e4m3, or bf16), P (FP8: 128 x 64 e4m3; BF16: in the stages), the per-head
+// stats, the paged rows (BF16: a set a warpgroup, which looks up the rows of its own copies) and the units.
+template <bool BF>
+__host__ __device__ constexpr int wide_rows_bytes() { return (BF ? 2 : 1) * SMEM_PAGED; }
 template <bool BF>
 constexpr int wide_smem_bytes() {
   const int stages_and_p = BF ? BF_STAGES * BF_TILE : WIDE_STAGES * TILE + 2 * BN * WIDE_ROWS;
-  return stages_and_p + WIDE_ROWS * D * operand_bytes(BF ? KV_BF16 : KV_FP8) + WIDE_STATS * 4 + SMEM_PAGED +
-         sizeof(WideItems);
+  return stages_and_p + WIDE_ROWS * D * operand_bytes(BF ? KV_BF16 : KV_FP8) + WIDE_STATS * 4 +
+         wide_rows_bytes<BF>() + sizeof(WideItems);
 }
 static_assert(wide_smem_bytes<false>() <= 227 * 1024, "a block's shared memory on Hopper");
 static_assert(wide_smem_bytes<true>() <= 227 * 1024, "a block's shared memory on Hopper (BF16)");
 // PagedRows' 4 slots (the stream's tile i in slot i % 4) hold positions q + 1 and q + 2 during stream position q
-// (BF16: tiles, two of the slots; FP8: pairs): q + 1's rows are read by its copies at the top of the iteration, q +
-// 2's written after the scores (q's slots, free since then).
+// (FP8): q + 1's rows are read by its copies at the top of the iteration, q + 2's written after the scores (q's
+// slots, free since then). BF16: a warpgroup's slots hold position q + 1's, written after the scores and read by the
+// copies the warpgroup issues later in the iteration.
 static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 
 // A whole tile of consecutive cache rows reaches its stage by TMA: one thread issues two boxes (dims 0..511 as 4
@@ -91,13 +100,13 @@ static_assert(ROW_SLOTS == 4, "two pairs of tiles' rows");
 // arrives on the mbarrier alone.
 constexpr int TMA_THREAD = WIDE_THREADS / 2;  // warpgroup 1's: warpgroup 0 looks the next rows up
 struct WideMaps {
-  // FP8: the cache as (4 chunks, total_kv rows, 128 bytes) and (total_kv rows, 576 bytes); BF16: main alone, as (9
-  // chunks, total_kv rows, 128 bytes), one box a whole tile in its nine 128-byte-swizzled blocks.
+  // FP8: the cache as (4 chunks, total_kv rows, 128 bytes) and (total_kv rows, 576 bytes). BF16: both as (9 chunks,
+  // total_kv rows, 128 bytes), main's box 4 blocks (a group's values) and rope's 1 (block 8), 128-byte swizzled.
   CUtensorMap main, rope;
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+__device__ __forceinline__ void mbar_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals));
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -107,68 +116,82 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
-// Box {0, row, 0} of the main map to the stage's dims 0..511 (BF16: the whole tile), box {512, row} of the rope map to
-// its rope dims (FP8).
-template <bool BF>
-__device__ __forceinline__ void tma_tile(const WideMaps& maps, uint32_t dst, uint32_t bar, int row) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(BF ? BF_TILE : TILE)
-               : "memory");
+// Box {0, row, chunk} of a 3D map (128 bytes, rows, chunks) to dst, counted by bar.
+__device__ __forceinline__ void tma_3d(const CUtensorMap& map, uint32_t dst, uint32_t bar, int row, int chunk) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %2}], [%4];"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&maps.main)), "r"(0), "r"(row), "r"(bar) : "memory");
-  if constexpr (!BF) asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(row), "r"(chunk), "r"(bar) : "memory");
+}
+// FP8: box {0, row, 0} of the main map to the stage's dims 0..511, box {512, row} of the rope map to its rope dims.
+__device__ __forceinline__ void tma_tile(const WideMaps& maps, uint32_t dst, uint32_t bar, int row) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(TILE) : "memory");
+  tma_3d(maps.main, dst, bar, row, 0);
+  asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst + ROPE_OFFSET), "l"(reinterpret_cast<uint64_t>(&maps.rope)), "r"(DV), "r"(row), "r"(bar) : "memory");
 }
-
-// BF16's value product: O (64 x 256, fp32, 128 a thread: rows g and g + 8 of the warp's 16, columns 8j + 2 t4 +
-// {0, 1} at d[4j], d[4j + 1] and d[4j + 2], d[4j + 3]) += A (64 x 16 bf16, shared, K-major) * B (16 x 256 bf16,
-// shared, MN-major: trans-b).
-__device__ __forceinline__ void wgmma_bf16_n256_mn(float* d, uint64_t da, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-               "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-               "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-               "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-               "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-               "}, %128, %129, 1, 1, 1, 0, 1;\n"
-               :
-                 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
-                 "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-                 "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                 "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-                 "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
-                 "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-                 "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-                 "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
-                 "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-                 "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]),
-                 "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-                 "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-                 "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-                 "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
-                 "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-                 "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
-                 "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-                 "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
-                 "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-                 "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
-                 "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-                 "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
-                 "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-               : "l"(da), "l"(db));
+// BF16: group (s, w) of a tile whose 64 rows follow cache row `row` into its stage at dst.
+__device__ __forceinline__ void tma_group(const WideMaps& maps, uint32_t dst, uint32_t bar, int row, int s, int w) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(group_blocks(s, w) * SW128_BLOCK)
+               : "memory");
+  tma_3d(maps.main, dst + 4 * w * SW128_BLOCK, bar, row, 4 * w);
+  if (s != w) tma_3d(maps.rope, dst + 8 * SW128_BLOCK, bar, row, 8);
+}
+// BF16: group (s, w) of tile i by warpgroup w's threads (wtid), 16 bytes each: copy c = wtid + 128 it is unit c % 8 of
+// row (c / 8) % 64 of the group's block c / 512, so a warp reads 4 rows' 128 consecutive bytes. consecutive: the
+// tile's rows follow cache row `first` (-1: a page outside the cache, nothing read), else each is looked up in
+// paged_rows; rows past hi are zero-filled, never read.
+__device__ __forceinline__ void bf16_group(const DecodeCall& call, const PagedRows& paged_rows, bool consecutive,
+                                           int first, uint32_t dst, int i, int lo, int hi, int wtid, int s, int w) {
+  constexpr int PER_BLOCK = BN * 8 / 128;  // copies a thread a block
+  const int rows = consecutive && first >= 0 ? hi - (lo + i * BN) : 0, copies = group_blocks(s, w) * PER_BLOCK;
+#pragma unroll
+  for (int it = 0; it < 5 * PER_BLOCK; ++it) {
+    if (it >= copies) break;
+    const int c = wtid + 128 * it, block = it < 4 * PER_BLOCK ? 4 * w + (c >> 9) : 8, r = (c >> 3) & (BN - 1),
+              u = c & 7;
+    const int row = consecutive ? (r < rows ? first + r : -1) : paged_rows.at(i, r);
+    CopyPlan<128, false>::copy_or_zero(dst + block * SW128_BLOCK + r * 128 + ((u ^ (r & 7)) << 4),
+                                       call.kv + static_cast<size_t>(max(row, 0)) * BF_ROW + (8 * block + u) * 16,
+                                       row >= 0);
+  }
+}
+// Named barriers of the BF16 seesaw (0 is __syncthreads'): warpgroup 0's reference and P are in (X), warpgroup 1's
+// (Y); a warpgroup's own paged rows are in (ROWS_BAR + w).
+constexpr int SEESAW_X = 1, SEESAW_Y = 2, ROWS_BAR = 3;
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void rows_bar(int w) {  // constant ids: ptxas then reserves 5 barriers, not 16
+  if (w) bar_sync(ROWS_BAR + 1, 128);
+  else bar_sync(ROWS_BAR, 128);
+}
+// BF16: S (64 heads x the 64 rows of tile 2q + W, in stage W at kt) = Q K^T, 36 k16 steps, both operands in shared
+// memory. The steps take the blocks of group (W, 0) first (its mbarrier bar0), then those of group (W, 1) (bar1),
+// each group as soon as it is in.
+template <int W>
+__device__ __forceinline__ void seesaw_scores(float* s, uint32_t kt, uint64_t qdesc, uint32_t bar0, uint32_t bar1,
+                                              int parity) {
+  constexpr int QCHUNK = WIDE_ROWS * 16, FIRST = 4 * group_blocks(W, 0);  // k16 steps of the first group
+  const uint64_t krows = desc(kt, 16, 1024, 1);
+  mbar_wait(bar0, parity);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // a group copied by cp.async
+  wg_fence();
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    if (j == FIRST) {
+      mbar_wait(bar1, parity);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    // group (0, 0): steps 0..15; (0, 1): 16..35; (1, 0): 0..15 and 32..35; (1, 1): 16..31
+    const int st = W == 0 || j < 16 ? j : j < FIRST ? j + 16 : j - 4;
+    wgmma_ss_bf16<64>(s, qdesc + ((2 * st * QCHUNK) >> 4), krows + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4),
+                      j);
+  }
+  wg_commit();
 }
 
 // BF: the BF16 cache (else FP8). BAL: the balanced schedule's grid (groups, parts): a CTA walks its part's pieces
@@ -179,21 +202,22 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   constexpr int H = WIDE_ROWS;
   constexpr int QCHUNK = H * 16;  // Q and P: [16-byte chunk][64 heads][16 bytes] (8 dims a chunk in bf16)
   constexpr int NE = H / 4;       // heads a thread in the FP8 value product (O^T's columns)
-  constexpr int STAGES = wide_stages<BF>(), STEP = wide_step<BF>(), KTILE = BF ? BF_TILE : TILE;
+  constexpr int STAGES = wide_stages<BF>(), STEP = PAIR, KTILE = BF ? BF_TILE : TILE;
   extern __shared__ __align__(1024) uint8_t smem[];
-  // wg: the warpgroup (FP8: its tile of a pair; BF16: its 32 rows of the tile; its 256 value dims); warp: within the
-  // warpgroup; cwarp: within the CTA.
-  const int tid = threadIdx.x, wg = tid >> 7, cwarp = tid >> 5, warp = cwarp & 3, lane = tid & 31, g = lane >> 2,
-            t4 = lane & 3;
+  // wg: the warpgroup (its tile of a pair; its 256 value dims; BF16: warp-uniform as the compiler sees it, so that a
+  // branch on it around the products is not divergent); warp: within the warpgroup; cwarp: within the CTA.
+  const int tid = threadIdx.x, wg = BF ? __shfl_sync(0xffffffffu, tid >> 7, 0) : tid >> 7, wtid = tid & 127, cwarp = tid >> 5, warp = cwarp & 3, lane = tid & 31,
+            g = lane >> 2, t4 = lane & 3;
   uint8_t* qs = smem + STAGES * KTILE;
   uint8_t* ps = qs + H * D * operand_bytes(BF ? KV_BF16 : KV_FP8);  // FP8's P (BF16: in the stage)
-  float* tile_max = reinterpret_cast<float*>(ps + (BF ? 0 : 2 * BN * H));  // [warpgroup][head]
+  // [warpgroup][head]; BF16: the references after the pair's first tile and after its second
+  float* tile_max = reinterpret_cast<float*>(ps + (BF ? 0 : 2 * BN * H));
   float* pair_alpha = tile_max + 2 * H;                          // [head]
   float* sums = pair_alpha + H;                                  // [item parity][warpgroup][head]
   float* qscale = sums + 4 * H;
   int* const rows_smem = reinterpret_cast<int*>(qscale + H);
-  WideItems& items = *reinterpret_cast<WideItems*>(rows_smem + SMEM_PAGED / 4);
-  auto paged_rows = [&](int k) { return PagedRows{rows_smem, items.bad + k}; };
+  WideItems& items = *reinterpret_cast<WideItems*>(rows_smem + wide_rows_bytes<BF>() / 4);
+  auto paged_rows = [&](int k) { return PagedRows{rows_smem + (BF ? wg * SMEM_PAGED / 4 : 0), items.bad + k}; };
   const uint32_t bars = smem_u32(items.bars);  // stage s's mbarrier at bars + 8 s
   const int split = blockIdx.x;  // fixed splits
   const int units = call.batch * unit_groups(call, H);
@@ -207,7 +231,7 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
   if (total_items <= 0) return;
   if (tid == 0) {
 #pragma unroll
-    for (int st = 0; st < WIDE_STAGES; ++st) mbar_init(bars + 8 * st);
+    for (int st = 0; st < WIDE_STAGES; ++st) mbar_init(bars + 8 * st, BF ? 128 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
   }
 
@@ -230,8 +254,8 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
     item0 = first_item + chunk;
     nitems = min(total_items - chunk, WIDE_MAX_ITEMS);
     if (chunk > 0) __syncthreads();  // every warp is done with the last chunk's items
-    // Warp 0 reads the items' lengths and lays out the stream: item k's steps (FP8: pairs of tiles; BF16: tiles) take
-    // positions end[k - 1] .. end[k] - 1, from the stream's position q.
+    // Warp 0 reads the items' lengths and lays out the stream: item k's pairs of tiles take positions end[k - 1] ..
+    // end[k] - 1, from the stream's position q.
     if (cwarp == 0) {
       int npairs[2], first = q;
 #pragma unroll
@@ -266,9 +290,9 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
 
     const CopyPlan<WIDE_THREADS, false> copy(tid);
     const uint32_t ks_addr = smem_u32(smem);
-    // Stream position q (a step of item k, range r): tiles STEP q .. STEP q + STEP - 1 to their stages (tile t in t %
-    // STAGES), one cp.async group (empty past the last item). A tile past the item's hi (the second of an odd item's
-    // last pair) is zero-filled.
+    // FP8: stream position q (a pair of item k, range r): tiles STEP q .. STEP q + STEP - 1 to their stages (tile t
+    // in t % STAGES), one cp.async group (empty past the last item). A tile past the item's hi (the second of an odd
+    // item's last pair) is zero-filled.
     auto load_pair = [&](int k, const WideRange& r, int q) {
       if (k < nitems) {
 #pragma unroll
@@ -276,26 +300,41 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
           const int t = STEP * q + i, n0 = r.lo + t * BN, stage = t % STAGES;
           const int first = PAGED ? paged_rows(k).at(t, 0) : r.start + n0;  // the tile's first row, if consecutive
           if (consecutive && first >= 0 && r.hi - n0 >= BN) {
-            if (tid == TMA_THREAD) tma_tile<BF>(maps, ks_addr + stage * KTILE, bars + 8 * stage, first);
+            if (tid == TMA_THREAD) tma_tile(maps, ks_addr + stage * KTILE, bars + 8 * stage, first);
           } else {
-            if constexpr (BF)
-              bf16_tile<WIDE_THREADS>(call, paged_rows(k), consecutive, first, ks_addr + stage * KTILE, t, r.lo, r.hi,
-                                      tid);
-            else copy.tile(call, paged_rows(k), consecutive, first, ks_addr + stage * KTILE, t, r.lo, r.hi);
+            copy.tile(call, paged_rows(k), consecutive, first, ks_addr + stage * KTILE, t, r.lo, r.hi);
             if (tid == TMA_THREAD) mbar_arrive(bars + 8 * stage);
           }
         }
       }
       asm volatile("cp.async.commit_group;\n");
     };
-    // Threads 0..64 STEP - 1: the block-table entry of one row of position q's tiles (item k, range r), then its row.
+    // BF16: group (s, wg) of position q's tile STEP q + s (item k, range r) to stage s, by this warpgroup: TMA where
+    // the tile's rows are consecutive cache rows, else its threads' cp.async; each thread arrives on the group's
+    // mbarrier (with cp.async, once its copies are in). A tile past the item's hi is zero-filled.
+    auto load_group = [&](int k, const WideRange& r, int q, int s) {
+      if (k >= nitems) return;
+      const int t = STEP * q + s, n0 = r.lo + t * BN;
+      const uint32_t dst = ks_addr + s * BF_TILE, bar = bars + 8 * (2 * s + wg);
+      const int first = PAGED ? paged_rows(k).at(t, 0) : r.start + n0;
+      if (consecutive && first >= 0 && r.hi - n0 >= BN) {
+        if (wtid == 0) tma_group(maps, dst, bar, first, s, wg);
+        else mbar_arrive(bar);
+      } else {
+        bf16_group(call, paged_rows(k), consecutive, first, dst, t, r.lo, r.hi, wtid, s, wg);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+      }
+    };
+    // Threads 0..64 STEP - 1 (BF16: of each warpgroup, into its own rows): the block-table entry of one row of
+    // position q's tiles (item k, range r), then its row.
+    const int row_tid = BF ? wtid : tid;
     auto fetch_rows = [&](int k, const WideRange& r, int q) {
-      return k < nitems && tid < STEP * BN
-                 ? paged_rows(k).fetch(call, r.b, r.lo, r.hi, STEP * q + (tid >> 6), tid & (BN - 1)) : 0;
+      return k < nitems && row_tid < STEP * BN
+                 ? paged_rows(k).fetch(call, r.b, r.lo, r.hi, STEP * q + (row_tid >> 6), row_tid & (BN - 1)) : 0;
     };
     auto put_rows = [&](int k, const WideRange& r, int q, int entry) {
-      if (k < nitems && tid < STEP * BN)
-        paged_rows(k).put(call, STEP * q + (tid >> 6), tid & (BN - 1), entry, r.lo, r.hi);
+      if (k < nitems && row_tid < STEP * BN)
+        paged_rows(k).put(call, STEP * q + (row_tid >> 6), row_tid & (BN - 1), entry, r.lo, r.hi);
     };
     // The item of position q past item k's last pair, and its range.
     auto later = [&](int k, int q, WideRange& r) {
@@ -309,14 +348,23 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
     __syncthreads();  // the items
     WideRange r0{}, r1{};
     const int k0 = later(-1, q, r0), k1 = later(k0 - 1, q + 1, r1);  // the items of positions q and q + 1
-    if (PAGED) {  // their rows
-      const int e0 = fetch_rows(k0, r0, q), e1 = fetch_rows(k1, r1, q + 1);
-      __syncthreads();
-      put_rows(k0, r0, q, e0);
-      put_rows(k1, r1, q + 1, e1);
-      __syncthreads();
+    if constexpr (BF) {  // position q's rows and groups, by each warpgroup
+      if (PAGED) {
+        put_rows(k0, r0, q, fetch_rows(k0, r0, q));
+        rows_bar(wg);
+      }
+      load_group(k0, r0, q, 0);
+      load_group(k0, r0, q, 1);
+    } else {
+      if (PAGED) {  // their rows
+        const int e0 = fetch_rows(k0, r0, q), e1 = fetch_rows(k1, r1, q + 1);
+        __syncthreads();
+        put_rows(k0, r0, q, e0);
+        put_rows(k1, r1, q + 1, e1);
+        __syncthreads();
+      }
+      load_pair(k0, r0, q);
     }
-    load_pair(k0, r0, q);
     Query::store(qv, call, kv_scale, qs, qscale, cwarp, lane);
     // The score rows of this thread: heads h0 and h1 = h0 + 8 (wgmma's accumulator rows g and g + 8 of the warp's 16),
     // kv columns 8i + 2 t4 + {0, 1} of its warpgroup's tile (s[4i], s[4i + 1] for h0, s[4i + 2], s[4i + 3] for h1).
@@ -368,44 +416,38 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
 #pragma unroll
         for (float& a : block) a = 0.f;
 
+      if constexpr (BF) {  // Q and the cuts, before the first scores (the FP8 pairs' barrier does it)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+      }
+
       // TUNE: pairs
       for (; q < end; ++q) {
-        asm volatile("cp.async.wait_group 0;\n");
         if constexpr (BF) {
-          mbar_wait(bars + 8 * (q & 1), (q >> 1) & 1);  // tile q's stage: its (q / 2)-th use
-        } else {
-          mbar_wait(bars + 8 * (2 * (q & 1)), (q >> 1) & 1);  // tile 2q + i's stage: its (q / 2)-th use
-          mbar_wait(bars + 8 * (2 * (q & 1) + 1), (q >> 1) & 1);
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // position q is visible to the tensor cores; every warp is done with q - 1
-        if constexpr (BF) {
-          const uint32_t kt = ks_addr + (q & 1) * BF_TILE;
-          // S (64 heads x this warpgroup's 32 rows of the tile) = Q K^T: 36 k16 steps, both operands from shared
-          // memory; then the next tile's copies and rows, while the tensor cores work.
-          float s[H / 4];
-          wg_fence();
-          const uint64_t krows = desc(kt + wg * 32 * 128, 16, 1024, 1);
-#pragma unroll
-          for (int st = 0; st < D / 16; ++st)
-            wgmma_ss_bf16<32>(s, qdesc + ((2 * st * QCHUNK) >> 4),
-                              krows + (((st >> 2) * SW128_BLOCK + (st & 3) * 32) >> 4), st);
-          wg_commit();
-          WideRange rc = range;
-          load_pair(q + 1 < end ? k : later(k, q + 1, rc), rc, q + 1);
-          WideRange ra = range;
-          const int ka = q + 2 < end ? k : later(k, q + 2, ra);
-          const int next_entry = PAGED ? fetch_rows(ka, ra, q + 2) : 0;
+          // The seesaw (the header says why). Warpgroup 0: S0, P0 and the reference after tile 2q (X), O_L += P0 V0;
+          // once warpgroup 1's P1 and reference are in (Y), O_L += P1 V1. Warpgroup 1: S1; at X, O_R += P0 V0, then
+          // P1 against X's reference (Y), O_R += P1 V1. Each group of the next pair is copied as its last reader
+          // retires, and the next pair's rows are looked up while the scores run.
+          float s[H / 2];
+          if (wg == 0) seesaw_scores<0>(s, ks_addr, qdesc, bars, bars + 8, q & 1);
+          else seesaw_scores<1>(s, ks_addr + BF_TILE, qdesc, bars + 16, bars + 24, q & 1);
+          WideRange rn = range;
+          const int kn = q + 1 < end ? k : later(k, q + 1, rn);
+          const int next_entry = PAGED ? fetch_rows(kn, rn, q + 1) : 0;
           wg_wait<0>();
-          fence_acc<H / 4>(s);
-          if (PAGED) put_rows(ka, ra, q + 2, next_entry);
+          fence_acc<H / 2>(s);
+          if (PAGED) {
+            put_rows(kn, rn, q + 1, next_entry);
+            rows_bar(wg);  // the warpgroup's rows of position q + 1, for its copies below
+          }
           // Softmax over the tile's 64 rows, log2 domain; rows past hi (less the head's cut) are masked. s[i]: head
-          // i & 2 ? h1 : h0, row 32 wg + 8 (i / 4) + 2 t4 + (i & 1).
-          const int in_tile = range.hi - range.lo - q * BN, in0 = in_tile - cut[h0], in1 = in_tile - cut[h1];
+          // i & 2 ? h1 : h0, row 8 (i / 4) + 2 t4 + (i & 1).
+          const int in_tile = range.hi - range.lo - (STEP * q + wg) * BN, in0 = in_tile - cut[h0],
+                    in1 = in_tile - cut[h1];
           float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-          for (int i = 0; i < H / 4; ++i) {
-            const bool in = 32 * wg + 8 * (i >> 2) + 2 * t4 + (i & 1) < (i & 2 ? in1 : in0);
+          for (int i = 0; i < H / 2; ++i) {
+            const bool in = 8 * (i >> 2) + 2 * t4 + (i & 1) < (i & 2 ? in1 : in0);
             s[i] = in ? s[i] * call.qk_scale : -INFINITY;
             if (i & 2) mx1 = fmaxf(mx1, s[i]);
             else mx0 = fmaxf(mx0, s[i]);
@@ -415,50 +457,112 @@ split_kernel64(const DecodeCall call, const __grid_constant__ WideMaps maps) {
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
           }
-          if (t4 == 0) tile_max[wg * H + h0] = mx0, tile_max[wg * H + h1] = mx1;
-          __syncthreads();  // the halves' tile maxima are in (P's chunks 4 wg .. are this warpgroup's own rope rows)
-          const float mn0 = lazy_reference(m0, fmaxf(mx0, tile_max[(wg ^ 1) * H + h0]));
-          const float mn1 = lazy_reference(m1, fmaxf(mx1, tile_max[(wg ^ 1) * H + h1]));
-          const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
-          const float alpha0 = ex2(m0 - base0), alpha1 = ex2(m1 - base1);
-          m0 = mn0, m1 = mn1;
-          float sum0 = 0.f, sum1 = 0.f;
+          // The accumulators and sum from reference (m0, m1) to (n0, n1) (no product in flight on them).
+          auto rebase = [&](float n0, float n1) {
+            const float alpha0 = ex2(m0 - (n0 == -INFINITY ? 0.f : n0)),
+                        alpha1 = ex2(m1 - (n1 == -INFINITY ? 0.f : n1));
+            if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {  // warp-uniform: the products' registers
 #pragma unroll
-          for (int i = 0; i < H / 4; ++i) {
-            s[i] = ex2(s[i] - (i & 2 ? base1 : base0));
-            if (i & 2) sum1 += s[i];
-            else sum0 += s[i];
+              for (int i = 0; i < 4 * H / 2; ++i) acc[0][i] *= i & 2 ? alpha1 : alpha0;
+              l0 *= alpha0, l1 *= alpha1;
+            }
+            m0 = n0, m1 = n1;
+          };
+          // P = 2^(s - reference) (at most 2^LAZY_MAX) into s, and into stage wg's rope block as [8-row chunk][head][8
+          // rows], the other warpgroup's K-major A. Returns this thread's sums of P, heads h0 and h1.
+          auto take_p = [&](float n0, float n1) {
+            const float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
+            float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+            for (int i = 0; i < H / 2; ++i) {
+              s[i] = ex2(s[i] - (i & 2 ? base1 : base0));
+              if (i & 2) sum1 += s[i];
+              else sum0 += s[i];
+            }
+            uint8_t* const pt = smem + wg * BF_TILE + 8 * SW128_BLOCK + h0 * 16 + 4 * t4;
+#pragma unroll
+            for (int j = 0; j < H / 8; ++j) {
+              *reinterpret_cast<__nv_bfloat162*>(pt + j * QCHUNK) = __floats2bfloat162_rn(s[4 * j], s[4 * j + 1]);
+              *reinterpret_cast<__nv_bfloat162*>(pt + j * QCHUNK + 8 * 16) =
+                  __floats2bfloat162_rn(s[4 * j + 2], s[4 * j + 3]);
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            return make_float2(sum0, sum1);
+          };
+          // O[:, 256 wg ..] += P V over stage st's tile, 4 k16 steps; V is its 64-dim blocks 4 wg .. 4 wg + 3 (8 KB
+          // apart, 8-row groups 1 KB apart) as an MN-major B. P: this warpgroup's own (registers: s as A fragments,
+          // rows g and g + 8 of the warp's heads, k 2 t4 + {0, 1} and + 8) or the other's (its stage's rope block).
+          uint32_t pa[BN / 16][4];
+          auto values = [&](int st, bool own) {
+            const uint64_t vd = desc(ks_addr + st * BF_TILE + 4 * wg * SW128_BLOCK, SW128_BLOCK, 1024, 1);
+            const uint64_t pd = desc(ks_addr + st * BF_TILE + 8 * SW128_BLOCK, QCHUNK, 128, 0);
+            fence_acc<4 * H / 2>(acc[0]);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+              if (own) wgmma_bf16_n256_rs_mn(acc[0], pa[kk], vd + ((kk * 16 * 128) >> 4));
+              else wgmma_bf16_n256_mn(acc[0], pd + ((2 * kk * QCHUNK) >> 4), vd + ((kk * 16 * 128) >> 4));
+            }
+            wg_commit();
+          };
+          auto own_fragments = [&] {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const __nv_bfloat162 v = __floats2bfloat162_rn(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+                pa[kk][i] = *reinterpret_cast<const uint32_t*>(&v);
+              }
+          };
+          auto retire = [&] {
+            wg_wait<0>();
+            fence_acc<4 * H / 2>(acc[0]);
+          };
+          float* const ref_x = tile_max, * const ref_y = tile_max + H;  // the references after tiles 2q and 2q + 1
+          if (wg == 0) {
+            const float n0 = lazy_reference(m0, mx0), n1 = lazy_reference(m1, mx1);
+            rebase(n0, n1);
+            if (t4 == 0) ref_x[h0] = n0, ref_x[h1] = n1;
+            const float2 sum = take_p(n0, n1);
+            l0 += sum.x, l1 += sum.y;
+            bar_arrive(SEESAW_X, WIDE_THREADS);
+            own_fragments();
+            values(0, true);
+            bar_sync(SEESAW_Y, WIDE_THREADS);
+            // the blocks of group (1, 0) this warpgroup copied, which warpgroup 1 waited for (cp.async: generic writes)
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const float y0 = ref_y[h0], y1 = ref_y[h1];
+            retire();
+            load_group(kn, rn, q + 1, 0);  // stage 0's blocks 0..3
+            rebase(y0, y1);
+            values(1, false);
+            retire();
+            load_group(kn, rn, q + 1, 1);  // stage 1's blocks 0..3 and 8
+          } else {
+            bar_sync(SEESAW_X, WIDE_THREADS);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // group (0, 1), as warpgroup 0 above
+            const float x0 = ref_x[h0], x1 = ref_x[h1];
+            rebase(x0, x1);
+            values(0, false);
+            const float n0 = lazy_reference(x0, mx0), n1 = lazy_reference(x1, mx1);
+            if (t4 == 0) ref_y[h0] = n0, ref_y[h1] = n1;
+            const float2 sum = take_p(n0, n1);
+            bar_arrive(SEESAW_Y, WIDE_THREADS);
+            own_fragments();
+            retire();
+            load_group(kn, rn, q + 1, 0);  // stage 0's blocks 4..8
+            rebase(n0, n1);  // once the product over tile 2q is in
+            l0 += sum.x, l1 += sum.y;
+            values(1, true);
+            retire();
+            load_group(kn, rn, q + 1, 1);  // stage 1's blocks 4..7
           }
-          l0 = l0 * alpha0 + sum0, l1 = l1 * alpha1 + sum1;
-          // P (64 heads x 64 rows, bf16, at most 2^LAZY_MAX) in the rope block as [8-row chunk][head][8 rows], the
-          // value product's K-major A.
-          uint8_t* const pt = smem + (q & 1) * BF_TILE + 8 * SW128_BLOCK + h0 * 16 + 4 * t4;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            *reinterpret_cast<__nv_bfloat162*>(pt + (4 * wg + j) * QCHUNK) =
-                __floats2bfloat162_rn(s[4 * j], s[4 * j + 1]);
-            *reinterpret_cast<__nv_bfloat162*>(pt + (4 * wg + j) * QCHUNK + 8 * 16) =
-                __floats2bfloat162_rn(s[4 * j + 2], s[4 * j + 3]);
-          }
-          if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
-#pragma unroll
-            for (int i = 0; i < 4 * H / 2; ++i) acc[0][i] *= i & 2 ? alpha1 : alpha0;
-          }
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          __syncthreads();  // P is complete
-          // O[:, 256 wg ..] += P V: 4 k16 steps; V is the tile's 64-dim blocks 4 wg .. 4 wg + 3 (8 KB apart, 8-row
-          // groups 1 KB apart) as an MN-major B.
-          fence_acc<4 * H / 2>(acc[0]);
-          wg_fence();
-          const uint64_t pd = desc(kt + 8 * SW128_BLOCK, QCHUNK, 128, 0);
-          const uint64_t vd = desc(kt + 4 * wg * SW128_BLOCK, SW128_BLOCK, 1024, 1);
-#pragma unroll
-          for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_bf16_n256_mn(acc[0], pd + ((2 * kk * QCHUNK) >> 4), vd + ((kk * 16 * 128) >> 4));
-          wg_commit();
-          wg_wait<0>();
-          fence_acc<4 * H / 2>(acc[0]);
         } else {
+          asm volatile("cp.async.wait_group 0;\n");
+          mbar_wait(bars + 8 * (2 * (q & 1)), (q >> 1) & 1);  // tile 2q + i's stage: its (q / 2)-th use
+          mbar_wait(bars + 8 * (2 * (q & 1) + 1), (q >> 1) & 1);
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          __syncthreads();  // position q is visible to the tensor cores; every warp is done with q - 1
           // TUNE: pair-top
           // S (64 heads x 64 rows) = Q K^T (tile 2q + wg): 18 k32 steps, both operands from shared memory; then the
           // next position's copies (a TMA issue by one thread, or every thread's cp.async), while the tensor cores
