@@ -1345,12 +1345,23 @@ def pack_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
 # registers they lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q
 # and P are stored in that order too. BF16 (BF16): the tile as bf16 in the same blocks, 64 dims wide a swizzle row (2
 # x 72 KB + Q: one program an SM); both products on bf16 wgmma with the tile read from shared memory, V^T as its
-# blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A paged tile's
-# table entries are read a tile ahead of its reads (_tile_entries).
+# blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A BF16
+# program may take 32 or 64 query rows (BLOCK_H) on two warpgroups, so that fewer programs read and score each tile
+# and each product's N is wider: warpgroup w scores query rows [w BLOCK_H / 2, (w + 1) BLOCK_H / 2) of S^T, and takes
+# dims [64 w, 64 w + 64) of each 128-dim block of O^T for every row (the row maxima meet through shared memory). A
+# paged tile's table entries are read a tile ahead of its reads (_tile_entries).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 HOPPER_PLAN_SHAPE = (64, 4, 16)  # (tile rows, warps, query rows a program) its layouts are written for
+HOPPER_BF16_ROWS = (16, 32, 64)  # the query rows a program may take with the BF16 cache (more: two warpgroups)
+
+
+def hopper_num_warps(rows: int) -> int:
+    """The warps of a Hopper program of `rows` query rows: one warpgroup at 16, two above."""
+    return 4 if rows == 16 else 8
+
+
 HOPPER_BF16_PROGRAMS_PER_SM = 1  # a BF16 program's two 72 KB tiles leave no room for a second
 P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
 # The Triton release whose Gluon the kernel is written for (measured on the H200): Gluon is experimental and its API
@@ -1442,10 +1453,39 @@ if HOPPER_KERNEL_REASON is None:
     _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
     _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
-    # cp.async's 16-byte pieces: a [64][128 B] block and the [64][64 B] rope block of a tile; Q's [16][128] blocks
-    _COPY128 = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-    _COPY64 = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-    _QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+    # BF16 programs of more query rows (BF16_BLOCK_H) take two warpgroups: the score product's S^T (64 x rows) is
+    # split by query rows (a warpgroup scores half of them), each value chunk O^T (128 x rows) by dims (a warpgroup
+    # takes 64 of a block's 128 for every row); the copies' layouts then span 8 warps
+    _warps = gluon.constexpr_function(hopper_num_warps)
+
+    @gluon.constexpr_function
+    def _score_layout(rows, k):
+        if rows == 16:
+            return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, k])
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, rows // 2, k])
+
+    @gluon.constexpr_function
+    def _value_layout(rows, k):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_warps(rows), 1], instr_shape=[16, rows, k])
+
+    @gluon.constexpr_function
+    def _blocked(size, threads, rows):
+        """A row-major blocked layout over the warps of a program of `rows` query rows."""
+        return gl.BlockedLayout(size, threads, [_warps(rows), 1], [1, 0])
+
+    # cp.async's 16-byte pieces: a [64][128 B] block and the [64][64 B] rope block of a tile; Q's [rows][128] blocks
+    @gluon.constexpr_function
+    def _copy128(rows):
+        return _blocked([1, 16], [4, 8], rows)
+
+    @gluon.constexpr_function
+    def _copy64(rows):
+        return _blocked([1, 16], [8, 4], rows)
+
+    @gluon.constexpr_function
+    def _qload(rows):
+        return _blocked([1, 8], [2, 16], rows)
     # MXFP4: a tile's codes as words, by 16-byte pieces (one 32-value block, one E8M0 scale): the value dims
     # [64][16][4 words] and the rope dims [64][2][4 words]; their scales and rows in the slices. A warp's value dims
     # are 2 rows x 16 blocks, lanes ordered so that each 8 (one phase of a 16-byte shared store) hold 4 blocks of
@@ -1602,14 +1642,14 @@ if HOPPER_KERNEL_REASON is None:
         rope._reinterpret(gl.int32, [64, 16], _SW64_32).store(_mx_expand(tile[2], tile[3]).reshape([64, 16]))
 
     @gluon.jit
-    def _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64):
+    def _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64, BLOCK_H: gl.constexpr):
         """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
-        blocks, stacked (4 x 64, 128), and its rope block kr (64, 64)."""
-        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
+        blocks, stacked (4 x 64, 128), and its rope block kr (64, 64), by a program of BLOCK_H query rows."""
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _copy128(BLOCK_H)))
         src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * QK_DIM + c128[None, :]
         for c in gl.static_range(_NCHUNK):
             async_copy.async_copy_global_to_shared(blocks.slice(64 * c, 64), src + c * 128, mask=ok128[:, None])
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _copy64(BLOCK_H)))
         src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * QK_DIM + V_DIM + c64[None, :]
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
 
@@ -1651,19 +1691,20 @@ if HOPPER_KERNEL_REASON is None:
                 return gl.to_tensor(0).to(gl.int64), page_row + pos % PAGE_SIZE, in_seq & page_ok, bad
 
     @gluon.jit
-    def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
+    def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr,
+                    BLOCK_H: gl.constexpr):
         """_copy_tile for the tile at n0, its table entries read in each copy layout (_tile_entries: twice, the
         second from L1); returns its first position on a page outside the cache (hi if none)."""
-        base, offs128, ok128, bad = _hopper_tile_rows(entries128, n0, hi, num_pages, _COPY128, PAGE_SIZE)
-        _, offs64, ok64, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _COPY64, PAGE_SIZE)
-        _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64)
+        base, offs128, ok128, bad = _hopper_tile_rows(entries128, n0, hi, num_pages, _copy128(BLOCK_H), PAGE_SIZE)
+        _, offs64, ok64, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _copy64(BLOCK_H), PAGE_SIZE)
+        _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64, BLOCK_H)
         return bad
 
     @gluon.jit
     def _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, ok, acc0, acc1, acc2, acc3, inv,
                              lse2, WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
                              PARTIAL_ROWS: gl.constexpr):
-        """A whole sequence's 16 query rows: its output, bf16 (NaN where not ok, (16,) by row), and its LSE."""
+        """A whole sequence's query rows of one group: its output, bf16 (NaN where not ok, by row), and its LSE."""
         dst = out_ptr + first_row * V_DIM + at
         gl.store(dst, gl.where(ok[None, :], acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
         gl.store(dst + 128, gl.where(ok[None, :], acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
@@ -1675,10 +1716,10 @@ if HOPPER_KERNEL_REASON is None:
 
     @gluon.jit
     def _hopper_store_partial(part_o_ptr, part_lse_ptr, part, group, qrow, row_in, at, mask, bad, acc0, acc1, acc2,
-                              acc3, inv, lse2, ROWS: gl.constexpr, PARTIAL_ROWS: gl.constexpr):
+                              acc3, inv, lse2, ROWS: gl.constexpr, PARTIAL_ROWS: gl.constexpr, BLOCK_H: gl.constexpr):
         """A piece's normalized partial output and its log2-sum-exp (NaN: a page outside the cache) into slot
         `part`."""
-        dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
+        dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * V_DIM + at
         gl.store(dst, acc0 * inv[None, :], mask=mask)
         gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
         gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
@@ -1691,11 +1732,12 @@ if HOPPER_KERNEL_REASON is None:
                       lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, piece, b, group,
                       NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
                       WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr, BALANCED: gl.constexpr):
-        """Group `group` of sequence b's 16 query rows over one piece of its rows: BALANCED, the schedule's item
+                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr, BALANCED: gl.constexpr,
+                      BLOCK_H: gl.constexpr):
+        """Group `group` of sequence b's BLOCK_H query rows over one piece of its rows: BALANCED, the schedule's item
         `piece`; else split `piece` of NUM_SPLITS. Its output, or its partial in the piece's slot."""
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
-        PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
+        PARTIAL_ROWS: gl.constexpr = ROWS % BLOCK_H != 0
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         if BALANCED:  # whole 64-row tiles (the schedule's)
@@ -1705,27 +1747,31 @@ if HOPPER_KERNEL_REASON is None:
             per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
             lo = start + piece * per_split
             hi = gl.minimum(lo + per_split, end)
+        gl.static_assert(BLOCK_H == 16 or BF16, "programs of more than 16 query rows read BF16 only")
         WIDE_OPS: gl.constexpr = PRECISE or BF16  # 16-bit products (k 16 an instruction)
-        MMA: gl.constexpr = _MMA16 if WIDE_OPS else _MMA
-        cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
-        qrow = group * 16 + gl.arange(0, 16, layout=cols)
-        row_in = qrow < ROWS
+        K_STEP: gl.constexpr = 16 if WIDE_OPS else 32
+        MMA: gl.constexpr = _score_layout(BLOCK_H, K_STEP)  # S^T's accumulator
+        MMA_O: gl.constexpr = _value_layout(BLOCK_H, K_STEP)  # O^T's (MMA itself at 16 query rows)
+        cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the scores' columns
+        cols_o: gl.constexpr = gl.SliceLayout(0, MMA_O)  # and the accumulators'
+        qrow = group * BLOCK_H + gl.arange(0, BLOCK_H, layout=cols)
         limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
         if PARTIAL_ROWS:
-            limit = gl.where(row_in, limit, 0)
+            limit = gl.where(qrow < ROWS, limit, 0)
         if CAUSAL:
             hi = gl.minimum(hi, gl.max(limit, 0))
-        first_row = b.to(gl.int64) * ROWS + group * 16
+        first_row = b.to(gl.int64) * ROWS + group * BLOCK_H
         table_row = table_ptr + b.to(gl.int64) * max_pages
 
-        # Q with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
-        qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
+        # Q with one scale per query row (rows past the sequence's read as 0), into shared memory [BLOCK_H][576]
+        QLOAD: gl.constexpr = _qload(BLOCK_H)
+        qr = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QLOAD))
         q_at = q_ptr + (first_row + qr)[:, None] * QK_DIM
-        q_ok = (group * 16 + qr < ROWS)[:, None]
-        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
+        q_ok = (group * BLOCK_H + qr < ROWS)[:, None]
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QLOAD))
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QLOAD))
         if BF16:  # bf16 as it comes: no scale, so no row maximum
-            q_scale = gl.full([16], 1.0, gl.float32, gl.SliceLayout(1, _QLOAD))
+            q_scale = gl.full([BLOCK_H], 1.0, gl.float32, gl.SliceLayout(1, QLOAD))
         else:
             q_max = gl.max(gl.abs(gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
             for c in gl.static_range(_NCHUNK):
@@ -1734,16 +1780,16 @@ if HOPPER_KERNEL_REASON is None:
             if PRECISE:  # fp16, scaled by a power of two (exact) so that its largest |q| lies in [2^14, 2^15)
                 q_scale = gl.exp2(14.0 - gl.floor(gl.log2(gl.maximum(q_max, 1e-30))))
             else:  # E4M3; the IEEE quotient, as the portable kernel takes it
-                q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)),
+                q_scale = gl.div_rn(gl.full([BLOCK_H], FP8_MAX, gl.float32, gl.SliceLayout(1, QLOAD)),
                                     gl.maximum(q_max, 1e-30))
         # the products' operands
         OP_DTYPE: gl.constexpr = gl.bfloat16 if BF16 else gl.float16 if PRECISE else gl.float8e4nv
-        qs = gl.allocate_shared_memory(OP_DTYPE, [4, 16, 128], _SW128_16 if WIDE_OPS else _SW128)
+        qs = gl.allocate_shared_memory(OP_DTYPE, [4, BLOCK_H, 128], _SW128_16 if WIDE_OPS else _SW128)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
             qs.index(c).store(_q_operand(q_c, PRECISE, BF16, FP8_MAX))
         q_pe = gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
-        qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if WIDE_OPS else _SW64,
+        qr_s = gl.allocate_shared_memory(OP_DTYPE, [BLOCK_H, 64], _SW128_16 if WIDE_OPS else _SW64,
                                          _q_operand(q_pe, PRECISE, BF16, FP8_MAX))
         if MXFP4 or BF16:
             kv_scale = 1.0  # MXFP4: the block scales are in the tile; BF16: none
@@ -1756,15 +1802,15 @@ if HOPPER_KERNEL_REASON is None:
         kt = gl.allocate_shared_memory(TILE_DTYPE, [2, 4 * 64, 128], _SW128_16 if BF16 else _SW128)  # 128-dim blocks
         kr = gl.allocate_shared_memory(TILE_DTYPE, [2, 64, 64], _SW128_16 if BF16 else _SW64)
         # P (rows x k): the tile's row order (BF16), else _k_order
-        ps = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if WIDE_OPS else _SW64)
+        ps = gl.allocate_shared_memory(OP_DTYPE, [BLOCK_H, 64], _SW128_16 if WIDE_OPS else _SW64)
         p_scale: gl.constexpr = 1.0 if WIDE_OPS else _P_SCALE
-        m_i = gl.full([16], float("-inf"), gl.float32, cols)
-        l_i = gl.zeros([16], gl.float32, cols)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, cols)
+        l_i = gl.zeros([BLOCK_H], gl.float32, cols)
         first_bad = hi  # the first position on a page outside the cache (its rows were not read); hi if none
-        acc0 = gl.zeros([128, 16], gl.float32, MMA)
-        acc1 = gl.zeros([128, 16], gl.float32, MMA)
-        acc2 = gl.zeros([128, 16], gl.float32, MMA)
-        acc3 = gl.zeros([128, 16], gl.float32, MMA)
+        acc0 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
+        acc1 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
+        acc2 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
+        acc3 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
         n_tiles = gl.cdiv(hi - lo, 64)
         if MXFP4:  # tiles 0 and 1 requested, tile 0 expanded
             ROWS32: gl.constexpr = _mx_rows32(PAGE_SIZE, Q_LEN)
@@ -1785,8 +1831,10 @@ if HOPPER_KERNEL_REASON is None:
                 if t < n_tiles:
                     n0 = lo + 64 * t
                     first_bad = gl.minimum(first_bad, _issue_tile(
-                        kv_ptr, kt.index(t), kr.index(t), _tile_entries(table_row, n0, hi, _COPY128, PAGE_SIZE),
-                        _tile_entries(table_row, n0, hi, _COPY64, PAGE_SIZE), n0, hi, num_pages, PAGE_SIZE))
+                        kv_ptr, kt.index(t), kr.index(t), _tile_entries(table_row, n0, hi, _copy128(BLOCK_H),
+                                                                        PAGE_SIZE),
+                        _tile_entries(table_row, n0, hi, _copy64(BLOCK_H), PAGE_SIZE), n0, hi, num_pages, PAGE_SIZE,
+                        BLOCK_H))
                 async_copy.commit_group()
         tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         for i in range(n_tiles):
@@ -1794,13 +1842,13 @@ if HOPPER_KERNEL_REASON is None:
             tile = kt.index(buf)
             n0 = lo + 64 * i
             # tile i + 2's table entries (none past hi), read before this tile's products rather than behind them
-            next128 = _tile_entries(table_row, n0 + 128, hi, _SCALES512 if MXFP4 else _COPY128, PAGE_SIZE)
-            next64 = _tile_entries(table_row, n0 + 128, hi, _SCALES64 if MXFP4 else _COPY64, PAGE_SIZE)
+            next128 = _tile_entries(table_row, n0 + 128, hi, _SCALES512 if MXFP4 else _copy128(BLOCK_H), PAGE_SIZE)
+            next64 = _tile_entries(table_row, n0 + 128, hi, _SCALES64 if MXFP4 else _copy64(BLOCK_H), PAGE_SIZE)
             if not MXFP4:
                 async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
                 hopper.fence_async_shared()
                 gl.thread_barrier()
-            s = gl.zeros([64, 16], gl.float32, MMA)
+            s = gl.zeros([64, BLOCK_H], gl.float32, MMA)
             if PRECISE:  # K as fp16 A fragments, a block converted while the last one's product runs (the waits
                 # name the fragments the product reads: they stay live until it is done)
                 a = _f16_fragments(tile.slice(0, 64).load(_A_FP8))
@@ -1841,6 +1889,7 @@ if HOPPER_KERNEL_REASON is None:
             p = gl.exp2(s - m_base[None, :])
             l_i = l_i * alpha + gl.sum(p, 0)
             m_i = m_new
+            alpha = gl.convert_layout(alpha, cols_o)  # (two warpgroups: each scored half the rows)
             if BF16:
                 ps.store(p.to(gl.bfloat16).permute((1, 0)))
             elif PRECISE:
@@ -1887,19 +1936,23 @@ if HOPPER_KERNEL_REASON is None:
             if not MXFP4:
                 if i + 2 < n_tiles:
                     first_bad = gl.minimum(first_bad, _issue_tile(kv_ptr, tile, kr.index(buf), next128, next64,
-                                                                  n0 + 128, hi, num_pages, PAGE_SIZE))
+                                                                  n0 + 128, hi, num_pages, PAGE_SIZE, BLOCK_H))
                 async_copy.commit_group()
         if not MXFP4:
             async_copy.wait_group(0)
 
-        inv = gl.where(l_i > 0, kv_scale / (p_scale * l_i), 0.0)  # an empty sequence or split: zeros
-        lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
-        r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-        h = gl.arange(0, 16, layout=cols)
+        # the rows' figures in the accumulators' columns
+        inv = gl.convert_layout(gl.where(l_i > 0, kv_scale / (p_scale * l_i), 0.0), cols_o)  # empty: zeros
+        lse2 = gl.convert_layout(gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf")), cols_o)
+        limit = gl.convert_layout(limit, cols_o)
+        h = gl.arange(0, BLOCK_H, layout=cols_o)
+        qrow = group * BLOCK_H + h
+        row_in = qrow < ROWS
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA_O))
         at = h[None, :] * V_DIM + (r if BF16 else _dim_of(r))[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         # a row is bad where it would have seen that position: a causal token that stops before it keeps its value.
-        # limit * 0 + hi: hi as a (16,) row vector in `cols`, the layout of the rows' flags
+        # limit * 0 + hi: hi as a (BLOCK_H,) row vector in `cols_o`, the layout of the rows' flags
         bad = (first_bad < (gl.minimum(limit, hi) if CAUSAL else limit * 0 + hi)).to(gl.int32)
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
             if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
@@ -1907,13 +1960,13 @@ if HOPPER_KERNEL_REASON is None:
                                      acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
                 _hopper_store_partial(part_o_ptr, part_lse_ptr, piece.to(gl.int64), group, qrow, row_in, at, mask, bad,
-                                      acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+                                      acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS, BLOCK_H)
         elif NUM_SPLITS == 1:
             _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                  acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
         else:
             _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + piece, group, qrow, row_in, at, mask,
-                                  bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+                                  bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS, BLOCK_H)
 
     @gluon.jit
     def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
@@ -1921,7 +1974,7 @@ if HOPPER_KERNEL_REASON is None:
                              NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
                              WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
                              CAUSAL: gl.constexpr, PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr,
-                             BALANCED: gl.constexpr):
+                             BALANCED: gl.constexpr, BLOCK_H: gl.constexpr):
         # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
         # program (part, group) walks its part's pieces, as the portable kernel does
         gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
@@ -1933,12 +1986,12 @@ if HOPPER_KERNEL_REASON is None:
                 _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
                               out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
                               gl.load(items_ptr + item * 4), group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE,
-                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BF16, BALANCED)
+                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BF16, BALANCED, BLOCK_H)
         else:
             _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
                           lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, gl.program_id(0), gl.program_id(2),
                           group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE, NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4,
-                          BF16, BALANCED)
+                          BF16, BALANCED, BLOCK_H)
 
 
 
@@ -2585,8 +2638,24 @@ class TritonPlan(NamedTuple):
     block_h: int = TRITON_BLOCK_H
     # the split kernel for Hopper (hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
     # portable one, for the FP8 cache (fast or precise), the MXFP4 one (fast) and the BF16 one; 16 query rows, 4 warps,
-    # two tiles buffered
+    # two tiles buffered (BF16: 16, 32 or 64 rows, 8 warps above 16)
     hopper: bool = False
+
+
+def hopper_bf16_rows(query_rows: int) -> int:
+    """The query rows a Hopper BF16 program takes for a sequence's `query_rows`: the fewest of HOPPER_BF16_ROWS that
+    hold them, at most the largest. More rows a program read each tile for more of them (its products' N), so the
+    tile is read and scored by fewer programs; 16 (one warpgroup) where the rows are few (memory-bound)."""
+    return next((rows for rows in HOPPER_BF16_ROWS if rows >= query_rows), HOPPER_BF16_ROWS[-1])
+
+
+def hopper_shape_ok(plan: "TritonPlan", kv_format: str) -> bool:
+    """Whether the Hopper kernel's layouts are written for the plan's (tile rows, warps, query rows):
+    HOPPER_PLAN_SHAPE, or with the BF16 cache one of HOPPER_BF16_ROWS with its warps."""
+    shape = (plan.block_n, plan.num_warps, plan.block_h)
+    return shape == HOPPER_PLAN_SHAPE or (kv_format == "bf16" and plan.block_h in HOPPER_BF16_ROWS
+                                          and shape == (HOPPER_PLAN_SHAPE[0], hopper_num_warps(plan.block_h),
+                                                        plan.block_h))
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -2621,15 +2690,18 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     each on `target`: block_n 64; programs of block_h rows (None: 16, or on NVIDIA the fast FP8 kernel's 32 where
     the heads come in 32s and a 32-row program walks at least WIDE_MIN_TILES tiles or the 32-row grid, unsplit, is
     more than the programs resident at once: there each tile serves twice the rows; with fewer tiles a program's
-    fixed cost, with fewer programs the idle SMs, outweigh it), 4 warps at 16 rows and 8 above; splits a power of two
-    that puts batch x groups x splits near the programs resident at once (more only add partials and waves); as many
-    stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and gfx950's
-    dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
-    only. docs/design-notes.md has the measurements."""
+    fixed cost, with fewer programs the idle SMs, outweigh it; the Hopper kernel's BF16: hopper_bf16_rows), 4 warps at
+    16 rows and 8 above; splits a power of two that puts batch x groups x splits near the programs resident at once
+    (more only add partials and waves); as many stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes
+    2 stages (3 spill), and gfx950's dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose
+    (v_cast_first): the fast FP8 kernel on NVIDIA only. docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
     scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS  # where the MMAs take E2M1 and E8M0
-    hopper = (not scaled and block_h in (None, TRITON_BLOCK_H)
-              and hopper_unusable_reason(target, kv_format, precise=precise) is None)
+    hopper_takes = not scaled and hopper_unusable_reason(target, kv_format, precise=precise) is None
+    if block_h is None and hopper_takes and kv_format == "bf16":
+        block_h = hopper_bf16_rows(query_rows)
+    hopper = hopper_takes and (block_h in (None, TRITON_BLOCK_H)
+                               or (kv_format == "bf16" and block_h in HOPPER_BF16_ROWS))
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -2639,7 +2711,8 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
             if tiles >= WIDE_MIN_TILES or (wide.num_splits == 1 and programs > NVIDIA_PROGRAMS_PER_SM * target.num_sms):
                 return wide
     block_h = block_h or TRITON_BLOCK_H
-    block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
+    block_n = 64
+    num_warps = hopper_num_warps(block_h) if hopper else 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
     max_splits = 32 if kv_format == "fp8" or hopper else 64  # Hopper MXFP4: a split expands a tile past its end
     resident = resident_programs(target, kv_format, hopper)
     want = max(1, resident * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
@@ -2687,8 +2760,9 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
         reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype, problem.precision == "precise")
-        if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
-            reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
+        if reason is None and not hopper_shape_ok(plan, problem.kv_format):
+            reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}, or with the BF16 "
+                      f"cache block_h in {HOPPER_BF16_ROWS} with its warps; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
         if reason is None and plan.scaled_scores:
             reason = "the Hopper kernel has no scaled (E2M1 x E8M0) score product; the plan asks for both"
@@ -2777,7 +2851,7 @@ class TritonDecode:
             split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
                                 NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1,
                                 PRECISE=key.precise and key.kv_format == "fp8", MXFP4=key.kv_format == "mxfp4",
-                                BF16=key.kv_format == "bf16", BALANCED=balanced)
+                                BF16=key.kv_format == "bf16", BALANCED=balanced, BLOCK_H=plan.block_h)
         else:
             split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
                                 KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,

@@ -306,12 +306,14 @@ def as_returned(result: tuple) -> tuple:
 
 
 def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | None = None,
-          unit_rows: int | None = None, schedule: str | None = None, **schedule_options):
+          hopper_rows: int | None = None, unit_rows: int | None = None, schedule: str | None = None,
+          **schedule_options):
     """The library's plan (made here, outside the timing) and its run into preallocated out and lse. Whatever the
-    plans' rules would choose: block_h (triton), triton_plan's plan for programs of that many query rows
-    (TritonPlan.block_h); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda, triton), the backend
-    option, "fixed" splits (cuda: what the methods not named balanced take) or "balanced" (its step schedule made
-    outside the timing); schedule_options, the balanced schedule's other backend options (cut, min_share)."""
+    plans' rules would choose: block_h (triton), triton_plan's plan for the portable kernel's programs of that many
+    query rows (TritonPlan.block_h); hopper_rows (triton), its plan for the Hopper kernel's BF16 programs of that many
+    (the last group masked); unit_rows (cuda), the backend option, query rows a CTA; schedule (cuda, triton), the
+    backend option, "fixed" splits (cuda: what the methods not named balanced take) or "balanced" (its step schedule
+    made outside the timing); schedule_options, the balanced schedule's other backend options (cut, min_share)."""
 
     def prepare(ctx: ServingContext, case: Case) -> Prepared:
         shape = case.shape
@@ -326,10 +328,12 @@ def _ours(backend: str, kv_format: str, precision: str = "fast", block_h: int | 
         if chosen is not None:
             options = {**(options or {}), "schedule": chosen, **schedule_options}
         try:
-            if block_h is not None:
-                portable = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
-                                       shape.heads, block_h=block_h)._replace(hopper=False)
-                options = {**(options or {}), "plan": portable}
+            if block_h is not None or hopper_rows is not None:
+                plan = triton_plan(shape.batch, max(case.lens), triton_target(ctx.device), kv_format, rows,
+                                   shape.heads, block_h=block_h or hopper_rows)
+                if hopper_rows is not None and not plan.hopper:
+                    raise Unavailable("the triton plan takes the portable kernel on this GPU or Triton")
+                options = {**(options or {}), "plan": plan if hopper_rows else plan._replace(hopper=False)}
             decode = mla_decode.plan(shape.batch, shape.page, case.block_table.shape[1], kv.dtype, ctx.device,
                                      num_heads=shape.heads, q_len=shape.q_len, causal=shape.causal, backend=backend,
                                      precision=precision, max_seqlen=max(case.lens),
@@ -476,6 +480,9 @@ METHODS = (
              "a CTA (unit_rows), the work-balanced schedule",
              _ours("cuda", "bf16", unit_rows=rows, schedule="balanced")) for rows in (16, 32, 64)),
     Method("triton-bf16", "ours", "bf16", "mla_decode plan, backend triton, BF16 cache", _ours("triton", "bf16")),
+    *(Method(f"triton-bf16-rows{rows}", "ours", "bf16", f"mla_decode plan, backend triton, BF16 cache, the Hopper "
+             f"kernel with {rows} query rows a program", _ours("triton", "bf16", hopper_rows=rows))
+      for rows in (16, 32, 64)),
     Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "
            "schedule (backend option schedule)", _ours("triton", "fp8", schedule="balanced")),
     Method("flashmla-bf16", "peer", "bf16", f"FlashMLA ({FLASHMLA_SOURCE}) fwd_kvcache_mla, BF16 cache",

@@ -21,7 +21,11 @@ GOOD = {"fast": {"case": (0, 1, 1, 16, False, "fast"), "registers": 199, "local"
                   "shared": 84224, "qgmma": 34, "hgmma": 0, "e5m2": 34, "ldsm_t": 16, "ldsm": 0, "fp8_unpacks": 0,
                   "bulk_prefetches": 1},
         "bf16": {"case": (0, 16, 1, 16, False, "bf16"), "registers": 202, "local": 0, "stack": 0, "shared": 168192,
-                 "qgmma": 0, "hgmma": 68, "e5m2": 0, "ldsm_t": 0, "ldsm": 0, "fp8_unpacks": 0, "bulk_prefetches": 0}}
+                 "qgmma": 0, "hgmma": 68, "e5m2": 0, "ldsm_t": 0, "ldsm": 0, "fp8_unpacks": 0, "bulk_prefetches": 0},
+        # 64 query rows a program, two warpgroups
+        "bf16-wide": {"case": (64, 1, 1, 128, True, "bf16", 64), "registers": 226, "local": 0, "stack": 0,
+                      "shared": 230400, "qgmma": 0, "hgmma": 52, "e5m2": 0, "ldsm_t": 0, "ldsm": 0, "fp8_unpacks": 0,
+                      "bulk_prefetches": 0}}
 # BF16's own wrong figures where the common plants are its right ones: two FP8 programs' shared memory is within its
 # one program's; its V^T comes from shared memory, without ldmatrix.trans
 BF16_PLANTED = {"shared": 228 * 1024, "ldsm_t": 16}
@@ -33,10 +37,15 @@ BF16_PLANTED = {"shared": 228 * 1024, "ldsm_t": 16}
                                      dict(fp8_unpacks=128), dict(ldsm=9)],
                          ids=lambda d: next(iter(d)))
 def test_each_gate_fails_on_a_planted_figure(planted, kind):
-    if kind == "bf16":
+    if kind.startswith("bf16"):
         planted = {name: BF16_PLANTED.get(name, value) for name, value in planted.items()}
     assert H.gates(GOOD[kind]) == []
     assert len(H.gates(dict(GOOD[kind], **planted))) == 1
+
+
+def test_a_wide_bf16_program_takes_its_own_products():
+    """The 16-row kernel's 68 HGMMA a tile in a 64-row program (each warpgroup scoring all the rows) fails."""
+    assert len(H.gates(dict(GOOD["bf16-wide"], hgmma=68))) == 1
 
 
 def test_the_fast_fp8_kernel_may_not_spill():

@@ -288,6 +288,43 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
 
 @pytest.mark.gpu
 @needs_nvidia
+@pytest.mark.parametrize("schedule", ["fixed", "balanced"])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("q_len,num_heads", [(1, 1), (1, 8), (2, 24), (1, 40), (1, 72), (4, 16), (1, 128)])
+@pytest.mark.parametrize("block_h", mla_decode.triton.hopper.HOPPER_BF16_ROWS)
+def test_gpu_the_triton_hopper_bf16_kernel_takes_16_to_64_query_rows(block_h, q_len, num_heads, page_size, schedule):
+    """The Hopper kernel's BF16 programs of 16 query rows (one warpgroup), 32 and 64 (two warpgroups: each scores half
+    the rows and takes half of each block's dims) against the float64 truth, with the rows the heads leave in the last
+    group masked; a 2% softmax scale error, and the tokens not causal, fail it."""
+    case = make_paged_case("bf16", page_size, SERVING_LENS, seed=block_h + q_len * num_heads + page_size,
+                           q_len=q_len, num_heads=num_heads, device="cuda")
+    target = mla_decode.triton.triton_target(torch.device("cuda"))
+    plan = mla_decode.triton.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, "bf16", q_len * num_heads,
+                                         num_heads, block_h=block_h)
+    if not plan.hopper:
+        assert (torch.cuda.get_device_capability() != (9, 0)
+                or mla_decode.triton.hopper.HOPPER_KERNEL_REASON is not None), "sm_90 plans the portable kernel"
+        pytest.skip("the triton plan takes the portable kernel on this GPU or Triton")
+
+    def decode(**bug):
+        return mla_decode.plan(len(SERVING_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
+                               num_heads=num_heads, q_len=q_len, causal=bug.get("causal", case.causal),
+                               softmax_scale=bug.get("softmax_scale"), backend="triton",
+                               max_seqlen=max(SERVING_LENS),
+                               backend_options={"plan": plan, "schedule": schedule}).run(*case.args())
+
+    out, lse = decode()
+    ref_out, ref_lse = paged_reference(case)
+    out_bound, lse_bound = GPU_BOUNDS[("triton", "bf16", "fast")]
+    out_error, lse_error = errors(out, lse, ref_out, ref_lse)
+    assert out_error < out_bound and lse_error < lse_bound, f"out {out_error:.2e}, lse {lse_error:.2e}"
+    planted = [dict(softmax_scale=1.02 / math.sqrt(576))] + ([dict(causal=False)] if q_len > 1 else [])
+    for bug in planted:
+        assert errors(decode(**bug)[0], None, ref_out, ref_lse)[0] > out_bound, bug
+
+
+@pytest.mark.gpu
+@needs_nvidia
 @pytest.mark.parametrize("q_len,num_heads,block_h", [(2, 16, 32), (2, 128, 32), (3, 8, 32), (1, 128, 64)])
 @pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
 def test_gpu_triton_takes_more_query_rows_a_program(kv_format, q_len, num_heads, block_h):

@@ -463,12 +463,16 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     assert P.triton_plan(4, 8192, C.INTERPRETER_TARGET, "fp8") == P.triton_plan(4, 8192, h200, "fp8")._replace(
         hopper=False)
     # the Hopper kernel: the FP8 cache on sm_90, fast or precise, the MXFP4 one, fast, and the BF16 one; 16 rows a
-    # program, whatever the heads (a forced block_h keeps the portable kernel)
+    # program for FP8 and MXFP4, whatever the heads (a forced block_h keeps the portable kernel)
     assert P.triton_plan(64, 8192, h200, "fp8", 128, 128)[2:] == (4, 3, False, True, True, 16, True)
     assert P.triton_plan(64, 8192, h200, "fp8", 128, 128, precise=True)[2:] == (4, 3, False, True, False, 16, True)
     assert P.triton_plan(64, 8192, h200, "mxfp4", 128, 128).hopper
     assert P.triton_plan(64, 8192, h200, "bf16", 128, 128).hopper
     assert P.triton_plan(64, 8192, h200, "bf16", 128, 128, precise=True).hopper  # the same products
+    # BF16: programs of the fewest of 16, 32 and 64 query rows that hold a sequence's, two warpgroups above 16
+    for query_rows, rows in ((1, 16), (8, 16), (16, 16), (24, 32), (32, 32), (40, 64), (128, 64), (256, 64)):
+        plan = P.triton_plan(64, 8192, h200, "bf16", query_rows, query_rows)
+        assert (plan.hopper, plan.block_h, plan.num_warps) == (True, rows, 4 if rows == 16 else 8), query_rows
     # a BF16 program holds an SM's shared memory: the splits fill one program an SM, not two
     assert P.HOPPER_BF16_PROGRAMS_PER_SM == 1
     assert P.triton_plan(8, 8192, h200, "bf16").num_splits * 8 <= h200.num_sms < P.triton_plan(8, 8192, h200,
@@ -510,7 +514,15 @@ def test_plan_splits_fill_the_sms(monkeypatch):
     with pytest.raises(ValueError, match="Hopper kernel"):
         P.triton_key(fast, h200, P.TritonPlan(2, 64, 8, 3, hopper=True))
     assert P.triton_key(fast._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200, (2, 64, 4, 3)).plan.hopper
-    assert P.triton_key(fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16), h200, (2, 64, 4, 3)).plan.hopper
+    bf16 = fast._replace(kv_format="bf16", kv_dtype=torch.bfloat16)
+    assert P.triton_key(bf16, h200, (2, 64, 4, 3)).plan.hopper
+    assert P.triton_key(bf16, h200, P.TritonPlan(2, 64, 8, 2, block_h=64, hopper=True)).plan.hopper
+    for wrong in (P.TritonPlan(2, 64, 4, 2, block_h=64, hopper=True), P.TritonPlan(2, 64, 8, 2, block_h=128,
+                                                                                       hopper=True)):
+        with pytest.raises(ValueError, match="Hopper kernel"):  # warps other than its rows', or rows beyond 64
+            P.triton_key(bf16, h200, wrong)
+    with pytest.raises(ValueError, match="Hopper kernel"):  # FP8 takes 16 rows only
+        P.triton_key(fast, h200, P.TritonPlan(2, 64, 8, 3, block_h=64, hopper=True))
     # ... or for a call it cannot serve: another format, cache dtype, precision or GPU
     for other, target in ((problem._replace(kv_format="mxfp4", kv_dtype=torch.uint8), h200),
                           (fast._replace(kv_dtype=torch.float8_e4m3fnuz), h200),

@@ -6,15 +6,16 @@ Triton it is written for, and its figures gated: what an H200 would run, checked
 `--triton` is a folder holding Triton 3.6 (make amd-check installs the runner's there; its NVIDIA backend brings
 ptxas and cuobjdump). The kernel of `--file` (the leaderboard file, which inlines the package) is compiled with the
 constexprs its plans launch it with (ragged and paged, splits or none or the balanced schedule's pieces, MTP and head
-counts, with and without the LSE, FP8 fast and precise, MXFP4, BF16), its pointers 16-byte aligned as the launch path
-specializes them. Gates, per kernel:
+counts, with and without the LSE, FP8 fast and precise, MXFP4, BF16 in programs of 16, 32 and 64 query rows), its
+pointers 16-byte aligned as the launch path specializes them. Gates, per kernel:
   - no local memory, registers within 255, and no stack frame (where ptxas puts spills) in the fast FP8 kernel the
     plans take; the precise variant of MTP with pages of 1, the MXFP4 variants of MTP and MXFP4 with 128 heads
     spill a few registers at 255 (STL/LDL in the loop): their stack is held to SPILL_BYTES, a ratchet until they are
     brought to none;
   - shared memory for two programs an SM (the plan's splits assume two), BF16's for one (HOPPER_BF16_PROGRAMS_PER_SM);
   - fast: the products on FP8 wgmma (18 score + 16 value QGMMA a tile), no fp16 MMA, and with MXFP4 all of them on
-    the E5M2 tile the codes expand to; precise and BF16: on 16-bit wgmma (36 + 32 HGMMA), no FP8 one;
+    the E5M2 tile the codes expand to; precise and BF16: on 16-bit wgmma (36 + 32 HGMMA), no FP8 one; BF16 of 32
+    or 64 rows: 36 + 16 HGMMA (a warpgroup scores half the rows, and takes half of each block's dims);
   - FP8: V^T through ldmatrix.trans and byte permutes; fast: no FP8 -> fp16 unpacks (which an fp16 copy of V would
     need); precise: each tile byte unpacked once for each product (K's 576 and V's 512 columns: 272 unpacks of two),
     K's fragments by ldmatrix. BF16: both products read the tile from shared memory (no ldmatrix, no unpacks);
@@ -49,11 +50,16 @@ CASES = ((0, 16, 1, 16, False, "fast"), (0, 1, 1, 16, False, "fast"), (64, 4, 1,
          (16, 1, 4, 16, True, "bf16"), (0, 2, 3, 8, True, "bf16"), (64, 1, 1, 128, True, "bf16"),
          (0, 0, 1, 16, False, "fast"), (64, 0, 1, 16, True, "fast"), (1, 0, 2, 32, True, "fast"),
          (64, 0, 1, 16, True, "precise"), (0, 0, 1, 16, False, "mxfp4"), (64, 0, 1, 128, True, "mxfp4"),
-         (64, 0, 1, 16, True, "bf16"), (1, 0, 2, 32, True, "bf16"))
+         (64, 0, 1, 16, True, "bf16"), (1, 0, 2, 32, True, "bf16"),
+         # BF16 programs of 32 and 64 query rows (two warpgroups): the seventh field, else 16
+         (0, 16, 1, 64, False, "bf16", 64), (64, 1, 1, 128, True, "bf16", 64), (1, 8, 2, 32, True, "bf16", 64),
+         (16, 1, 4, 16, True, "bf16", 64), (64, 0, 1, 72, True, "bf16", 64), (1, 0, 2, 32, True, "bf16", 64),
+         (64, 4, 1, 24, True, "bf16", 32), (0, 2, 3, 8, True, "bf16", 32), (64, 0, 2, 16, True, "bf16", 32))
 # A tile's QGMMA, HGMMA, FP8 unpacks, ldmatrix (K's fragments: 576 B x 64 rows in 16-byte pieces) and the least
-# ldmatrix.trans (V^T's fragments), by kind
+# ldmatrix.trans (V^T's fragments), by kind; "bf16-wide": two warpgroups, each 36 score HGMMA (half the rows) and 16
+# value HGMMA (64 of each block's 128 dims)
 PRODUCTS = {"fast": (34, 0, 0, 0, 16), "mxfp4": (34, 0, 0, 0, 16), "precise": (0, 68, 272, 18, 16),
-            "bf16": (0, 68, 0, 0, 0)}
+            "bf16": (0, 68, 0, 0, 0), "bf16-wide": (0, 52, 0, 0, 0)}
 SPILL_BYTES = {"fast": 0, "precise": 16, "mxfp4": 32, "bf16": 0}  # stack allowed (the variants' worst, Triton 3.6.0)
 SHARED_PER_SM = 228 * 1024
 PROGRAMS_PER_SM = {"fast": 2, "precise": 2, "mxfp4": 2, "bf16": 1}  # the plans' (hopper.HOPPER_BF16_PROGRAMS_PER_SM)
@@ -63,6 +69,11 @@ SIGNATURE = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "kscale_ptr": "*fp32", "ksc
              "qk_scale": "fp32"}
 MXFP4_SIGNATURE = dict(SIGNATURE, kv_ptr="*u8", kscale_ptr="*u8")  # the codes and the E8M0 scales, as bytes
 BF16_SIGNATURE = dict(SIGNATURE, kv_ptr="*bf16", kscale_ptr="*bf16")  # no scale: the cache as an unused pointer
+
+
+def case_rows(case) -> int:
+    """The query rows a program of `case` takes: its seventh field, else 16."""
+    return case[6] if len(case) > 6 else 16
 
 
 def shared_per_program(kind: str) -> int:
@@ -90,15 +101,17 @@ def compile_case(module, triton, case) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    page, splits, q_len, heads, lse, kind = case
+    page, splits, q_len, heads, lse, kind = case[:6]
+    rows = case_rows(case)
     constexprs = dict(NUM_SPLITS=max(splits, 1), PAGE_SIZE=page, FP8_MAX=448.0, WRITE_LSE=lse, NUM_HEADS=heads,
                       Q_LEN=q_len, CAUSAL=q_len > 1, PRECISE=kind == "precise", MXFP4=kind == "mxfp4",
-                      BF16=kind == "bf16", BALANCED=splits == 0)
+                      BF16=kind == "bf16", BALANCED=splits == 0, BLOCK_H=rows)
     arguments = {"mxfp4": MXFP4_SIGNATURE, "bf16": BF16_SIGNATURE}.get(kind, SIGNATURE)
     signature = dict(arguments, **{name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(arguments.values()) if kind.startswith("*")}
     source = GluonASTSource(module.hopper_split_kernel, signature, constexprs, aligned)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": module.hopper_num_warps(rows)})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
@@ -120,7 +133,7 @@ def compile_case(module, triton, case) -> dict:
 
 def prefetches_ahead(case) -> bool:
     """Whether the kernel of `case` asks L2 for a tile ahead: MXFP4 whose tiles' rows are contiguous."""
-    page, _, q_len, _, _, kind = case
+    page, _, q_len, _, _, kind = case[:6]
     return kind == "mxfp4" and ((page == 0 and q_len == 1) or (page > 0 and page % 64 == 0))
 
 
@@ -136,7 +149,7 @@ def gates(k: dict) -> list[str]:
     if k["shared"] > shared_per_program(kind):
         failed.append(f"{k['shared']} B of shared memory: more than {PROGRAMS_PER_SM[kind]} program(s) an SM leave "
                       "each")
-    qgmma, hgmma, unpacks, ldsm, ldsm_t = PRODUCTS[kind]
+    qgmma, hgmma, unpacks, ldsm, ldsm_t = PRODUCTS["bf16-wide" if case_rows(k["case"]) > 16 else kind]
     if (k["qgmma"], k["hgmma"]) != (qgmma, hgmma):
         failed.append(f"products: {k['qgmma']} FP8 and {k['hgmma']} fp16 wgmma (want {qgmma} and {hgmma})")
     if k["e5m2"] != (qgmma if kind == "mxfp4" else 0):
@@ -167,7 +180,7 @@ def main() -> int:
     if module.HOPPER_KERNEL_REASON is not None:
         print(f"hopper check: {module.HOPPER_KERNEL_REASON}", file=sys.stderr)
         return 1
-    print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, kind) | registers | "
+    print(f"Triton {triton.__version__}, sm_90a: (page, splits, q_len, heads, lse, kind[, rows]) | registers | "
           "local | stack | shared | QGMMA (E5M2) | HGMMA | LDSM.T | LDSM | FP8 unpacks | L2 bulk prefetches | loop")
     failures = 0
     for case in CASES:

@@ -79,7 +79,7 @@ class TritonDecode:
             split_consts = dict(NUM_SPLITS=splits, PAGE_SIZE=key.page_size, FP8_MAX=fp8_max, WRITE_LSE=key.write_lse,
                                 NUM_HEADS=key.num_heads, Q_LEN=key.q_len, CAUSAL=key.causal and key.q_len > 1,
                                 PRECISE=key.precise and key.kv_format == "fp8", MXFP4=key.kv_format == "mxfp4",
-                                BF16=key.kv_format == "bf16", BALANCED=balanced)
+                                BF16=key.kv_format == "bf16", BALANCED=balanced, BLOCK_H=plan.block_h)
         else:
             split_consts = dict(NUM_SPLITS=splits, BLOCK_N=plan.block_n, PAGE_SIZE=key.page_size,
                                 KV_FORMAT=key.kv_format, PRECISE=key.precise, DOT_DTYPE=dot_dtype, FP8_MAX=fp8_max,

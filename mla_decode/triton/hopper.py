@@ -21,8 +21,11 @@ scaled by a power of two, the tile's E4M3 fragments (K's by ldmatrix, V^T's as a
 registers they lie in, P in fp16. A thread's fp16 fragments then hold another k than the FP8 ones did (_f16_k): Q
 and P are stored in that order too. BF16 (BF16): the tile as bf16 in the same blocks, 64 dims wide a swizzle row (2
 x 72 KB + Q: one program an SM); both products on bf16 wgmma with the tile read from shared memory, V^T as its
-blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A paged tile's
-table entries are read a tile ahead of its reads (_tile_entries).
+blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A BF16
+program may take 32 or 64 query rows (BLOCK_H) on two warpgroups, so that fewer programs read and score each tile
+and each product's N is wider: warpgroup w scores query rows [w BLOCK_H / 2, (w + 1) BLOCK_H / 2) of S^T, and takes
+dims [64 w, 64 w + 64) of each 128-dim block of O^T for every row (the row maxima meet through shared memory). A
+paged tile's table entries are read a tile ahead of its reads (_tile_entries).
 """
 
 from ..contract import MXFP4_ROW_BYTES, V_HEAD_DIM
@@ -42,6 +45,14 @@ from .common import (
 )
 
 HOPPER_PLAN_SHAPE = (64, 4, 16)  # (tile rows, warps, query rows a program) its layouts are written for
+HOPPER_BF16_ROWS = (16, 32, 64)  # the query rows a program may take with the BF16 cache (more: two warpgroups)
+
+
+def hopper_num_warps(rows: int) -> int:
+    """The warps of a Hopper program of `rows` query rows: one warpgroup at 16, two above."""
+    return 4 if rows == 16 else 8
+
+
 HOPPER_BF16_PROGRAMS_PER_SM = 1  # a BF16 program's two 72 KB tiles leave no room for a second
 P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
 # The Triton release whose Gluon the kernel is written for (measured on the H200): Gluon is experimental and its API
@@ -133,10 +144,39 @@ if HOPPER_KERNEL_REASON is None:
     _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
     _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
-    # cp.async's 16-byte pieces: a [64][128 B] block and the [64][64 B] rope block of a tile; Q's [16][128] blocks
-    _COPY128 = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-    _COPY64 = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-    _QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+    # BF16 programs of more query rows (BF16_BLOCK_H) take two warpgroups: the score product's S^T (64 x rows) is
+    # split by query rows (a warpgroup scores half of them), each value chunk O^T (128 x rows) by dims (a warpgroup
+    # takes 64 of a block's 128 for every row); the copies' layouts then span 8 warps
+    _warps = gluon.constexpr_function(hopper_num_warps)
+
+    @gluon.constexpr_function
+    def _score_layout(rows, k):
+        if rows == 16:
+            return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, k])
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, rows // 2, k])
+
+    @gluon.constexpr_function
+    def _value_layout(rows, k):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_warps(rows), 1], instr_shape=[16, rows, k])
+
+    @gluon.constexpr_function
+    def _blocked(size, threads, rows):
+        """A row-major blocked layout over the warps of a program of `rows` query rows."""
+        return gl.BlockedLayout(size, threads, [_warps(rows), 1], [1, 0])
+
+    # cp.async's 16-byte pieces: a [64][128 B] block and the [64][64 B] rope block of a tile; Q's [rows][128] blocks
+    @gluon.constexpr_function
+    def _copy128(rows):
+        return _blocked([1, 16], [4, 8], rows)
+
+    @gluon.constexpr_function
+    def _copy64(rows):
+        return _blocked([1, 16], [8, 4], rows)
+
+    @gluon.constexpr_function
+    def _qload(rows):
+        return _blocked([1, 8], [2, 16], rows)
     # MXFP4: a tile's codes as words, by 16-byte pieces (one 32-value block, one E8M0 scale): the value dims
     # [64][16][4 words] and the rope dims [64][2][4 words]; their scales and rows in the slices. A warp's value dims
     # are 2 rows x 16 blocks, lanes ordered so that each 8 (one phase of a 16-byte shared store) hold 4 blocks of
@@ -293,14 +333,14 @@ if HOPPER_KERNEL_REASON is None:
         rope._reinterpret(gl.int32, [64, 16], _SW64_32).store(_mx_expand(tile[2], tile[3]).reshape([64, 16]))
 
     @gluon.jit
-    def _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64):
+    def _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64, BLOCK_H: gl.constexpr):
         """cp.async of one tile's rows (cache rows base + offs, rows not ok zero-filled) into its four 128-dim
-        blocks, stacked (4 x 64, 128), and its rope block kr (64, 64)."""
-        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY128))
+        blocks, stacked (4 x 64, 128), and its rope block kr (64, 64), by a program of BLOCK_H query rows."""
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _copy128(BLOCK_H)))
         src = kv_ptr + (base + offs128.to(gl.int64))[:, None] * QK_DIM + c128[None, :]
         for c in gl.static_range(_NCHUNK):
             async_copy.async_copy_global_to_shared(blocks.slice(64 * c, 64), src + c * 128, mask=ok128[:, None])
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _COPY64))
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _copy64(BLOCK_H)))
         src64 = kv_ptr + (base + offs64.to(gl.int64))[:, None] * QK_DIM + V_DIM + c64[None, :]
         async_copy.async_copy_global_to_shared(kr, src64, mask=ok64[:, None])
 
@@ -342,19 +382,20 @@ if HOPPER_KERNEL_REASON is None:
                 return gl.to_tensor(0).to(gl.int64), page_row + pos % PAGE_SIZE, in_seq & page_ok, bad
 
     @gluon.jit
-    def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr):
+    def _issue_tile(kv_ptr, blocks, kr, entries128, entries64, n0, hi, num_pages, PAGE_SIZE: gl.constexpr,
+                    BLOCK_H: gl.constexpr):
         """_copy_tile for the tile at n0, its table entries read in each copy layout (_tile_entries: twice, the
         second from L1); returns its first position on a page outside the cache (hi if none)."""
-        base, offs128, ok128, bad = _hopper_tile_rows(entries128, n0, hi, num_pages, _COPY128, PAGE_SIZE)
-        _, offs64, ok64, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _COPY64, PAGE_SIZE)
-        _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64)
+        base, offs128, ok128, bad = _hopper_tile_rows(entries128, n0, hi, num_pages, _copy128(BLOCK_H), PAGE_SIZE)
+        _, offs64, ok64, _ = _hopper_tile_rows(entries64, n0, hi, num_pages, _copy64(BLOCK_H), PAGE_SIZE)
+        _copy_tile(kv_ptr, blocks, kr, base, offs128, ok128, offs64, ok64, BLOCK_H)
         return bad
 
     @gluon.jit
     def _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, ok, acc0, acc1, acc2, acc3, inv,
                              lse2, WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
                              PARTIAL_ROWS: gl.constexpr):
-        """A whole sequence's 16 query rows: its output, bf16 (NaN where not ok, (16,) by row), and its LSE."""
+        """A whole sequence's query rows of one group: its output, bf16 (NaN where not ok, by row), and its LSE."""
         dst = out_ptr + first_row * V_DIM + at
         gl.store(dst, gl.where(ok[None, :], acc0 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
         gl.store(dst + 128, gl.where(ok[None, :], acc1 * inv[None, :], float("nan")).to(gl.bfloat16), mask=mask)
@@ -366,10 +407,10 @@ if HOPPER_KERNEL_REASON is None:
 
     @gluon.jit
     def _hopper_store_partial(part_o_ptr, part_lse_ptr, part, group, qrow, row_in, at, mask, bad, acc0, acc1, acc2,
-                              acc3, inv, lse2, ROWS: gl.constexpr, PARTIAL_ROWS: gl.constexpr):
+                              acc3, inv, lse2, ROWS: gl.constexpr, PARTIAL_ROWS: gl.constexpr, BLOCK_H: gl.constexpr):
         """A piece's normalized partial output and its log2-sum-exp (NaN: a page outside the cache) into slot
         `part`."""
-        dst = part_o_ptr + (part * ROWS + group * 16) * V_DIM + at
+        dst = part_o_ptr + (part * ROWS + group * BLOCK_H) * V_DIM + at
         gl.store(dst, acc0 * inv[None, :], mask=mask)
         gl.store(dst + 128, acc1 * inv[None, :], mask=mask)
         gl.store(dst + 256, acc2 * inv[None, :], mask=mask)
@@ -382,11 +423,12 @@ if HOPPER_KERNEL_REASON is None:
                       lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, piece, b, group,
                       NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
                       WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr, BALANCED: gl.constexpr):
-        """Group `group` of sequence b's 16 query rows over one piece of its rows: BALANCED, the schedule's item
+                      PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr, BALANCED: gl.constexpr,
+                      BLOCK_H: gl.constexpr):
+        """Group `group` of sequence b's BLOCK_H query rows over one piece of its rows: BALANCED, the schedule's item
         `piece`; else split `piece` of NUM_SPLITS. Its output, or its partial in the piece's slot."""
         ROWS: gl.constexpr = Q_LEN * NUM_HEADS
-        PARTIAL_ROWS: gl.constexpr = ROWS % 16 != 0
+        PARTIAL_ROWS: gl.constexpr = ROWS % BLOCK_H != 0
         start, end, valid = sequence_span(seq_ptr, b, max_pages, kv_rows, PAGE_SIZE)
         num_pages = kv_rows // PAGE_SIZE if PAGE_SIZE > 0 else kv_rows
         if BALANCED:  # whole 64-row tiles (the schedule's)
@@ -396,27 +438,31 @@ if HOPPER_KERNEL_REASON is None:
             per_split = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), 64) * 64
             lo = start + piece * per_split
             hi = gl.minimum(lo + per_split, end)
+        gl.static_assert(BLOCK_H == 16 or BF16, "programs of more than 16 query rows read BF16 only")
         WIDE_OPS: gl.constexpr = PRECISE or BF16  # 16-bit products (k 16 an instruction)
-        MMA: gl.constexpr = _MMA16 if WIDE_OPS else _MMA
-        cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the accumulators' columns
-        qrow = group * 16 + gl.arange(0, 16, layout=cols)
-        row_in = qrow < ROWS
+        K_STEP: gl.constexpr = 16 if WIDE_OPS else 32
+        MMA: gl.constexpr = _score_layout(BLOCK_H, K_STEP)  # S^T's accumulator
+        MMA_O: gl.constexpr = _value_layout(BLOCK_H, K_STEP)  # O^T's (MMA itself at 16 query rows)
+        cols: gl.constexpr = gl.SliceLayout(0, MMA)  # per query row: the scores' columns
+        cols_o: gl.constexpr = gl.SliceLayout(0, MMA_O)  # and the accumulators'
+        qrow = group * BLOCK_H + gl.arange(0, BLOCK_H, layout=cols)
         limit = end - (Q_LEN - 1 - qrow // NUM_HEADS)  # causal: the positions before it are seen
         if PARTIAL_ROWS:
-            limit = gl.where(row_in, limit, 0)
+            limit = gl.where(qrow < ROWS, limit, 0)
         if CAUSAL:
             hi = gl.minimum(hi, gl.max(limit, 0))
-        first_row = b.to(gl.int64) * ROWS + group * 16
+        first_row = b.to(gl.int64) * ROWS + group * BLOCK_H
         table_row = table_ptr + b.to(gl.int64) * max_pages
 
-        # Q with one scale per query row (rows past the sequence's read as 0), into shared memory [16][576]
-        qr = gl.arange(0, 16, layout=gl.SliceLayout(1, _QLOAD))
+        # Q with one scale per query row (rows past the sequence's read as 0), into shared memory [BLOCK_H][576]
+        QLOAD: gl.constexpr = _qload(BLOCK_H)
+        qr = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QLOAD))
         q_at = q_ptr + (first_row + qr)[:, None] * QK_DIM
-        q_ok = (group * 16 + qr < ROWS)[:, None]
-        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, _QLOAD))
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, _QLOAD))
+        q_ok = (group * BLOCK_H + qr < ROWS)[:, None]
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QLOAD))
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QLOAD))
         if BF16:  # bf16 as it comes: no scale, so no row maximum
-            q_scale = gl.full([16], 1.0, gl.float32, gl.SliceLayout(1, _QLOAD))
+            q_scale = gl.full([BLOCK_H], 1.0, gl.float32, gl.SliceLayout(1, QLOAD))
         else:
             q_max = gl.max(gl.abs(gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32)), 1)
             for c in gl.static_range(_NCHUNK):
@@ -425,16 +471,16 @@ if HOPPER_KERNEL_REASON is None:
             if PRECISE:  # fp16, scaled by a power of two (exact) so that its largest |q| lies in [2^14, 2^15)
                 q_scale = gl.exp2(14.0 - gl.floor(gl.log2(gl.maximum(q_max, 1e-30))))
             else:  # E4M3; the IEEE quotient, as the portable kernel takes it
-                q_scale = gl.div_rn(gl.full([16], FP8_MAX, gl.float32, gl.SliceLayout(1, _QLOAD)),
+                q_scale = gl.div_rn(gl.full([BLOCK_H], FP8_MAX, gl.float32, gl.SliceLayout(1, QLOAD)),
                                     gl.maximum(q_max, 1e-30))
         # the products' operands
         OP_DTYPE: gl.constexpr = gl.bfloat16 if BF16 else gl.float16 if PRECISE else gl.float8e4nv
-        qs = gl.allocate_shared_memory(OP_DTYPE, [4, 16, 128], _SW128_16 if WIDE_OPS else _SW128)
+        qs = gl.allocate_shared_memory(OP_DTYPE, [4, BLOCK_H, 128], _SW128_16 if WIDE_OPS else _SW128)
         for c in gl.static_range(_NCHUNK):
             q_c = gl.load(q_at + c * 128 + c128[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
             qs.index(c).store(_q_operand(q_c, PRECISE, BF16, FP8_MAX))
         q_pe = gl.load(q_at + V_DIM + c64[None, :], mask=q_ok, other=0.0).to(gl.float32) * q_scale[:, None]
-        qr_s = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if WIDE_OPS else _SW64,
+        qr_s = gl.allocate_shared_memory(OP_DTYPE, [BLOCK_H, 64], _SW128_16 if WIDE_OPS else _SW64,
                                          _q_operand(q_pe, PRECISE, BF16, FP8_MAX))
         if MXFP4 or BF16:
             kv_scale = 1.0  # MXFP4: the block scales are in the tile; BF16: none
@@ -447,15 +493,15 @@ if HOPPER_KERNEL_REASON is None:
         kt = gl.allocate_shared_memory(TILE_DTYPE, [2, 4 * 64, 128], _SW128_16 if BF16 else _SW128)  # 128-dim blocks
         kr = gl.allocate_shared_memory(TILE_DTYPE, [2, 64, 64], _SW128_16 if BF16 else _SW64)
         # P (rows x k): the tile's row order (BF16), else _k_order
-        ps = gl.allocate_shared_memory(OP_DTYPE, [16, 64], _SW128_16 if WIDE_OPS else _SW64)
+        ps = gl.allocate_shared_memory(OP_DTYPE, [BLOCK_H, 64], _SW128_16 if WIDE_OPS else _SW64)
         p_scale: gl.constexpr = 1.0 if WIDE_OPS else _P_SCALE
-        m_i = gl.full([16], float("-inf"), gl.float32, cols)
-        l_i = gl.zeros([16], gl.float32, cols)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, cols)
+        l_i = gl.zeros([BLOCK_H], gl.float32, cols)
         first_bad = hi  # the first position on a page outside the cache (its rows were not read); hi if none
-        acc0 = gl.zeros([128, 16], gl.float32, MMA)
-        acc1 = gl.zeros([128, 16], gl.float32, MMA)
-        acc2 = gl.zeros([128, 16], gl.float32, MMA)
-        acc3 = gl.zeros([128, 16], gl.float32, MMA)
+        acc0 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
+        acc1 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
+        acc2 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
+        acc3 = gl.zeros([128, BLOCK_H], gl.float32, MMA_O)
         n_tiles = gl.cdiv(hi - lo, 64)
         if MXFP4:  # tiles 0 and 1 requested, tile 0 expanded
             ROWS32: gl.constexpr = _mx_rows32(PAGE_SIZE, Q_LEN)
@@ -476,8 +522,10 @@ if HOPPER_KERNEL_REASON is None:
                 if t < n_tiles:
                     n0 = lo + 64 * t
                     first_bad = gl.minimum(first_bad, _issue_tile(
-                        kv_ptr, kt.index(t), kr.index(t), _tile_entries(table_row, n0, hi, _COPY128, PAGE_SIZE),
-                        _tile_entries(table_row, n0, hi, _COPY64, PAGE_SIZE), n0, hi, num_pages, PAGE_SIZE))
+                        kv_ptr, kt.index(t), kr.index(t), _tile_entries(table_row, n0, hi, _copy128(BLOCK_H),
+                                                                        PAGE_SIZE),
+                        _tile_entries(table_row, n0, hi, _copy64(BLOCK_H), PAGE_SIZE), n0, hi, num_pages, PAGE_SIZE,
+                        BLOCK_H))
                 async_copy.commit_group()
         tile_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         for i in range(n_tiles):
@@ -485,13 +533,13 @@ if HOPPER_KERNEL_REASON is None:
             tile = kt.index(buf)
             n0 = lo + 64 * i
             # tile i + 2's table entries (none past hi), read before this tile's products rather than behind them
-            next128 = _tile_entries(table_row, n0 + 128, hi, _SCALES512 if MXFP4 else _COPY128, PAGE_SIZE)
-            next64 = _tile_entries(table_row, n0 + 128, hi, _SCALES64 if MXFP4 else _COPY64, PAGE_SIZE)
+            next128 = _tile_entries(table_row, n0 + 128, hi, _SCALES512 if MXFP4 else _copy128(BLOCK_H), PAGE_SIZE)
+            next64 = _tile_entries(table_row, n0 + 128, hi, _SCALES64 if MXFP4 else _copy64(BLOCK_H), PAGE_SIZE)
             if not MXFP4:
                 async_copy.wait_group(1)  # tile i has landed (tile i + 1 may be in flight)
                 hopper.fence_async_shared()
                 gl.thread_barrier()
-            s = gl.zeros([64, 16], gl.float32, MMA)
+            s = gl.zeros([64, BLOCK_H], gl.float32, MMA)
             if PRECISE:  # K as fp16 A fragments, a block converted while the last one's product runs (the waits
                 # name the fragments the product reads: they stay live until it is done)
                 a = _f16_fragments(tile.slice(0, 64).load(_A_FP8))
@@ -532,6 +580,7 @@ if HOPPER_KERNEL_REASON is None:
             p = gl.exp2(s - m_base[None, :])
             l_i = l_i * alpha + gl.sum(p, 0)
             m_i = m_new
+            alpha = gl.convert_layout(alpha, cols_o)  # (two warpgroups: each scored half the rows)
             if BF16:
                 ps.store(p.to(gl.bfloat16).permute((1, 0)))
             elif PRECISE:
@@ -578,19 +627,23 @@ if HOPPER_KERNEL_REASON is None:
             if not MXFP4:
                 if i + 2 < n_tiles:
                     first_bad = gl.minimum(first_bad, _issue_tile(kv_ptr, tile, kr.index(buf), next128, next64,
-                                                                  n0 + 128, hi, num_pages, PAGE_SIZE))
+                                                                  n0 + 128, hi, num_pages, PAGE_SIZE, BLOCK_H))
                 async_copy.commit_group()
         if not MXFP4:
             async_copy.wait_group(0)
 
-        inv = gl.where(l_i > 0, kv_scale / (p_scale * l_i), 0.0)  # an empty sequence or split: zeros
-        lse2 = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
-        r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-        h = gl.arange(0, 16, layout=cols)
+        # the rows' figures in the accumulators' columns
+        inv = gl.convert_layout(gl.where(l_i > 0, kv_scale / (p_scale * l_i), 0.0), cols_o)  # empty: zeros
+        lse2 = gl.convert_layout(gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf")), cols_o)
+        limit = gl.convert_layout(limit, cols_o)
+        h = gl.arange(0, BLOCK_H, layout=cols_o)
+        qrow = group * BLOCK_H + h
+        row_in = qrow < ROWS
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA_O))
         at = h[None, :] * V_DIM + (r if BF16 else _dim_of(r))[:, None]
         mask = row_in[None, :] if PARTIAL_ROWS else None
         # a row is bad where it would have seen that position: a causal token that stops before it keeps its value.
-        # limit * 0 + hi: hi as a (16,) row vector in `cols`, the layout of the rows' flags
+        # limit * 0 + hi: hi as a (BLOCK_H,) row vector in `cols_o`, the layout of the rows' flags
         bad = (first_bad < (gl.minimum(limit, hi) if CAUSAL else limit * 0 + hi)).to(gl.int32)
         if BALANCED:  # a sequence of one piece is written here, the pieces of the others to their item's slot
             if (gl.load(items_ptr + piece * 4 + 3) & 0xFFFF) == 1:
@@ -598,13 +651,13 @@ if HOPPER_KERNEL_REASON is None:
                                      acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
             else:
                 _hopper_store_partial(part_o_ptr, part_lse_ptr, piece.to(gl.int64), group, qrow, row_in, at, mask, bad,
-                                      acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+                                      acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS, BLOCK_H)
         elif NUM_SPLITS == 1:
             _hopper_store_output(out_ptr, lse_ptr, b, first_row, qrow, row_in, at, mask, valid & (bad == 0), acc0,
                                  acc1, acc2, acc3, inv, lse2, WRITE_LSE, NUM_HEADS, Q_LEN, PARTIAL_ROWS)
         else:
             _hopper_store_partial(part_o_ptr, part_lse_ptr, b * NUM_SPLITS + piece, group, qrow, row_in, at, mask,
-                                  bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS)
+                                  bad, acc0, acc1, acc2, acc3, inv, lse2, ROWS, PARTIAL_ROWS, BLOCK_H)
 
     @gluon.jit
     def hopper_split_kernel(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
@@ -612,7 +665,7 @@ if HOPPER_KERNEL_REASON is None:
                              NUM_SPLITS: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8_MAX: gl.constexpr,
                              WRITE_LSE: gl.constexpr, NUM_HEADS: gl.constexpr, Q_LEN: gl.constexpr,
                              CAUSAL: gl.constexpr, PRECISE: gl.constexpr, MXFP4: gl.constexpr, BF16: gl.constexpr,
-                             BALANCED: gl.constexpr):
+                             BALANCED: gl.constexpr, BLOCK_H: gl.constexpr):
         # the portable kernel's arguments, so that TritonDecode launches either (FP8: kscale_stride unused); BALANCED:
         # program (part, group) walks its part's pieces, as the portable kernel does
         gl.static_assert(not (MXFP4 and PRECISE), "MXFP4 is expanded for the fast products only")
@@ -624,9 +677,9 @@ if HOPPER_KERNEL_REASON is None:
                 _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows,
                               out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, item,
                               gl.load(items_ptr + item * 4), group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE,
-                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BF16, BALANCED)
+                              NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4, BF16, BALANCED, BLOCK_H)
         else:
             _hopper_piece(q_ptr, kv_ptr, kscale_ptr, kscale_stride, seq_ptr, table_ptr, max_pages, kv_rows, out_ptr,
                           lse_ptr, part_o_ptr, part_lse_ptr, items_ptr, qk_scale, gl.program_id(0), gl.program_id(2),
                           group, NUM_SPLITS, PAGE_SIZE, FP8_MAX, WRITE_LSE, NUM_HEADS, Q_LEN, CAUSAL, PRECISE, MXFP4,
-                          BF16, BALANCED)
+                          BF16, BALANCED, BLOCK_H)

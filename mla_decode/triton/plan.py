@@ -18,7 +18,13 @@ from .common import (
     triton_interpreted,
     triton_target,
 )
-from .hopper import HOPPER_BF16_PROGRAMS_PER_SM, HOPPER_KERNEL_REASON, HOPPER_PLAN_SHAPE
+from .hopper import (
+    HOPPER_BF16_PROGRAMS_PER_SM,
+    HOPPER_BF16_ROWS,
+    HOPPER_KERNEL_REASON,
+    HOPPER_PLAN_SHAPE,
+    hopper_num_warps,
+)
 
 TRITON_BLOCK_H = 16  # query rows (tokens x heads, folded) per program in the default plan: the kernel's N side
 # NVIDIA's fast FP8 plan: programs of 32 query rows (8 warps) where heads come in 32s and a program still walks
@@ -85,8 +91,24 @@ class TritonPlan(NamedTuple):
     block_h: int = TRITON_BLOCK_H
     # the split kernel for Hopper (hopper.py: Gluon, the products as the cuda kernel takes them) in place of the
     # portable one, for the FP8 cache (fast or precise), the MXFP4 one (fast) and the BF16 one; 16 query rows, 4 warps,
-    # two tiles buffered
+    # two tiles buffered (BF16: 16, 32 or 64 rows, 8 warps above 16)
     hopper: bool = False
+
+
+def hopper_bf16_rows(query_rows: int) -> int:
+    """The query rows a Hopper BF16 program takes for a sequence's `query_rows`: the fewest of HOPPER_BF16_ROWS that
+    hold them, at most the largest. More rows a program read each tile for more of them (its products' N), so the
+    tile is read and scored by fewer programs; 16 (one warpgroup) where the rows are few (memory-bound)."""
+    return next((rows for rows in HOPPER_BF16_ROWS if rows >= query_rows), HOPPER_BF16_ROWS[-1])
+
+
+def hopper_shape_ok(plan: "TritonPlan", kv_format: str) -> bool:
+    """Whether the Hopper kernel's layouts are written for the plan's (tile rows, warps, query rows):
+    HOPPER_PLAN_SHAPE, or with the BF16 cache one of HOPPER_BF16_ROWS with its warps."""
+    shape = (plan.block_n, plan.num_warps, plan.block_h)
+    return shape == HOPPER_PLAN_SHAPE or (kv_format == "bf16" and plan.block_h in HOPPER_BF16_ROWS
+                                          and shape == (HOPPER_PLAN_SHAPE[0], hopper_num_warps(plan.block_h),
+                                                        plan.block_h))
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -121,15 +143,18 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     each on `target`: block_n 64; programs of block_h rows (None: 16, or on NVIDIA the fast FP8 kernel's 32 where
     the heads come in 32s and a 32-row program walks at least WIDE_MIN_TILES tiles or the 32-row grid, unsplit, is
     more than the programs resident at once: there each tile serves twice the rows; with fewer tiles a program's
-    fixed cost, with fewer programs the idle SMs, outweigh it), 4 warps at 16 rows and 8 above; splits a power of two
-    that puts batch x groups x splits near the programs resident at once (more only add partials and waves); as many
-    stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes 2 stages (3 spill), and gfx950's
-    dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose (v_cast_first): the fast FP8 kernel on NVIDIA
-    only. docs/design-notes.md has the measurements."""
+    fixed cost, with fewer programs the idle SMs, outweigh it; the Hopper kernel's BF16: hopper_bf16_rows), 4 warps at
+    16 rows and 8 above; splits a power of two that puts batch x groups x splits near the programs resident at once
+    (more only add partials and waves); as many stages (3 at most) as fit the target's shared memory. AMD MXFP4 takes
+    2 stages (3 spill), and gfx950's dot_scaled MXFP4 1 (2 waves per SIMD). V cast before its transpose
+    (v_cast_first): the fast FP8 kernel on NVIDIA only. docs/design-notes.md has the measurements."""
     amd = target.vendor == "amd"
     scaled = kv_format == "mxfp4" and target.arch in SCALED_MFMA_ARCHS  # where the MMAs take E2M1 and E8M0
-    hopper = (not scaled and block_h in (None, TRITON_BLOCK_H)
-              and hopper_unusable_reason(target, kv_format, precise=precise) is None)
+    hopper_takes = not scaled and hopper_unusable_reason(target, kv_format, precise=precise) is None
+    if block_h is None and hopper_takes and kv_format == "bf16":
+        block_h = hopper_bf16_rows(query_rows)
+    hopper = hopper_takes and (block_h in (None, TRITON_BLOCK_H)
+                               or (kv_format == "bf16" and block_h in HOPPER_BF16_ROWS))
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -139,7 +164,8 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
             if tiles >= WIDE_MIN_TILES or (wide.num_splits == 1 and programs > NVIDIA_PROGRAMS_PER_SM * target.num_sms):
                 return wide
     block_h = block_h or TRITON_BLOCK_H
-    block_n, num_warps = 64, 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
+    block_n = 64
+    num_warps = hopper_num_warps(block_h) if hopper else 4 if block_h == TRITON_BLOCK_H else WIDE_NUM_WARPS
     max_splits = 32 if kv_format == "fp8" or hopper else 64  # Hopper MXFP4: a split expands a tile past its end
     resident = resident_programs(target, kv_format, hopper)
     want = max(1, resident * target.num_sms // max(batch * query_groups(1, query_rows, block_h), 1))
@@ -187,8 +213,9 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
         reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype, problem.precision == "precise")
-        if reason is None and (plan.block_n, plan.num_warps, plan.block_h) != HOPPER_PLAN_SHAPE:
-            reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}; got "
+        if reason is None and not hopper_shape_ok(plan, problem.kv_format):
+            reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}, or with the BF16 "
+                      f"cache block_h in {HOPPER_BF16_ROWS} with its warps; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
         if reason is None and plan.scaled_scores:
             reason = "the Hopper kernel has no scaled (E2M1 x E8M0) score product; the plan asks for both"
