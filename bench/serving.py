@@ -483,8 +483,9 @@ METHODS = (
     *(Method(f"triton-bf16-rows{rows}", "ours", "bf16", f"mla_decode plan, backend triton, BF16 cache, the Hopper "
              f"kernel with {rows} query rows a program", _ours("triton", "bf16", hopper_rows=rows))
       for rows in (16, 32, 64)),
-    Method("triton-fp8-balanced", "ours", "fp8", "mla_decode plan, backend triton, FP8 cache, the work-balanced "
-           "schedule (backend option schedule)", _ours("triton", "fp8", schedule="balanced")),
+    *(Method(f"triton-{fmt}-balanced", "ours", fmt, f"mla_decode plan, backend triton, {fmt.upper()} cache, the "
+             "work-balanced schedule (backend option schedule)", _ours("triton", fmt, schedule="balanced"))
+      for fmt in ("fp8", "bf16")),
     Method("flashmla-bf16", "peer", "bf16", f"FlashMLA ({FLASHMLA_SOURCE}) fwd_kvcache_mla, BF16 cache",
            _flashmla("bf16")),
     Method("flashmla-fp8", "peer", "fp8",
