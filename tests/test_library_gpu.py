@@ -4,6 +4,7 @@ tests/test_library_gpu.py`): the cuda and triton kernels over paged caches, bit 
 them; serving shapes (MTP, 8 to 128 heads), the cuda kernel's wider units, invalid pages and lengths, CUDA-graph
 capture; each bound beside a planted bug that fails it. The same call on the CPU: tests/test_library.py."""
 
+import functools
 import math
 
 import pytest
@@ -227,6 +228,32 @@ def test_gpu_cuda_masks_the_heads_past_the_last(kernel, q_len, num_heads, schedu
     assert not padded_out[:, :, num_heads:].isnan().any()
 
 
+def _hopper_plan(case, precise: bool = False, block_h: int | None = None) -> "mla_decode.triton.TritonPlan":
+    """The triton plan of a SERVING_LENS case on this GPU (block_h: its programs' query rows), which on sm_90 with the
+    Triton the Hopper kernel is written for must take that kernel; elsewhere the test is skipped."""
+    _, q_len, num_heads, _ = case.q.shape
+    plan = mla_decode.triton.triton_plan(len(SERVING_LENS), max(SERVING_LENS),
+                                         mla_decode.triton.triton_target(torch.device("cuda")), case.kv_format,
+                                         q_len * num_heads, num_heads, precise=precise, block_h=block_h)
+    if not plan.hopper:
+        assert (torch.cuda.get_device_capability() != (9, 0)
+                or mla_decode.triton.hopper.HOPPER_KERNEL_REASON is not None), "sm_90 plans the portable kernel"
+        pytest.skip("the triton plan takes the portable kernel on this GPU or Triton")
+    return plan
+
+
+def _triton_run(case, plan, schedule: str, precision: str, **bug):
+    """The triton backend's (output, LSE) for a SERVING_LENS case with `plan` and `schedule`; bug: a planted causal
+    flag or softmax scale."""
+    _, q_len, num_heads, _ = case.q.shape
+    return mla_decode.plan(len(SERVING_LENS), case.page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
+                           num_heads=num_heads, q_len=q_len, causal=bug.get("causal", case.causal),
+                           softmax_scale=bug.get("softmax_scale"),
+                           kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype,
+                           backend="triton", max_seqlen=max(SERVING_LENS), precision=precision,
+                           backend_options={"plan": plan, "schedule": schedule}).run(*case.args())
+
+
 @pytest.mark.gpu
 @needs_nvidia
 @pytest.mark.parametrize("schedule", ["fixed", "balanced"])
@@ -246,21 +273,8 @@ def test_gpu_the_triton_hopper_kernel_rounds_p_as_its_walk(q_len, num_heads, pag
     case = make_paged_case(kv_format, page_size, SERVING_LENS, seed=q_len * num_heads + page_size, q_len=q_len,
                            num_heads=num_heads, device="cuda")
     target = mla_decode.triton.triton_target(torch.device("cuda"))
-    plan = mla_decode.triton.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, kv_format, q_len * num_heads,
-                                         num_heads, precise=precision == "precise")
-    if not plan.hopper:
-        assert (torch.cuda.get_device_capability() != (9, 0)
-                or mla_decode.triton.hopper.HOPPER_KERNEL_REASON is not None), "sm_90 plans the portable kernel"
-        pytest.skip("the triton plan takes the portable kernel on this GPU or Triton")
-
-    def decode(**bug):
-        return mla_decode.plan(len(SERVING_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
-                               num_heads=num_heads, q_len=q_len, causal=bug.get("causal", case.causal),
-                               softmax_scale=bug.get("softmax_scale"),
-                               kv_scale_dtype=None if case.kv_scale is None else case.kv_scale.dtype,
-                               backend="triton", max_seqlen=max(SERVING_LENS), precision=precision,
-                               backend_options={"plan": plan, "schedule": schedule}).run(*case.args())
-
+    plan = _hopper_plan(case, precise=precision == "precise")
+    decode = functools.partial(_triton_run, case, plan, schedule, precision)
     out, lse = decode()
     if precision == "fast" and kv_format != "bf16":
         if schedule == "fixed":
@@ -298,21 +312,7 @@ def test_gpu_the_triton_hopper_bf16_kernel_takes_16_to_64_query_rows(block_h, q_
     group masked; a 2% softmax scale error, and the tokens not causal, fail it."""
     case = make_paged_case("bf16", page_size, SERVING_LENS, seed=block_h + q_len * num_heads + page_size,
                            q_len=q_len, num_heads=num_heads, device="cuda")
-    target = mla_decode.triton.triton_target(torch.device("cuda"))
-    plan = mla_decode.triton.triton_plan(len(SERVING_LENS), max(SERVING_LENS), target, "bf16", q_len * num_heads,
-                                         num_heads, block_h=block_h)
-    if not plan.hopper:
-        assert (torch.cuda.get_device_capability() != (9, 0)
-                or mla_decode.triton.hopper.HOPPER_KERNEL_REASON is not None), "sm_90 plans the portable kernel"
-        pytest.skip("the triton plan takes the portable kernel on this GPU or Triton")
-
-    def decode(**bug):
-        return mla_decode.plan(len(SERVING_LENS), page_size, case.block_table.shape[1], case.kv_cache.dtype, "cuda",
-                               num_heads=num_heads, q_len=q_len, causal=bug.get("causal", case.causal),
-                               softmax_scale=bug.get("softmax_scale"), backend="triton",
-                               max_seqlen=max(SERVING_LENS),
-                               backend_options={"plan": plan, "schedule": schedule}).run(*case.args())
-
+    decode = functools.partial(_triton_run, case, _hopper_plan(case, block_h=block_h), schedule, "fast")
     out, lse = decode()
     ref_out, ref_lse = paged_reference(case)
     out_bound, lse_bound = GPU_BOUNDS[("triton", "bf16", "fast")]
