@@ -129,11 +129,18 @@ def test_a_variant_whose_decode_call_differs_is_refused(monkeypatch, library, re
 @needs_nvcc
 @pytest.mark.parametrize("clock", [False, True])
 def test_the_stamped_sources_build(csrc, monkeypatch, tmp_path, clock):
+    """The timeline's stamps (globaltimer, or clock64 with `clock`) build. The clock build carries the phases' stamps
+    too: they compose, and each nvcc build of the sources takes about a minute of the suite."""
     monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path / "cache"))
     tune.add_timeline(csrc, clock)
+    if clock:
+        tune.add_phases(csrc)
     monkeypatch.setattr(B, "CSRC", csrc)
     monkeypatch.setattr(B, "_LIBS", {})
-    assert B.library((9, 0)).mla_timeline_get is not None
+    lib = B.library((9, 0))
+    assert lib.mla_timeline_get is not None
+    if clock:
+        assert lib.mla_phases_get is not None and lib.mla_phases_clear is not None
 
 
 @pytest.mark.gpu
@@ -182,16 +189,6 @@ def test_a_kernel_edit_that_loses_a_phase_anchor_fails(csrc, anchor):
     kernel.write_text(text.replace(line, ""))
     with pytest.raises(ValueError, match=f"phase mark '{anchor}': expected one `// TUNE: {anchor}` line"):
         tune.add_phases(csrc)
-
-
-@needs_nvcc
-def test_the_phase_stamped_sources_build(csrc, monkeypatch, tmp_path):
-    monkeypatch.setenv("MLA_CUDA_CACHE", str(tmp_path / "cache"))
-    tune.add_phases(csrc)
-    monkeypatch.setattr(B, "CSRC", csrc)
-    monkeypatch.setattr(B, "_LIBS", {})
-    lib = B.library((9, 0))
-    assert lib.mla_phases_get is not None and lib.mla_phases_clear is not None
 
 
 @pytest.mark.gpu
