@@ -1355,6 +1355,11 @@ def pack_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
 
 HOPPER_PLAN_SHAPE = (64, 4, 16)  # (tile rows, warps, query rows a program) its layouts are written for
 HOPPER_BF16_ROWS = (16, 32, 64)  # the query rows a program may take with the BF16 cache (more: two warpgroups)
+HOPPER_BF16_PROGRAMS_PER_SM = 1  # a BF16 program's two 72 KB tiles leave no room for a second
+P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
+# The Triton release whose Gluon the kernel is written for (measured on the H200): Gluon is experimental and its API
+# changes between releases (3.9 renamed cp.async's load and the CTA barrier), so other releases take the portable one.
+GLUON_TRITON = "3.6."
 
 
 def hopper_num_warps(rows: int) -> int:
@@ -1362,11 +1367,6 @@ def hopper_num_warps(rows: int) -> int:
     return 4 if rows == 16 else 8
 
 
-HOPPER_BF16_PROGRAMS_PER_SM = 1  # a BF16 program's two 72 KB tiles leave no room for a second
-P_LOG2_BIAS = 8  # P is stored as 2^8 p (p <= 1): E4M3 keeps its normal range for small p
-# The Triton release whose Gluon the kernel is written for (measured on the H200): Gluon is experimental and its API
-# changes between releases (3.9 renamed cp.async's load and the CTA barrier), so other releases take the portable one.
-GLUON_TRITON = "3.6."
 if gluon is None:
     HOPPER_KERNEL_REASON = "this Triton has no Gluon (triton.experimental.gluon)"
 elif not triton.__version__.startswith(GLUON_TRITON):
@@ -1454,7 +1454,7 @@ if HOPPER_KERNEL_REASON is None:
     _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
 
-    # BF16 programs of more query rows (BF16_BLOCK_H) take two warpgroups: the score product's S^T (64 x rows) is
+    # BF16 programs of more than 16 query rows (BLOCK_H) take two warpgroups: the score product's S^T (64 x rows) is
     # split by query rows (a warpgroup scores half of them), each value chunk O^T (128 x rows) by dims (a warpgroup
     # takes 64 of a block's 128 for every row); the copies' layouts then span 8 warps
     _warps = gluon.constexpr_function(hopper_num_warps)
