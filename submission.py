@@ -1348,8 +1348,9 @@ def pack_schedule(lengths: torch.Tensor, parts: int, capacity: int, tile_rows: i
 # blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A BF16
 # program may take 32 or 64 query rows (BLOCK_H) on two warpgroups, so that fewer programs read and score each tile
 # and each product's N is wider: warpgroup w scores query rows [w BLOCK_H / 2, (w + 1) BLOCK_H / 2) of S^T, and takes
-# dims [64 w, 64 w + 64) of each 128-dim block of O^T for every row (the row maxima meet through shared memory). A
-# paged tile's table entries are read a tile ahead of its reads (_tile_entries).
+# dims [64 w, 64 w + 64) of each 128-dim block of O^T for every row (each row's alpha, 1/l and LSE pass from the
+# one layout to the other through shared memory). A paged tile's table entries are read a tile ahead of its reads
+# (_tile_entries).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -1438,22 +1439,6 @@ if HOPPER_KERNEL_REASON is None:
     _ONE = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # one element in every thread (per-thread inline asm)
     _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
 
-    # wgmma's accumulator layout for 4 warps: S^T (64 x 16) and each O^T chunk (128 x 16)
-    _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
-    _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # e4m3 A fragments: V^T's (128 x 64); precise: K's too
-    # the precise kernel's: fp16 products (k 16 an instruction; the accumulators lie as _MMA's) and their A fragments
-    _MMA16 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
-    _A_F16 = gl.constexpr(gl.DotOperandLayout(0, _MMA16, 2))
-    # A 128-dim block of the tile as int16 pairs of dims, transposed ([64 pairs][64 rows]), in the layout whose
-    # registers ldmatrix.trans fills: lane (g, t4) gets pairs j = g (+ 8 warp + 32 r4), rows 2 t4 + {0, 1}
-    # (+ 8 r1 + 16 r2 + 32 r3), r the register bits. Its bytes are the A fragments of _A_FP8 after _v_fragments.
-    _PAIRS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 64]))
-    _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
-
     # BF16 programs of more than 16 query rows (BLOCK_H) take two warpgroups: the score product's S^T (64 x rows) is
     # split by query rows (a warpgroup scores half of them), each value chunk O^T (128 x rows) by dims (a warpgroup
     # takes 64 of a block's 128 for every row); the copies' layouts then span 8 warps
@@ -1468,6 +1453,22 @@ if HOPPER_KERNEL_REASON is None:
     @gluon.constexpr_function
     def _value_layout(rows, k):
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_warps(rows), 1], instr_shape=[16, rows, k])
+
+    # wgmma's accumulator layout for 4 warps (16 query rows): S^T (64 x 16) and each O^T chunk (128 x 16)
+    _MMA = gl.constexpr(_score_layout(16, 32))
+    _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # e4m3 A fragments: V^T's (128 x 64); precise: K's too
+    # the precise kernel's: fp16 products (k 16 an instruction; the accumulators lie as _MMA's) and their A fragments
+    _MMA16 = gl.constexpr(_score_layout(16, 16))
+    _A_F16 = gl.constexpr(gl.DotOperandLayout(0, _MMA16, 2))
+    # A 128-dim block of the tile as int16 pairs of dims, transposed ([64 pairs][64 rows]), in the layout whose
+    # registers ldmatrix.trans fills: lane (g, t4) gets pairs j = g (+ 8 warp + 32 r4), rows 2 t4 + {0, 1}
+    # (+ 8 r1 + 16 r2 + 32 r3), r the register bits. Its bytes are the A fragments of _A_FP8 after _v_fragments.
+    _PAIRS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 64]))
+    _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
 
     @gluon.constexpr_function
     def _blocked(size, threads, rows):
@@ -2649,13 +2650,10 @@ def hopper_bf16_rows(query_rows: int) -> int:
     return next((rows for rows in HOPPER_BF16_ROWS if rows >= query_rows), HOPPER_BF16_ROWS[-1])
 
 
-def hopper_shape_ok(plan: "TritonPlan", kv_format: str) -> bool:
-    """Whether the Hopper kernel's layouts are written for the plan's (tile rows, warps, query rows):
-    HOPPER_PLAN_SHAPE, or with the BF16 cache one of HOPPER_BF16_ROWS with its warps."""
-    shape = (plan.block_n, plan.num_warps, plan.block_h)
-    return shape == HOPPER_PLAN_SHAPE or (kv_format == "bf16" and plan.block_h in HOPPER_BF16_ROWS
-                                          and shape == (HOPPER_PLAN_SHAPE[0], hopper_num_warps(plan.block_h),
-                                                        plan.block_h))
+def hopper_takes_rows(block_h: int, kv_format: str) -> bool:
+    """Whether the Hopper kernel's layouts are written for programs of block_h query rows with this cache: 16
+    (HOPPER_PLAN_SHAPE's) for every format, and HOPPER_BF16_ROWS for BF16."""
+    return block_h == HOPPER_PLAN_SHAPE[2] or (kv_format == "bf16" and block_h in HOPPER_BF16_ROWS)
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -2700,8 +2698,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     hopper_takes = not scaled and hopper_unusable_reason(target, kv_format, precise=precise) is None
     if block_h is None and hopper_takes and kv_format == "bf16":
         block_h = hopper_bf16_rows(query_rows)
-    hopper = hopper_takes and (block_h in (None, TRITON_BLOCK_H)
-                               or (kv_format == "bf16" and block_h in HOPPER_BF16_ROWS))
+    hopper = hopper_takes and (block_h is None or hopper_takes_rows(block_h, kv_format))
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -2760,7 +2757,9 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
         reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype, problem.precision == "precise")
-        if reason is None and not hopper_shape_ok(plan, problem.kv_format):
+        layouts = (HOPPER_PLAN_SHAPE[0], hopper_num_warps(plan.block_h))  # its tile rows and warps for block_h
+        if reason is None and not ((plan.block_n, plan.num_warps) == layouts
+                                   and hopper_takes_rows(plan.block_h, problem.kv_format)):
             reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}, or with the BF16 "
                       f"cache block_h in {HOPPER_BF16_ROWS} with its warps; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")

@@ -24,8 +24,9 @@ x 72 KB + Q: one program an SM); both products on bf16 wgmma with the tile read 
 blocks transposed (MN-major A), P in bf16 in the tile's row order; O^T's rows are the dims in order. A BF16
 program may take 32 or 64 query rows (BLOCK_H) on two warpgroups, so that fewer programs read and score each tile
 and each product's N is wider: warpgroup w scores query rows [w BLOCK_H / 2, (w + 1) BLOCK_H / 2) of S^T, and takes
-dims [64 w, 64 w + 64) of each 128-dim block of O^T for every row (the row maxima meet through shared memory). A
-paged tile's table entries are read a tile ahead of its reads (_tile_entries).
+dims [64 w, 64 w + 64) of each 128-dim block of O^T for every row (each row's alpha, 1/l and LSE pass from the
+one layout to the other through shared memory). A paged tile's table entries are read a tile ahead of its reads
+(_tile_entries).
 """
 
 from ..contract import MXFP4_ROW_BYTES, V_HEAD_DIM
@@ -129,22 +130,6 @@ if HOPPER_KERNEL_REASON is None:
     _ONE = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # one element in every thread (per-thread inline asm)
     _NCHUNK = gl.constexpr(V_HEAD_DIM // 128)
 
-    # wgmma's accumulator layout for 4 warps: S^T (64 x 16) and each O^T chunk (128 x 16)
-    _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
-    _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # e4m3 A fragments: V^T's (128 x 64); precise: K's too
-    # the precise kernel's: fp16 products (k 16 an instruction; the accumulators lie as _MMA's) and their A fragments
-    _MMA16 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
-    _A_F16 = gl.constexpr(gl.DotOperandLayout(0, _MMA16, 2))
-    # A 128-dim block of the tile as int16 pairs of dims, transposed ([64 pairs][64 rows]), in the layout whose
-    # registers ldmatrix.trans fills: lane (g, t4) gets pairs j = g (+ 8 warp + 32 r4), rows 2 t4 + {0, 1}
-    # (+ 8 r1 + 16 r2 + 32 r3), r the register bits. Its bytes are the A fragments of _A_FP8 after _v_fragments.
-    _PAIRS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 64]))
-    _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
-
     # BF16 programs of more than 16 query rows (BLOCK_H) take two warpgroups: the score product's S^T (64 x rows) is
     # split by query rows (a warpgroup scores half of them), each value chunk O^T (128 x rows) by dims (a warpgroup
     # takes 64 of a block's 128 for every row); the copies' layouts then span 8 warps
@@ -159,6 +144,22 @@ if HOPPER_KERNEL_REASON is None:
     @gluon.constexpr_function
     def _value_layout(rows, k):
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_warps(rows), 1], instr_shape=[16, rows, k])
+
+    # wgmma's accumulator layout for 4 warps (16 query rows): S^T (64 x 16) and each O^T chunk (128 x 16)
+    _MMA = gl.constexpr(_score_layout(16, 32))
+    _A_FP8 = gl.constexpr(gl.DotOperandLayout(0, _MMA, 4))  # e4m3 A fragments: V^T's (128 x 64); precise: K's too
+    # the precise kernel's: fp16 products (k 16 an instruction; the accumulators lie as _MMA's) and their A fragments
+    _MMA16 = gl.constexpr(_score_layout(16, 16))
+    _A_F16 = gl.constexpr(gl.DotOperandLayout(0, _MMA16, 2))
+    # A 128-dim block of the tile as int16 pairs of dims, transposed ([64 pairs][64 rows]), in the layout whose
+    # registers ldmatrix.trans fills: lane (g, t4) gets pairs j = g (+ 8 warp + 32 r4), rows 2 t4 + {0, 1}
+    # (+ 8 r1 + 16 r2 + 32 r3), r the register bits. Its bytes are the A fragments of _A_FP8 after _v_fragments.
+    _PAIRS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 64]))
+    _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    _SW128_16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _SW64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
 
     @gluon.constexpr_function
     def _blocked(size, threads, rows):

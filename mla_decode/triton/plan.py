@@ -102,13 +102,10 @@ def hopper_bf16_rows(query_rows: int) -> int:
     return next((rows for rows in HOPPER_BF16_ROWS if rows >= query_rows), HOPPER_BF16_ROWS[-1])
 
 
-def hopper_shape_ok(plan: "TritonPlan", kv_format: str) -> bool:
-    """Whether the Hopper kernel's layouts are written for the plan's (tile rows, warps, query rows):
-    HOPPER_PLAN_SHAPE, or with the BF16 cache one of HOPPER_BF16_ROWS with its warps."""
-    shape = (plan.block_n, plan.num_warps, plan.block_h)
-    return shape == HOPPER_PLAN_SHAPE or (kv_format == "bf16" and plan.block_h in HOPPER_BF16_ROWS
-                                          and shape == (HOPPER_PLAN_SHAPE[0], hopper_num_warps(plan.block_h),
-                                                        plan.block_h))
+def hopper_takes_rows(block_h: int, kv_format: str) -> bool:
+    """Whether the Hopper kernel's layouts are written for programs of block_h query rows with this cache: 16
+    (HOPPER_PLAN_SHAPE's) for every format, and HOPPER_BF16_ROWS for BF16."""
+    return block_h == HOPPER_PLAN_SHAPE[2] or (kv_format == "bf16" and block_h in HOPPER_BF16_ROWS)
 
 
 def split_kernel_shared_bytes(block_n: int, num_stages: int, kv_format: str) -> int:
@@ -153,8 +150,7 @@ def triton_plan(batch: int, seq_len: int, target: TritonTarget, kv_format: str, 
     hopper_takes = not scaled and hopper_unusable_reason(target, kv_format, precise=precise) is None
     if block_h is None and hopper_takes and kv_format == "bf16":
         block_h = hopper_bf16_rows(query_rows)
-    hopper = hopper_takes and (block_h in (None, TRITON_BLOCK_H)
-                               or (kv_format == "bf16" and block_h in HOPPER_BF16_ROWS))
+    hopper = hopper_takes and (block_h is None or hopper_takes_rows(block_h, kv_format))
     if block_h is None and not hopper:
         block_h = TRITON_BLOCK_H
         if target.vendor == "nvidia" and kv_format == "fp8" and not precise and num_heads % WIDE_BLOCK_H == 0:
@@ -213,7 +209,9 @@ def triton_key(problem: Problem, target: TritonTarget | None = None, plan: Trito
     plan = chosen if plan is None else TritonPlan(*plan, *chosen[len(plan):])
     if plan.hopper:
         reason = hopper_unusable_reason(target, problem.kv_format, problem.kv_dtype, problem.precision == "precise")
-        if reason is None and not hopper_shape_ok(plan, problem.kv_format):
+        layouts = (HOPPER_PLAN_SHAPE[0], hopper_num_warps(plan.block_h))  # its tile rows and warps for block_h
+        if reason is None and not ((plan.block_n, plan.num_warps) == layouts
+                                   and hopper_takes_rows(plan.block_h, problem.kv_format)):
             reason = (f"the Hopper kernel takes (block_n, num_warps, block_h) {HOPPER_PLAN_SHAPE}, or with the BF16 "
                       f"cache block_h in {HOPPER_BF16_ROWS} with its warps; got "
                       f"{(plan.block_n, plan.num_warps, plan.block_h)}")
